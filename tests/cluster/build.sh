@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Build the real control plane from the Go module proxy into a versioned cache directory
+# outside the repository; anything already built is skipped.
+#
+#   tests/cluster/build.sh            # prints the directory holding the binaries
+#
+# K8S_RDZV_BINARIES=<dir> or KUBEBUILDER_ASSETS=<dir> pointing at prebuilt binaries skips
+# the build for whatever they hold (envtest assets have etcd and kube-apiserver only).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=versions.env
+. "$here/versions.env"
+
+out=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}/bin-k8s${KUBERNETES_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}-helm${HELM_VERSION}
+mkdir -p "$out"
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
+
+log() { echo "[build] $*" >&2; }
+
+have() {  # have NAME: a usable binary is in the cache or in a prebuilt directory
+  local name=$1 dir
+  for dir in "${K8S_RDZV_BINARIES:-}" "${KUBEBUILDER_ASSETS:-}"; do
+    if [ -n "$dir" ] && [ -x "$dir/$name" ] && [ ! -e "$out/$name" ]; then
+      ln -sf "$dir/$name" "$out/$name"
+    fi
+  done
+  [ -x "$out/$name" ]
+}
+
+wrapper() {  # wrapper NAME: a fresh throwaway module directory
+  local dir="$out/.work/$1"
+  rm -rf "$dir"; mkdir -p "$dir"; echo "$dir"
+}
+
+build_kubernetes() {
+  local minor patch dir gomod ldflags pkg date
+  minor=$(cut -d. -f2 <<<"$KUBERNETES_VERSION"); patch=$(cut -d. -f3 <<<"$KUBERNETES_VERSION")
+  dir=$(wrapper kubernetes); cd "$dir"
+  go mod init local/k8s-rendezvous-kubernetes >/dev/null 2>&1
+  gomod=$(go mod download -json "k8s.io/kubernetes@v$KUBERNETES_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
+  # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with local
+  # paths; replace lines of a dependency are ignored, so map each to its published tag.
+  for m in $(awk '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print $1}' "$gomod" | sort -u); do
+    go mod edit -replace="$m=$m@v0.$minor.$patch"
+  done
+  go mod edit -godebug="default=go1.$((minor - 10))"
+  go get "k8s.io/kubernetes@v$KUBERNETES_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes@v$KUBERNETES_VERSION"
+  date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  ldflags="-s -w"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $pkg.gitVersion=v$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
+  done
+  go build -trimpath -tags selinux,notest,grpcnotrace -ldflags "$ldflags" -o "$out/" \
+    k8s.io/kubernetes/cmd/kube-apiserver \
+    k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubectl
+}
+
+build_etcd() {
+  local dir; dir=$(wrapper etcd); cd "$dir"
+  go mod init local/k8s-rendezvous-etcd >/dev/null 2>&1
+  go get "go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
+  go build -trimpath -ldflags "-s -w" -o "$out/etcd" go.etcd.io/etcd/server/v3
+}
+
+build_kwok() {
+  GOBIN="$out" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION"
+  # kwok's stage definitions ship in its module; keep them beside the binary.
+  local src; src=$(go env GOMODCACHE)/sigs.k8s.io/kwok@v$KWOK_VERSION/kustomize/stage
+  rm -rf "$out/kwok-stages"; cp -r "$src" "$out/kwok-stages"; chmod -R u+w "$out/kwok-stages"
+}
+
+build_helm() {
+  GOBIN="$out" go install -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
+}
+
+start=$(date +%s)
+if ! { have kube-apiserver && have kube-controller-manager && have kube-scheduler && have kubectl; }; then
+  log "building Kubernetes v$KUBERNETES_VERSION (cold: tens of minutes on 2 cores)"; (build_kubernetes)
+fi
+have etcd || { log "building etcd v$ETCD_VERSION"; (build_etcd); }
+{ have kwok && [ -d "$out/kwok-stages" ]; } || { log "building kwok v$KWOK_VERSION"; (build_kwok); }
+have helm || { log "building helm v$HELM_VERSION"; (build_helm); }
+rm -rf "$out/.work"
+log "binaries ready in $out ($(( $(date +%s) - start )) s)"
+echo "$out"
