@@ -1,0 +1,439 @@
+"""``KubernetesRendezvousHandler``: torchrun's ``--rdzv-backend=kubernetes``.
+
+A node joins by writing its own entry in the Rendezvous' status and waits, on a watch
+filtered by the API server, for the operator to seal a round that includes it. Every agent
+hosts a TCPStore from its first join on and reports its port; when it is rank 0 of a
+round, that store serves the round (prefixed per round) and the workers (MASTER_ADDR and
+MASTER_PORT come from the resource, per round, never from a cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+
+from k8s_rendezvous import BACKEND_NAME, kube, state
+from k8s_rendezvous.errors import (
+    KubernetesRendezvousClosedError,
+    KubernetesRendezvousStateError,
+    KubernetesRendezvousTimeoutError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
+CONFIG_KEYS: Final = {
+    "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
+    "join_timeout": "used only to compare with the Rendezvous spec, which wins",
+    "last_call_timeout": "used only to compare with the Rendezvous spec, which wins",
+    "close_timeout": "used only to compare with the Rendezvous spec, which wins",
+}
+_IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
+    """``NAME`` or ``NAMESPACE/NAME`` to ``(namespace, name)``."""
+    namespace, _, name = endpoint.strip().rpartition("/")
+    namespace = namespace or default_namespace or ""
+    if not _NAME.match(name) or not _NAME.match(namespace):
+        raise ValueError(
+            f"--rdzv-endpoint={endpoint!r} does not name a Rendezvous: use NAME or "
+            "NAMESPACE/NAME (lowercase DNS names; the namespace defaults to the pod's own"
+            + ("" if default_namespace else ", which is unknown here: set POD_NAMESPACE")
+            + ")."
+        )
+    return namespace, name
+
+
+def _route_address(towards: str | None) -> str:
+    """The local address that routes to the API server: no DNS involved."""
+    with socket.socket(socket.AF_INET6 if towards and ":" in towards else socket.AF_INET,
+                       socket.SOCK_DGRAM) as probe:
+        probe.connect((towards or "10.255.255.255", 443))
+        return str(probe.getsockname()[0])
+
+
+class RoundWatcher:
+    """Keeps the latest Rendezvous status fresh from a background watch.
+
+    The watch asks the API server only for versions whose ``status.roundKey`` differs
+    from the last one seen, so joins of other nodes never reach this pod; after each
+    change it re-arms with the new key (one request per round change).
+    """
+
+    def __init__(self, client: kube.RendezvousClient) -> None:
+        self._client = client
+        self._changed = threading.Condition()
+        self._status: state.RendezvousStatus | None = None
+        self._decode_error: state.DecodeError | None = None
+        self._raw_round_key: str | None = None
+        self._version = -1
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"k8s-rendezvous-watch-{self._client.name}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    @property
+    def status(self) -> state.RendezvousStatus | None:
+        with self._changed:
+            return self._status
+
+    def offer(self, obj: Mapping[str, Any]) -> None:
+        """Take ``obj`` if it is newer than what we hold (watch events, patch responses)."""
+        version = _version_number(obj)
+        raw_status = obj.get("status") or {}
+        with self._changed:
+            if version <= self._version:
+                return
+            self._version = version
+            self._raw_round_key = raw_status.get("roundKey") or ""
+            try:
+                self._status = state.RendezvousStatus.from_dict(obj.get("status"))
+                self._decode_error = None
+            except state.DecodeError as error:
+                self._decode_error = error
+            self._changed.notify_all()
+
+    def wait(
+        self, done: Callable[[state.RendezvousStatus], bool], deadline: float
+    ) -> state.RendezvousStatus | None:
+        """Block until ``done(status)`` or the monotonic ``deadline``; ``None`` on timeout."""
+        with self._changed:
+            while True:
+                if self._decode_error is not None:
+                    raise KubernetesRendezvousStateError(
+                        f"{self._client.reference} has a status this node cannot read: "
+                        f"{self._decode_error}"
+                    )
+                if self._status is not None and done(self._status):
+                    return self._status
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopped.is_set():
+            try:
+                with self._changed:
+                    key = self._raw_round_key
+                obj, version = self._client.list_unless(key)
+                if obj is not None:
+                    self.offer(obj)
+                    continue
+                for kind, obj in self._client.watch_unless(key, version, timeout_seconds=60):
+                    if self._stopped.is_set():
+                        return
+                    if kind in ("ADDED", "MODIFIED"):
+                        self.offer(obj)
+                        break  # re-arm the filter with the new round key
+                    if kind == "DELETED":
+                        break
+                backoff = 0.1
+            except Exception as error:  # keep serving the last status; the agent polls us
+                log.warning("watching %s failed, retrying: %s", self._client.reference, error)
+                self._stopped.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+
+def _version_number(obj: Mapping[str, Any]) -> int:
+    # resourceVersions are opaque, but on every API server backed by etcd they are its
+    # revisions; comparing them is how we drop a patch response older than a watch event.
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+@dataclasses.dataclass
+class _Joined:
+    round: int
+    rank: int
+
+
+class KubernetesRendezvousHandler(RendezvousHandler):
+    """A ``RendezvousHandler`` whose state lives in a ``Rendezvous`` resource.
+
+    Args:
+        client: Reads and writes the Rendezvous.
+        run_id: torchrun's ``--rdzv-id``; must match the resource's ``spec.runId``.
+        node: This node's name, the key of its entry (the pod name).
+        addr: The address other nodes reach this node at (pod IP or ``--local-addr``).
+        min_nodes: torchrun's ``--nnodes`` minimum, checked against the spec.
+        max_nodes: torchrun's ``--nnodes`` maximum, checked against the spec.
+        read_timeout: Seconds to retry the API server and to wait on the round's store.
+        configured_timeouts: Timeouts given in ``--rdzv-conf``, compared with the spec.
+    """
+
+    def __init__(
+        self,
+        client: kube.RendezvousClient,
+        *,
+        run_id: str,
+        node: str,
+        addr: str,
+        min_nodes: int,
+        max_nodes: int,
+        read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        configured_timeouts: Mapping[str, int] | None = None,
+    ) -> None:
+        self._client = client
+        self._run_id = run_id
+        self._node = node
+        self._addr = addr
+        self._nnodes = (min_nodes, max_nodes)
+        self._read_timeout = read_timeout
+        self._configured_timeouts = dict(configured_timeouts or {})
+        self._instance = uuid.uuid4().hex[:16]
+        self._attempt = 0
+        self._joined: _Joined | None = None
+        self._watcher = RoundWatcher(client)
+        self._store_server: dist.TCPStore | None = None
+        self._store_clients: dict[tuple[str, int], dist.Store] = {}
+        self._spec_checked = False
+        self._closed_locally = False
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> KubernetesRendezvousHandler:
+        """Build a handler from torchrun's parameters and the pod's environment."""
+        unknown = set(params.config) - set(CONFIG_KEYS) - _IGNORED_CONFIG_KEYS
+        if unknown:
+            valid = "; ".join(f"{key}: {meaning}" for key, meaning in CONFIG_KEYS.items())
+            raise ValueError(
+                f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))} for the kubernetes "
+                f"rendezvous backend. Valid keys: {valid}."
+            )
+        namespace, name = parse_endpoint(params.endpoint, kube.own_namespace())
+        read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
+        if read_timeout is None or read_timeout <= 0:
+            raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
+        configured = {
+            key: value
+            for key in ("join_timeout", "last_call_timeout", "close_timeout")
+            if (value := params.get_as_int(key)) is not None
+        }
+        api_client = kube.load_api_client()
+        host = api_client.configuration.host.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        addr = params.local_addr or os.environ.get("POD_IP") or _route_address(host)
+        return cls(
+            kube.RendezvousClient(api_client, namespace, name, retry_seconds=read_timeout),
+            run_id=params.run_id,
+            node=os.environ.get("POD_NAME") or socket.gethostname(),
+            addr=addr,
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            read_timeout=read_timeout,
+            configured_timeouts=configured,
+        )
+
+    # -- RendezvousHandler --------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        store_port = self._ensure_store_server()
+        self._watcher.start()
+        self._attempt += 1
+        entry = state.NodeEntry(self._instance, self._attempt, self._addr, store_port)
+        started = time.monotonic()
+        obj = self._client.write_entry(self._node, entry)
+        self._watcher.offer(obj)
+        spec = self._check_spec(obj)
+        log.info(
+            "node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt
+        )
+
+        def included_or_closed(status: state.RendezvousStatus) -> bool:
+            return status.state is state.RoundState.CLOSED or (
+                status.rank_of(self._node, entry) is not None
+            )
+
+        status = self._watcher.wait(included_or_closed, started + spec.join_timeout_seconds)
+        if status is None:
+            raise self._timed_out(spec, entry)
+        if status.state is state.RoundState.CLOSED:
+            raise self._closed_error(status)
+        rank = status.rank_of(self._node, entry)
+        assert rank is not None and status.master is not None
+        self._joined = _Joined(status.round, rank)
+        log.info(
+            "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
+            self._node, rank, status.world_size, status.round, self._client.reference,
+            status.master.endpoint, time.monotonic() - started,
+        )
+        store = dist.PrefixStore(
+            f"torch.rendezvous.{self._run_id}.{status.round}", self._round_store(status.master, rank)
+        )
+        return RendezvousInfo(
+            store,
+            rank,
+            status.world_size,
+            RendezvousStoreInfo(status.master.addr, status.master.port),
+        )
+
+    def num_nodes_waiting(self) -> int:
+        """Answered from the watched status: no API call, never raises."""
+        status = self._watcher.status
+        if status is None or self._joined is None or status.state is state.RoundState.CLOSED:
+            return 0
+        if status.round == self._joined.round and status.state is state.RoundState.SEALED:
+            return status.nodes_waiting
+        return max(1, status.nodes_waiting)
+
+    def is_closed(self) -> bool:
+        status = self._watcher.status
+        if status is None:
+            status = state.RendezvousStatus.from_dict(self._client.get().get("status"))
+        return self._closed_locally or status.state is state.RoundState.CLOSED
+
+    def set_closed(self) -> None:
+        self._write_intent(state.NodeIntent.CLOSE)
+        self._closed_locally = True
+
+    def shutdown(self) -> bool:
+        """This node leaves; the rendezvous closes only once every member has left."""
+        self._watcher.stop()
+        try:
+            if self._attempt > 0 and not self._closed_locally:
+                self._write_intent(state.NodeIntent.LEAVE)
+            return True
+        except RendezvousError as error:
+            log.warning("node %s could not record leaving: %s", self._node, error)
+            return False
+        finally:
+            self._store_clients.clear()
+            self._store_server = None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _ensure_store_server(self) -> int:
+        if self._store_server is None:
+            self._store_server = dist.TCPStore(
+                host_name=self._addr,
+                port=0,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self._read_timeout),
+            )
+        return int(self._store_server.port)
+
+    def _round_store(self, master: state.Master, rank: int) -> dist.Store:
+        if rank == 0:
+            assert self._store_server is not None
+            return self._store_server
+        endpoint = (master.addr, master.port)
+        if endpoint not in self._store_clients:
+            self._store_clients[endpoint] = dist.TCPStore(
+                host_name=master.addr,
+                port=master.port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self._read_timeout),
+            )
+        return self._store_clients[endpoint]
+
+    def _write_intent(self, intent: state.NodeIntent) -> None:
+        port = self._ensure_store_server() if self._store_server is None else int(self._store_server.port)
+        entry = state.NodeEntry(self._instance, max(self._attempt, 1), self._addr, port, intent)
+        self._watcher.offer(self._client.write_entry(self._node, entry))
+
+    def _check_spec(self, obj: Mapping[str, Any]) -> state.RendezvousSpec:
+        try:
+            spec = state.RendezvousSpec.from_dict(obj.get("spec"))
+        except state.DecodeError as error:
+            raise KubernetesRendezvousStateError(
+                f"{self._client.reference} has an invalid spec: {error}"
+            ) from error
+        if not self._spec_checked:
+            self._spec_checked = True
+            if spec.run_id != self._run_id:
+                log.warning(
+                    "%s has runId %r but torchrun was given --rdzv-id=%r; the resource wins",
+                    self._client.reference, spec.run_id, self._run_id,
+                )
+            if (spec.min_nodes, spec.max_nodes) != self._nnodes:
+                log.warning(
+                    "%s admits %d:%d nodes but torchrun was given --nnodes=%d:%d; the "
+                    "resource wins", self._client.reference, spec.min_nodes, spec.max_nodes,
+                    *self._nnodes,
+                )
+            from_spec = {
+                "join_timeout": spec.join_timeout_seconds,
+                "last_call_timeout": spec.last_call_timeout_seconds,
+                "close_timeout": spec.close_timeout_seconds,
+            }
+            for key, value in self._configured_timeouts.items():
+                if from_spec[key] != value:
+                    log.warning(
+                        "%s sets %s=%d but --rdzv-conf gave %s=%d; the resource wins",
+                        self._client.reference, key, from_spec[key], key, value,
+                    )
+        return spec
+
+    def _timed_out(
+        self, spec: state.RendezvousSpec, entry: state.NodeEntry
+    ) -> KubernetesRendezvousTimeoutError:
+        status = self._watcher.status or state.RendezvousStatus()
+        joined = sorted(
+            name for name, other in status.nodes.items() if other.intent is state.NodeIntent.JOIN
+        )
+        missing = sorted(
+            m.node for m in status.members
+            if (other := status.nodes.get(m.node)) is None or m.admits(other)
+        )
+        try:
+            self._write_intent(state.NodeIntent.LEAVE)
+        except RendezvousError as error:
+            log.warning("node %s could not withdraw its join: %s", self._node, error)
+        return KubernetesRendezvousTimeoutError(
+            f"no round of {self._client.reference} included node {self._node} within "
+            f"{spec.join_timeout_seconds} s: {len(joined)} of minNodes={spec.min_nodes} "
+            f"(maxNodes={spec.max_nodes}) joined ({', '.join(joined) or 'none'}); "
+            f"members of round {status.round} that have not re-joined: "
+            f"{', '.join(missing) or 'none'}. Check that the operator runs "
+            f"(kubectl describe rdzv {self._client.name} -n {self._client.namespace}) and "
+            "that enough pods are scheduled."
+        )
+
+    def _closed_error(self, status: state.RendezvousStatus) -> KubernetesRendezvousClosedError:
+        return KubernetesRendezvousClosedError(
+            f"{self._client.reference} is closed ({status.closed_reason}: "
+            f"{status.closed_message}); no further round will be formed. Create a new "
+            "Rendezvous (or a new Job) to run again."
+        )

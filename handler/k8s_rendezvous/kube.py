@@ -1,0 +1,209 @@
+"""The pod side's only door to the Kubernetes API.
+
+It reads the Rendezvous, merge-patches this pod's own entry under ``status.nodes`` and
+watches for round changes with server-side filters. Every ``ApiException`` and transport
+error is mapped here, in one place, to the torch error type the agent expects, with a
+message that names the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import urllib3
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+from k8s_rendezvous import state
+from k8s_rendezvous.errors import (
+    KubernetesRendezvousConnectionError,
+    KubernetesRendezvousStateError,
+    RendezvousNotFoundError,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_DIR_ENV: Final = "K8S_RENDEZVOUS_SERVICE_ACCOUNT_DIR"
+"""Where the pod's service-account files are, if not at the standard path."""
+DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+_MERGE_PATCH: Final = "application/merge-patch+json"
+_TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
+_T = TypeVar("_T")
+
+
+def service_account_dir() -> Path:
+    return Path(os.environ.get(SERVICE_ACCOUNT_DIR_ENV, DEFAULT_SERVICE_ACCOUNT_DIR))
+
+
+def own_namespace() -> str | None:
+    """The pod's namespace: ``POD_NAMESPACE`` (downward API) or the service-account file."""
+    if namespace := os.environ.get("POD_NAMESPACE"):
+        return namespace
+    try:
+        return (service_account_dir() / "namespace").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def load_api_client() -> client.ApiClient:
+    """In a pod, its service account; elsewhere, the current kubeconfig context."""
+    configuration = client.Configuration()
+    directory = service_account_dir()
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and (directory / "token").exists():
+        config.incluster_config.InClusterConfigLoader(
+            token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt")
+        ).load_and_set(configuration)
+    else:
+        config.load_kube_config(client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+class RendezvousClient:
+    """Reads and writes one Rendezvous on behalf of one node.
+
+    Args:
+        api_client: An authenticated client.
+        namespace: The Rendezvous' namespace.
+        name: The Rendezvous' name.
+        retry_seconds: How long transient failures (connection errors, 5xx, 429) are
+            retried with bounded exponential backoff before ``RendezvousConnectionError``.
+    """
+
+    def __init__(
+        self, api_client: client.ApiClient, namespace: str, name: str, *, retry_seconds: float
+    ) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.retry_seconds = retry_seconds
+        self._api = client.CustomObjectsApi(api_client)
+        self._server = api_client.configuration.host
+
+    @property
+    def reference(self) -> str:
+        return f"Rendezvous {self.namespace}/{self.name}"
+
+    def get(self) -> dict[str, Any]:
+        return self._call(
+            "read",
+            lambda: self._api.get_namespaced_custom_object(
+                state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+            ),
+        )
+
+    def write_entry(self, node: str, entry: state.NodeEntry) -> dict[str, Any]:
+        """Merge-patch ``status.nodes[node]`` and nothing else; returns the object.
+
+        No resourceVersion is sent: nobody else writes this key, so the API server applies
+        the patch to the latest object itself instead of failing with a conflict.
+        """
+        body = {"status": {"nodes": {node: entry.to_dict()}}}
+        return self._call(
+            f"write the entry of node {node!r} in",
+            lambda: self._api.patch_namespaced_custom_object_status(
+                state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name, body,
+                _content_type=_MERGE_PATCH,
+            ),
+        )
+
+    def list_unless(self, round_key: str | None) -> tuple[dict[str, Any] | None, str]:
+        """The object if its round key differs from ``round_key``, and the list's version."""
+        result = self._call(
+            "list",
+            lambda: self._api.list_namespaced_custom_object(
+                state.GROUP, state.VERSION, self.namespace, state.PLURAL,
+                field_selector=self._selector(round_key),
+            ),
+        )
+        items = result.get("items") or []
+        return (items[0] if items else None), str(result["metadata"]["resourceVersion"])
+
+    def watch_unless(
+        self, round_key: str | None, resource_version: str, timeout_seconds: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Stream ``(event type, object)`` for changes whose round key is not ``round_key``.
+
+        Raises ``ApiException`` (410 when ``resource_version`` is too old) and transport
+        errors unmapped: the caller's loop re-lists and retries.
+        """
+        stream = watch.Watch().stream(
+            self._api.list_namespaced_custom_object,
+            state.GROUP, state.VERSION, self.namespace, state.PLURAL,
+            field_selector=self._selector(round_key),
+            resource_version=resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=timeout_seconds,
+            _request_timeout=(10, timeout_seconds + 10),
+        )
+        for event in stream:
+            yield event["type"], event["raw_object"]
+
+    def _selector(self, round_key: str | None) -> str:
+        selector = f"metadata.name={self.name}"
+        if round_key is not None:
+            selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
+        return selector
+
+    def _call(self, what: str, request: Callable[[], _T]) -> _T:
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return request()
+            except ApiException as error:
+                if error.status not in _TRANSIENT_STATUS or time.monotonic() >= deadline:
+                    raise self._error(what, error) from error
+                failure: Exception = error
+            except (urllib3.exceptions.HTTPError, OSError) as error:
+                if time.monotonic() >= deadline:
+                    raise self._error(what, error) from error
+                failure = error
+            log.debug("retrying to %s %s after %r", what, self.reference, failure)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1))
+            delay = min(delay * 2, 2.0)
+
+    def _error(self, what: str, error: Exception) -> Exception:
+        target = f"{what} {self.reference}"
+        if isinstance(error, ApiException):
+            status, reason = error.status, _reason(error)
+            if status == 404:
+                return RendezvousNotFoundError(
+                    f"{self.reference} does not exist. Create it (see manifests/examples), "
+                    "annotate the Job with k8s-rendezvous.dev/nodes, or fix --rdzv-endpoint "
+                    "(form: NAME or NAMESPACE/NAME)."
+                )
+            if status in (401, 403):
+                return KubernetesRendezvousConnectionError(
+                    f"could not {target}: the API server answered {status} ({reason}). Bind "
+                    f"the ClusterRole k8s-rendezvous-worker to the pod's ServiceAccount in "
+                    f"namespace {self.namespace} with a RoleBinding."
+                )
+            if status in (400, 422):
+                return KubernetesRendezvousStateError(
+                    f"could not {target}: the API server rejected it ({reason}). Check that "
+                    "the CRD installed matches this k8s-rendezvous version."
+                )
+            return KubernetesRendezvousConnectionError(
+                f"could not {target} within {self.retry_seconds:.0f} s: the API server "
+                f"answered {status} ({reason})."
+            )
+        return KubernetesRendezvousConnectionError(
+            f"could not {target}: the API server at {self._server} was unreachable for "
+            f"{self.retry_seconds:.0f} s ({error}). Check the pod's network and that the API "
+            "server is up."
+        )
+
+
+def _reason(error: ApiException) -> str:
+    import json
+
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except (ValueError, AttributeError):
+        return str(error.reason)

@@ -1,0 +1,451 @@
+"""The wire format of the ``Rendezvous`` resource, shared by the operator and the pods.
+
+Every type here is a frozen dataclass with an explicit camelCase codec: ``to_dict()`` gives
+the JSON the API server stores, ``from_dict()`` reads it back and raises
+:class:`DecodeError` naming the offending field. Nothing is pickled: anyone allowed to
+patch the status could otherwise make every pod run code of their choosing.
+
+This module imports only the standard library: the operator image has no torch and the
+pod side must stay cheap to import.
+
+Ownership of the status (one writer per field):
+
+* ``status.nodes[<pod name>]`` -- a :class:`NodeEntry`, written only by that pod;
+* everything else -- written only by the operator, which alone seals rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+from collections.abc import Mapping
+from typing import Any, Final
+
+SCHEMA_VERSION: Final = 1
+"""Version of the status layout; bumped on any incompatible change."""
+
+GROUP: Final = "k8s-rendezvous.dev"
+VERSION: Final = "v1alpha1"
+PLURAL: Final = "rendezvous"
+KIND: Final = "Rendezvous"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+ROUND_KEY_FIELD: Final = "status.roundKey"
+"""A selectable field: pods watch with ``status.roundKey!=<last seen>`` so that the API
+server sends them only the changes that matter to them (a new round, a stale round, a
+close), never another node's join."""
+
+DEFAULT_JOIN_TIMEOUT_SECONDS: Final = 600
+DEFAULT_LAST_CALL_TIMEOUT_SECONDS: Final = 30
+DEFAULT_CLOSE_TIMEOUT_SECONDS: Final = 30
+
+
+class DecodeError(ValueError):
+    """A stored object does not match the wire format; the message names the field."""
+
+
+class RoundState(str, enum.Enum):
+    """Where the rendezvous stands; ``kubectl get rdzv`` shows it."""
+
+    FORMING = "Forming"
+    """No round has been sealed yet; nodes are joining the first one."""
+    SEALED = "Sealed"
+    """``members`` is the current round and every one of them is still there."""
+    REFORMING = "Reforming"
+    """The sealed round lost a member or nodes wait to be admitted; the next one is forming."""
+    CLOSED = "Closed"
+    """No further round will be formed."""
+
+
+class NodeIntent(str, enum.Enum):
+    """What a node asks of the operator in its own entry."""
+
+    JOIN = "Join"
+    """Admit me to the next round (``attempt`` identifies this request)."""
+    LEAVE = "Leave"
+    """I am gone for good (``shutdown()``); do not count me."""
+    CLOSE = "Close"
+    """The job is done (``set_closed()``): close the rendezvous for everyone."""
+
+
+# --------------------------------------------------------------------------------------
+# Helpers of the codec.
+
+
+def format_time(moment: datetime.datetime) -> str:
+    """RFC 3339 in UTC with microseconds, the form the API server accepts for date-time."""
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: object, field: str) -> datetime.datetime:
+    if not isinstance(text, str):
+        raise DecodeError(f"{field}: expected an RFC 3339 time string, got {text!r}")
+    try:
+        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as error:
+        raise DecodeError(f"{field}: {text!r} is not an RFC 3339 time") from error
+    if moment.tzinfo is None:
+        raise DecodeError(f"{field}: {text!r} has no time zone")
+    return moment
+
+
+def _mapping(value: object, field: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise DecodeError(f"{field}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _str(data: Mapping[str, Any], key: str, field: str, *, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str):
+        raise DecodeError(f"{field}.{key}: expected a string, got {value!r}")
+    return value
+
+
+def _int(
+    data: Mapping[str, Any], key: str, field: str, *, default: int | None = None, minimum: int = 0
+) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecodeError(f"{field}.{key}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise DecodeError(f"{field}.{key}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _enum(enum_type: type[enum.Enum], data: Mapping[str, Any], key: str, field: str) -> Any:
+    value = data.get(key)
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in enum_type)
+        raise DecodeError(f"{field}.{key}: {value!r} is not one of {allowed}") from None
+
+
+# --------------------------------------------------------------------------------------
+# Spec.
+
+
+@dataclasses.dataclass(frozen=True)
+class RendezvousSpec:
+    """``spec``: what the user (or the operator, from a Job's annotations) asked for."""
+
+    min_nodes: int
+    max_nodes: int
+    run_id: str
+    join_timeout_seconds: int = DEFAULT_JOIN_TIMEOUT_SECONDS
+    last_call_timeout_seconds: int = DEFAULT_LAST_CALL_TIMEOUT_SECONDS
+    close_timeout_seconds: int = DEFAULT_CLOSE_TIMEOUT_SECONDS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "minNodes": self.min_nodes,
+            "maxNodes": self.max_nodes,
+            "runId": self.run_id,
+            "joinTimeoutSeconds": self.join_timeout_seconds,
+            "lastCallTimeoutSeconds": self.last_call_timeout_seconds,
+            "closeTimeoutSeconds": self.close_timeout_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str = "spec") -> RendezvousSpec:
+        data = _mapping(value, field)
+        spec = cls(
+            min_nodes=_int(data, "minNodes", field, minimum=1),
+            max_nodes=_int(data, "maxNodes", field, minimum=1),
+            run_id=_str(data, "runId", field),
+            join_timeout_seconds=_int(
+                data, "joinTimeoutSeconds", field, default=DEFAULT_JOIN_TIMEOUT_SECONDS, minimum=1
+            ),
+            last_call_timeout_seconds=_int(
+                data, "lastCallTimeoutSeconds", field, default=DEFAULT_LAST_CALL_TIMEOUT_SECONDS
+            ),
+            close_timeout_seconds=_int(
+                data, "closeTimeoutSeconds", field, default=DEFAULT_CLOSE_TIMEOUT_SECONDS
+            ),
+        )
+        if spec.min_nodes > spec.max_nodes:
+            raise DecodeError(
+                f"{field}: minNodes ({spec.min_nodes}) must not exceed maxNodes ({spec.max_nodes})"
+            )
+        return spec
+
+
+# --------------------------------------------------------------------------------------
+# Status.
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeEntry:
+    """``status.nodes[<pod name>]``: a node's own request, written by that pod alone."""
+
+    instance: str
+    """Identifies one agent process; a restarted agent is a new instance."""
+    attempt: int
+    """Counts this instance's ``next_rendezvous()`` calls; a new value is a new join."""
+    addr: str
+    """The address other nodes reach this one at (the pod IP unless ``--local-addr``)."""
+    store_port: int
+    """Port of the TCPStore this node hosts; it serves the round if this node is rank 0."""
+    intent: NodeIntent = NodeIntent.JOIN
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "instance": self.instance,
+            "attempt": self.attempt,
+            "addr": self.addr,
+            "storePort": self.store_port,
+            "intent": self.intent.value,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> NodeEntry:
+        data = _mapping(value, field)
+        return cls(
+            instance=_str(data, "instance", field),
+            attempt=_int(data, "attempt", field, minimum=1),
+            addr=_str(data, "addr", field),
+            store_port=_int(data, "storePort", field, minimum=1),
+            intent=_enum(NodeIntent, data, "intent", field),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One node of the sealed round; its rank is its index in ``status.members``."""
+
+    node: str
+    """The pod name, the key of its entry in ``status.nodes``."""
+    instance: str
+    attempt: int
+    addr: str
+    pod_restarts: int = 0
+    """The pod's container restarts when admitted; more later means the agent restarted."""
+
+    def admits(self, entry: NodeEntry) -> bool:
+        """Whether ``entry`` is the very join request this member was admitted for."""
+        return entry.instance == self.instance and entry.attempt == self.attempt
+
+    def to_dict(self, rank: int | None) -> dict[str, Any]:
+        return {
+            **({} if rank is None else {"rank": rank}),
+            "node": self.node,
+            "instance": self.instance,
+            "attempt": self.attempt,
+            "addr": self.addr,
+            "podRestarts": self.pod_restarts,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str, rank: int | None) -> Member:
+        data = _mapping(value, field)
+        if rank is not None and data.get("rank") != rank:
+            raise DecodeError(f"{field}.rank: expected {rank} (its position), got {data.get('rank')!r}")
+        return cls(
+            node=_str(data, "node", field),
+            instance=_str(data, "instance", field),
+            attempt=_int(data, "attempt", field, minimum=1),
+            addr=_str(data, "addr", field),
+            pod_restarts=_int(data, "podRestarts", field, default=0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Master:
+    """Where rank 0's TCPStore listens: MASTER_ADDR/MASTER_PORT of the round."""
+
+    addr: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` with IPv6 addresses bracketed, for people and printer columns."""
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"{host}:{self.port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"addr": self.addr, "port": self.port, "endpoint": self.endpoint}
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> Master:
+        data = _mapping(value, field)
+        return cls(addr=_str(data, "addr", field), port=_int(data, "port", field, minimum=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """A ``metav1.Condition``."""
+
+    type: str
+    status: str
+    reason: str
+    message: str
+    last_transition_time: datetime.datetime
+    observed_generation: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "status": self.status,
+            "reason": self.reason,
+            "message": self.message,
+            "lastTransitionTime": self.last_transition_time.astimezone(datetime.timezone.utc)
+            .replace(microsecond=0)
+            .strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "observedGeneration": self.observed_generation,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> Condition:
+        data = _mapping(value, field)
+        return cls(
+            type=_str(data, "type", field),
+            status=_str(data, "status", field),
+            reason=_str(data, "reason", field),
+            message=_str(data, "message", field, default=""),
+            last_transition_time=parse_time(data.get("lastTransitionTime"), f"{field}.lastTransitionTime"),
+            observed_generation=_int(data, "observedGeneration", field, default=0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RendezvousStatus:
+    """``status``. All but ``nodes`` is written by the operator alone."""
+
+    state: RoundState = RoundState.FORMING
+    round: int = 0
+    """Number of the latest sealed round; 0 until the first is sealed."""
+    members: tuple[Member, ...] = ()
+    """The latest sealed round in rank order (kept while it re-forms, for reference)."""
+    master: Master | None = None
+    nodes_waiting: int = 0
+    """What running agents' ``num_nodes_waiting()`` returns: nodes that can be admitted plus
+    members the round has lost. More than 0 tells healthy agents to re-rendezvous now."""
+    forming_since: datetime.datetime | None = None
+    """When the round now forming got its first join request (operator's clock)."""
+    last_call_deadline: datetime.datetime | None = None
+    """Seal no later than this once minNodes have joined (operator's clock)."""
+    sealed_at: datetime.datetime | None = None
+    closed_reason: str | None = None
+    closed_message: str | None = None
+    observed_generation: int = 0
+    conditions: tuple[Condition, ...] = ()
+    left_behind: tuple[Member, ...] = ()
+    """Members of an earlier round still running it when a later round sealed without them
+    (after the last call). Their join requests are spent: they count again once they join
+    anew."""
+    nodes: Mapping[str, NodeEntry] = dataclasses.field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def round_key(self) -> str:
+        """The selectable field: changes exactly when watching pods must look again."""
+        if self.state is RoundState.CLOSED:
+            return "Closed"
+        return f"{self.round}-{self.state.value}"
+
+    def rank_of(self, node: str, entry: NodeEntry) -> int | None:
+        """The rank ``entry`` (of pod ``node``) holds in the sealed round, if it is in it."""
+        for rank, member in enumerate(self.members):
+            if member.node == node and member.admits(entry):
+                return rank
+        return None
+
+    def operator_fields(self) -> dict[str, Any]:
+        """Every operator-owned field, ``None`` where unset so a merge patch removes it."""
+
+        def optional_time(moment: datetime.datetime | None) -> str | None:
+            return None if moment is None else format_time(moment)
+
+        return {
+            "schemaVersion": SCHEMA_VERSION,
+            "state": self.state.value,
+            "roundKey": self.round_key,
+            "round": self.round,
+            "worldSize": self.world_size,
+            "members": [member.to_dict(rank) for rank, member in enumerate(self.members)],
+            "master": None if self.master is None else self.master.to_dict(),
+            "nodesWaiting": self.nodes_waiting,
+            "formingSince": optional_time(self.forming_since),
+            "lastCallDeadline": optional_time(self.last_call_deadline),
+            "sealedAt": optional_time(self.sealed_at),
+            "closedReason": self.closed_reason,
+            "closedMessage": self.closed_message,
+            "observedGeneration": self.observed_generation,
+            "conditions": [condition.to_dict() for condition in self.conditions],
+            "leftBehind": [member.to_dict(rank=None) for member in self.left_behind],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {key: value for key, value in self.operator_fields().items() if value is not None}
+        data["nodes"] = {name: entry.to_dict() for name, entry in self.nodes.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, value: object, field: str = "status") -> RendezvousStatus:
+        """Decode a stored status. An absent or empty status is the initial one."""
+        if value is None:
+            return cls()
+        data = _mapping(value, field)
+        nodes_data = _mapping(data.get("nodes") or {}, f"{field}.nodes")
+        nodes = {
+            str(name): NodeEntry.from_dict(entry, f"{field}.nodes[{name}]")
+            for name, entry in nodes_data.items()
+        }
+        if "state" not in data:  # the operator has not written yet: pods may have joined
+            return cls(nodes=nodes)
+        version = data.get("schemaVersion")
+        if version != SCHEMA_VERSION:
+            raise DecodeError(
+                f"{field}.schemaVersion: {version!r} is not {SCHEMA_VERSION}; the operator and "
+                "the pods' k8s-rendezvous versions disagree, upgrade them together"
+            )
+        members_data = data.get("members") or []
+        if not isinstance(members_data, list):
+            raise DecodeError(f"{field}.members: expected a list")
+        members = tuple(
+            Member.from_dict(item, f"{field}.members[{rank}]", rank)
+            for rank, item in enumerate(members_data)
+        )
+
+        def optional_time(key: str) -> datetime.datetime | None:
+            raw = data.get(key)
+            return None if raw is None else parse_time(raw, f"{field}.{key}")
+
+        def optional_str(key: str) -> str | None:
+            raw = data.get(key)
+            return None if raw is None else _str(data, key, field)
+
+        left_behind_data = data.get("leftBehind") or []
+        if not isinstance(left_behind_data, list):
+            raise DecodeError(f"{field}.leftBehind: expected a list")
+        conditions_data = data.get("conditions") or []
+        if not isinstance(conditions_data, list):
+            raise DecodeError(f"{field}.conditions: expected a list")
+        master_data = data.get("master")
+        return cls(
+            state=_enum(RoundState, data, "state", field),
+            round=_int(data, "round", field, default=0),
+            members=members,
+            master=None if master_data is None else Master.from_dict(master_data, f"{field}.master"),
+            nodes_waiting=_int(data, "nodesWaiting", field, default=0),
+            forming_since=optional_time("formingSince"),
+            last_call_deadline=optional_time("lastCallDeadline"),
+            sealed_at=optional_time("sealedAt"),
+            closed_reason=optional_str("closedReason"),
+            closed_message=optional_str("closedMessage"),
+            observed_generation=_int(data, "observedGeneration", field, default=0),
+            conditions=tuple(
+                Condition.from_dict(item, f"{field}.conditions[{index}]")
+                for index, item in enumerate(conditions_data)
+            ),
+            left_behind=tuple(
+                Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)
+                for index, item in enumerate(left_behind_data)
+            ),
+            nodes=nodes,
+        )

@@ -1,0 +1,326 @@
+"""Round decisions: a pure function of the stored status, what Kubernetes says about the
+pods, and the operator's clock. No I/O here; :mod:`.reconciler` fetches and writes.
+
+The rules, in the order :func:`decide` applies them:
+
+1. A closed rendezvous stays closed.
+2. A node asking to close (``set_closed()``) closes it; so does every member of the last
+   round having left (``shutdown()``) with nobody waiting: the job is done.
+3. A sealed round goes stale (``Reforming``) as soon as a member is lost (pod deleted,
+   failed or finished, agent restarted, left) or re-joins, or a node waits that fits under
+   ``maxNodes``. Running agents see ``nodesWaiting > 0`` and re-rendezvous at once.
+4. A round forming seals when at least ``minNodes`` join and either ``maxNodes`` joined,
+   every node we know of has joined (after a stale round: all survivors are back), or the
+   last call (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed.
+5. Ranks are stable: previous members keep their relative order (rank 0 stays while its
+   node lives, so its store survives); newcomers follow in natural order of pod name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from k8s_rendezvous.state import (
+    Condition,
+    Master,
+    Member,
+    NodeEntry,
+    NodeIntent,
+    RendezvousSpec,
+    RendezvousStatus,
+    RoundState,
+)
+
+CONDITION_READY: Final = "Ready"
+"""True while a sealed round is current and complete."""
+CONDITION_CLOSED: Final = "Closed"
+"""True once no further round will be formed."""
+
+# Reasons a member leaves a round; they appear in Events and in `kubectl describe`.
+LOST_POD_DELETED: Final = "PodDeleted"
+LOST_POD_TERMINATING: Final = "PodTerminating"
+LOST_POD_FAILED: Final = "PodFailed"
+LOST_POD_SUCCEEDED: Final = "PodSucceeded"
+LOST_POD_NOT_FOUND: Final = "PodNotFound"
+LOST_CONTAINER_RESTARTED: Final = "ContainerRestarted"
+LOST_AGENT_RESTARTED: Final = "AgentRestarted"
+LOST_LEFT: Final = "Left"
+LOST_ENTRY_REMOVED: Final = "EntryRemoved"
+
+CLOSED_BY_NODE: Final = "ClosedByNode"
+CLOSED_ALL_LEFT: Final = "AllNodesLeft"
+
+
+@dataclasses.dataclass(frozen=True)
+class PodObservation:
+    """What Kubernetes says about the pod behind a node entry."""
+
+    gone_reason: str | None = None
+    """``None`` while the pod lives; else why it is gone (one of the ``LOST_POD_*``)."""
+    restarts: int = 0
+    """Sum of its containers' restart counts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberLoss:
+    node: str
+    rank: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    status: RendezvousStatus
+    sealed: bool = False
+    """A round was sealed by this decision."""
+    closed: bool = False
+    """The rendezvous was closed by this decision."""
+    losses: tuple[MemberLoss, ...] = ()
+    """Members lost, reported when the sealed round goes stale."""
+    wake_at: datetime.datetime | None = None
+    """Decide again at this time even if nothing changes (the last call)."""
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``pod-2`` before ``pod-10``: digits compare as numbers."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part
+    )
+
+
+def _loss_reason(
+    member: Member, entry: NodeEntry | None, pod: PodObservation | None
+) -> str | None:
+    if entry is None:
+        return LOST_ENTRY_REMOVED
+    if pod is not None and pod.gone_reason is not None:
+        return pod.gone_reason
+    if pod is not None and pod.restarts > member.pod_restarts:
+        return LOST_CONTAINER_RESTARTED
+    if entry.instance != member.instance:
+        return LOST_AGENT_RESTARTED
+    if entry.intent is NodeIntent.LEAVE:
+        return LOST_LEFT
+    return None
+
+
+def _joiners(status: RendezvousStatus, pods: Mapping[str, PodObservation]) -> list[str]:
+    """Nodes asking to be admitted to a round they are not already in."""
+    admitted = {(m.node, m.instance, m.attempt) for m in (*status.members, *status.left_behind)}
+    waiting = []
+    for name, entry in status.nodes.items():
+        pod = pods.get(name)
+        if entry.intent is not NodeIntent.JOIN or (pod is not None and pod.gone_reason):
+            continue
+        if (name, entry.instance, entry.attempt) in admitted:
+            continue  # still running the round it was admitted to, not asking for another
+        waiting.append(name)
+    return waiting
+
+
+def _ordered(candidates: Sequence[str], previous: Sequence[Member]) -> list[str]:
+    """Previous members first, in their old rank order; newcomers after, in natural order."""
+    old_rank = {member.node: rank for rank, member in enumerate(previous)}
+    known = sorted((name for name in candidates if name in old_rank), key=old_rank.__getitem__)
+    new = sorted((name for name in candidates if name not in old_rank), key=natural_key)
+    return known + new
+
+
+def set_condition(
+    conditions: Sequence[Condition],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+    generation: int,
+) -> tuple[Condition, ...]:
+    """Replace the condition of ``type_``; keep its transition time unless status flips."""
+    value = "True" if status else "False"
+    previous = next((c for c in conditions if c.type == type_), None)
+    since = previous.last_transition_time if previous and previous.status == value else now
+    updated = Condition(type_, value, reason, message, since, generation)
+    return (*(c for c in conditions if c.type != type_), updated)
+
+
+def _with_conditions(
+    status: RendezvousStatus, now: datetime.datetime, generation: int
+) -> RendezvousStatus:
+    conditions = status.conditions
+    if status.state is RoundState.CLOSED:
+        conditions = set_condition(
+            conditions, CONDITION_CLOSED, True, status.closed_reason or "Closed",
+            status.closed_message or "", now, generation,
+        )
+        conditions = set_condition(
+            conditions, CONDITION_READY, False, "Closed", "the rendezvous is closed", now, generation
+        )
+    else:
+        conditions = set_condition(
+            conditions, CONDITION_CLOSED, False, "Open", "rounds can still be formed", now, generation
+        )
+        if status.state is RoundState.SEALED:
+            master = status.master.endpoint if status.master else "none"
+            message = f"round {status.round}: {status.world_size} nodes, master {master}"
+            conditions = set_condition(
+                conditions, CONDITION_READY, True, "RoundSealed", message, now, generation
+            )
+        else:
+            message = f"forming round {status.round + 1}: {status.nodes_waiting} nodes waiting"
+            conditions = set_condition(
+                conditions, CONDITION_READY, False, status.state.value, message, now, generation
+            )
+    return dataclasses.replace(status, conditions=conditions, observed_generation=generation)
+
+
+def _closed(
+    status: RendezvousStatus, reason: str, message: str
+) -> RendezvousStatus:
+    return dataclasses.replace(
+        status,
+        state=RoundState.CLOSED,
+        closed_reason=reason,
+        closed_message=message,
+        nodes_waiting=0,
+        forming_since=None,
+        last_call_deadline=None,
+    )
+
+
+def decide(
+    spec: RendezvousSpec,
+    status: RendezvousStatus,
+    pods: Mapping[str, PodObservation],
+    now: datetime.datetime,
+    *,
+    generation: int = 0,
+) -> Decision:
+    """Decide the next status of a rendezvous.
+
+    Args:
+        spec: The rendezvous' spec.
+        status: The stored status, node entries included.
+        pods: What Kubernetes says about the pods of the node entries; an entry whose pod is
+            absent from the mapping is taken to be alive (not yet observed).
+        now: The operator's clock. Deadlines are the operator's alone, so clock skew between
+            nodes cannot change a decision.
+        generation: ``metadata.generation``, recorded as observed.
+
+    Returns:
+        The new status (unchanged fields included) and what happened.
+    """
+    if status.state is RoundState.CLOSED:
+        return Decision(_with_conditions(status, now, generation))
+
+    closer = next((n for n, e in sorted(status.nodes.items()) if e.intent is NodeIntent.CLOSE), None)
+    if closer is not None:
+        closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
+        return Decision(_with_conditions(closed, now, generation), closed=True)
+
+    status = dataclasses.replace(
+        status,
+        left_behind=tuple(
+            m for m in status.left_behind
+            if (entry := status.nodes.get(m.node)) is not None and m.admits(entry)
+            and not (pods.get(m.node) or PodObservation()).gone_reason
+        ),
+    )
+    losses = tuple(
+        MemberLoss(member.node, rank, reason)
+        for rank, member in enumerate(status.members)
+        if (reason := _loss_reason(member, status.nodes.get(member.node), pods.get(member.node)))
+    )
+    joiners = _joiners(status, pods)
+
+    if (
+        status.round > 0
+        and not joiners
+        and all(
+            (entry := status.nodes.get(m.node)) is not None and entry.intent is NodeIntent.LEAVE
+            for m in status.members
+        )
+    ):
+        message = f"every node of round {status.round} left and none is waiting"
+        closed = _closed(status, CLOSED_ALL_LEFT, message)
+        return Decision(_with_conditions(closed, now, generation), closed=True, losses=losses)
+
+    reported_losses: tuple[MemberLoss, ...] = ()
+    if status.state is RoundState.SEALED:
+        newcomers = [name for name in joiners if name not in {m.node for m in status.members}]
+        rejoined = len(joiners) > len(newcomers)
+        fits = status.world_size < spec.max_nodes
+        out_of_spec = not spec.min_nodes <= status.world_size <= spec.max_nodes
+        if not (losses or rejoined or (newcomers and fits) or out_of_spec):
+            kept = dataclasses.replace(status, nodes_waiting=0)
+            return Decision(_with_conditions(kept, now, generation))
+        status = dataclasses.replace(status, state=RoundState.REFORMING, forming_since=now)
+        reported_losses = losses
+
+    return _form(spec, status, pods, joiners, losses, reported_losses, now, generation)
+
+
+def _form(
+    spec: RendezvousSpec,
+    status: RendezvousStatus,
+    pods: Mapping[str, PodObservation],
+    joiners: list[str],
+    losses: tuple[MemberLoss, ...],
+    reported_losses: tuple[MemberLoss, ...],
+    now: datetime.datetime,
+    generation: int,
+) -> Decision:
+    lost_nodes = {loss.node for loss in losses}
+    pending = [m for m in status.members if m.node not in lost_nodes and m.node not in joiners]
+    deadline = status.last_call_deadline
+    forming_since = status.forming_since or (now if joiners else None)
+    enough = len(joiners) >= spec.min_nodes
+    if not enough:
+        deadline = None
+    elif deadline is None:
+        deadline = now + datetime.timedelta(seconds=spec.last_call_timeout_seconds)
+
+    everyone_here = status.round > 0 and not pending
+    if deadline is not None and (
+        len(joiners) >= spec.max_nodes or everyone_here or now >= deadline
+    ):
+        selected = _ordered(joiners, status.members)[: spec.max_nodes]
+        members = tuple(
+            Member(
+                node=name,
+                instance=status.nodes[name].instance,
+                attempt=status.nodes[name].attempt,
+                addr=status.nodes[name].addr,
+                pod_restarts=pods[name].restarts if name in pods else 0,
+            )
+            for name in selected
+        )
+        rank0 = status.nodes[selected[0]]
+        sealed = dataclasses.replace(
+            status,
+            state=RoundState.SEALED,
+            round=status.round + 1,
+            members=members,
+            master=Master(rank0.addr, rank0.store_port),
+            nodes_waiting=0,
+            forming_since=None,
+            last_call_deadline=None,
+            sealed_at=now,
+            left_behind=(*status.left_behind, *pending),
+        )
+        return Decision(
+            _with_conditions(sealed, now, generation), sealed=True, losses=reported_losses
+        )
+
+    forming = dataclasses.replace(
+        status,
+        nodes_waiting=len(joiners) + (len(losses) if status.state is RoundState.REFORMING else 0),
+        forming_since=forming_since,
+        last_call_deadline=deadline,
+    )
+    return Decision(
+        _with_conditions(forming, now, generation), losses=reported_losses, wake_at=deadline
+    )

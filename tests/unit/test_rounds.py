@@ -1,0 +1,364 @@
+"""Round decisions (``k8s_rendezvous_operator.rounds.decide``), without any I/O.
+
+Aspects: sealing at maxNodes, at the last call, and as soon as every survivor of a stale
+round is back; rank stability (rank 0 stays, newcomers appended); member losses from pod
+deletion, failure, container restarts, agent restarts and leaving; redundant nodes beyond
+maxNodes; closing; and, property-based, the invariants over random histories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+
+import hypothesis
+import pytest
+from hypothesis import strategies as st
+
+from k8s_rendezvous.state import (
+    NodeEntry,
+    NodeIntent,
+    RendezvousSpec,
+    RendezvousStatus,
+    RoundState,
+)
+from k8s_rendezvous_operator import rounds
+
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+@dataclasses.dataclass
+class World:
+    """A rendezvous and its pods as the operator would observe them."""
+
+    spec: RendezvousSpec
+    status: RendezvousStatus = dataclasses.field(default_factory=RendezvousStatus)
+    pods: dict[str, rounds.PodObservation] = dataclasses.field(default_factory=dict)
+    now: datetime.datetime = T0
+    history: list[rounds.Decision] = dataclasses.field(default_factory=list)
+    instances: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
+
+    def write(self, node: str, entry: NodeEntry) -> None:
+        self.status = dataclasses.replace(self.status, nodes={**self.status.nodes, node: entry})
+
+    def join(self, node: str) -> NodeEntry:
+        """``next_rendezvous()`` of the node's agent (a new one if it has none)."""
+        old = self.status.nodes.get(node)
+        if old is None or old.intent is not NodeIntent.JOIN and old.intent is not NodeIntent.LEAVE:
+            entry = NodeEntry(f"i{next(self.instances)}", 1, f"10.0.0.{len(self.status.nodes)}", 29500)
+        else:
+            entry = dataclasses.replace(old, attempt=old.attempt + 1, intent=NodeIntent.JOIN)
+        self.write(node, entry)
+        self.pods.setdefault(node, rounds.PodObservation())
+        return entry
+
+    def restart_agent(self, node: str) -> None:
+        self.write(node, NodeEntry(f"i{next(self.instances)}", 1, "10.9.9.9", 29501))
+
+    def leave(self, node: str) -> None:
+        self.write(node, dataclasses.replace(self.status.nodes[node], intent=NodeIntent.LEAVE))
+
+    def kill(self, node: str, reason: str = rounds.LOST_POD_DELETED) -> None:
+        self.pods[node] = rounds.PodObservation(reason)
+
+    def tick(self, seconds: float) -> None:
+        self.now += datetime.timedelta(seconds=seconds)
+
+    def decide(self) -> rounds.Decision:
+        decision = rounds.decide(self.spec, self.status, self.pods, self.now)
+        self.status = decision.status
+        self.history.append(decision)
+        return decision
+
+    def ranks(self) -> list[str]:
+        return [member.node for member in self.status.members]
+
+
+def spec(min_nodes: int, max_nodes: int, last_call: int = 30) -> RendezvousSpec:
+    return RendezvousSpec(min_nodes, max_nodes, "run", last_call_timeout_seconds=last_call)
+
+
+def test_round_seals_when_max_nodes_join() -> None:
+    world = World(spec(2, 3))
+    for node in ("a", "b"):
+        world.join(node)
+        assert not world.decide().sealed
+    world.join("c")
+    decision = world.decide()
+    assert decision.sealed
+    assert world.status.state is RoundState.SEALED
+    assert world.status.round == 1
+    assert world.ranks() == ["a", "b", "c"]
+    assert world.status.master is not None
+    assert world.status.master.addr == world.status.nodes["a"].addr
+    assert world.status.round_key == "1-Sealed"
+
+
+def test_round_seals_at_last_call_with_min_nodes() -> None:
+    world = World(spec(2, 4, last_call=30))
+    world.join("a")
+    world.join("b")
+    decision = world.decide()
+    assert not decision.sealed
+    assert decision.wake_at == T0 + datetime.timedelta(seconds=30)
+    world.tick(29.9)
+    assert not world.decide().sealed
+    world.tick(0.1)
+    assert world.decide().sealed
+    assert world.status.world_size == 2
+
+
+def test_last_call_deadline_is_not_extended_by_later_joins() -> None:
+    world = World(spec(2, 4, last_call=30))
+    world.join("a")
+    world.join("b")
+    world.decide()
+    world.tick(20)
+    world.join("c")
+    assert world.decide().wake_at == T0 + datetime.timedelta(seconds=30)
+
+
+def test_deadline_is_dropped_when_joiners_fall_below_min() -> None:
+    world = World(spec(2, 4))
+    world.join("a")
+    world.join("b")
+    world.decide()
+    world.kill("b")
+    decision = world.decide()
+    assert decision.wake_at is None
+    assert world.status.last_call_deadline is None
+
+
+def test_lost_member_makes_round_stale_and_survivors_reseal_without_last_call() -> None:
+    world = World(spec(2, 4, last_call=30))
+    for node in ("a", "b", "c", "d"):
+        world.join(node)
+    world.decide()
+    world.kill("c")
+    decision = world.decide()
+    assert world.status.state is RoundState.REFORMING
+    assert [loss.node for loss in decision.losses] == ["c"]
+    assert decision.losses[0].reason == rounds.LOST_POD_DELETED
+    assert world.status.nodes_waiting >= 1
+    world.join("a")
+    world.join("d")
+    assert not world.decide().sealed, "b has not re-joined yet"
+    world.join("b")
+    assert world.decide().sealed, "every survivor is back: no need to wait for the last call"
+    assert world.ranks() == ["a", "b", "d"]
+    assert world.status.round == 2
+
+
+def test_rank_zero_stays_when_a_lower_sorting_node_joins() -> None:
+    world = World(spec(2, 3))
+    world.join("pod-5")
+    world.join("pod-7")
+    world.decide()
+    world.tick(31)
+    world.decide()
+    assert world.ranks() == ["pod-5", "pod-7"]
+    world.join("pod-1")
+    world.decide()
+    assert world.status.nodes_waiting == 1
+    world.join("pod-7")
+    world.join("pod-5")
+    world.decide()
+    assert world.ranks() == ["pod-5", "pod-7", "pod-1"]
+
+
+def test_losing_rank_zero_moves_master_to_next_survivor() -> None:
+    world = World(spec(1, 3))
+    for node in ("a", "b", "c"):
+        world.join(node)
+    world.decide()
+    world.kill("a", rounds.LOST_POD_FAILED)
+    world.decide()
+    world.join("b")
+    world.join("c")
+    world.decide()
+    assert world.ranks() == ["b", "c"]
+    assert world.status.master is not None
+    assert world.status.master.addr == world.status.nodes["b"].addr
+
+
+def test_newcomers_are_ordered_naturally() -> None:
+    world = World(spec(3, 3))
+    for node in ("pod-10", "pod-2", "pod-1"):
+        world.join(node)
+    world.decide()
+    assert world.ranks() == ["pod-1", "pod-2", "pod-10"]
+
+
+def test_nodes_beyond_max_are_redundant_and_not_counted_as_waiting() -> None:
+    world = World(spec(2, 2))
+    for node in ("a", "b", "c"):
+        world.join(node)
+    world.decide()
+    assert world.status.state is RoundState.SEALED
+    assert world.status.world_size == 2
+    assert world.status.nodes_waiting == 0
+    world.kill("b")
+    world.decide()
+    world.join("a")
+    assert world.decide().sealed
+    assert world.ranks() == ["a", "c"]
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (lambda w: w.kill("b", rounds.LOST_POD_TERMINATING), rounds.LOST_POD_TERMINATING),
+        (lambda w: w.kill("b", rounds.LOST_POD_SUCCEEDED), rounds.LOST_POD_SUCCEEDED),
+        (lambda w: w.restart_agent("b"), rounds.LOST_AGENT_RESTARTED),
+        (lambda w: w.leave("b"), rounds.LOST_LEFT),
+        (
+            lambda w: w.pods.__setitem__("b", rounds.PodObservation(None, restarts=1)),
+            rounds.LOST_CONTAINER_RESTARTED,
+        ),
+    ],
+    ids=["terminating", "succeeded", "agent-restarted", "left", "container-restarted"],
+)
+def test_member_loss_reasons(event: object, reason: str) -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    world.join("b")
+    world.decide()
+    event(world)  # type: ignore[operator]
+    decision = world.decide()
+    assert [(loss.node, loss.reason) for loss in decision.losses] == [("b", reason)]
+    assert world.status.state is RoundState.REFORMING
+
+
+def test_rejoining_member_is_waiting_not_lost() -> None:
+    world = World(spec(2, 2))
+    world.join("a")
+    world.join("b")
+    world.decide()
+    world.join("b")
+    decision = world.decide()
+    assert decision.losses == ()
+    assert world.status.state is RoundState.REFORMING
+    world.join("a")
+    assert world.decide().sealed
+
+
+def test_set_closed_closes_for_everyone() -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    world.decide()
+    world.write("a", dataclasses.replace(world.status.nodes["a"], intent=NodeIntent.CLOSE))
+    decision = world.decide()
+    assert decision.closed
+    assert world.status.state is RoundState.CLOSED
+    assert world.status.closed_reason == rounds.CLOSED_BY_NODE
+    world.join("b")
+    assert world.decide().status.state is RoundState.CLOSED
+
+
+def test_one_node_leaving_does_not_close_but_all_leaving_does() -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    world.join("b")
+    world.decide()
+    world.leave("b")
+    assert not world.decide().closed
+    world.join("a")
+    world.decide()
+    assert world.ranks() == ["a"]
+    world.leave("a")
+    decision = world.decide()
+    assert decision.closed
+    assert world.status.closed_reason == rounds.CLOSED_ALL_LEFT
+
+
+def test_conditions_track_state_and_keep_transition_time() -> None:
+    world = World(spec(1, 1))
+    world.join("a")
+    world.decide()
+    ready = next(c for c in world.status.conditions if c.type == rounds.CONDITION_READY)
+    assert (ready.status, ready.reason) == ("True", "RoundSealed")
+    world.tick(5)
+    world.decide()
+    again = next(c for c in world.status.conditions if c.type == rounds.CONDITION_READY)
+    assert again.last_transition_time == ready.last_transition_time
+
+
+def test_decision_is_a_fixed_point() -> None:
+    world = World(spec(2, 4))
+    for node in ("a", "b", "c"):
+        world.join(node)
+    first = world.decide().status
+    assert world.decide().status == first
+
+
+# -- properties over random histories ---------------------------------------------------
+
+NODES = [f"pod-{index}" for index in range(6)]
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "restart", "leave", "kill", "revive", "tick"]),
+        st.sampled_from(NODES),
+        st.floats(min_value=0, max_value=40),
+    ),
+    max_size=40,
+)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)).map(lambda b: (b[0], b[0] + b[1])),
+    history=operations,
+)
+def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list) -> None:  # type: ignore[type-arg]
+    world = World(spec(*bounds, last_call=10))
+    sealed_rounds: dict[int, tuple[object, ...]] = {}
+    last_round = 0
+    for op, node, seconds in history:
+        if op == "join":
+            world.join(node)
+        elif op == "restart" and node in world.status.nodes:
+            world.restart_agent(node)
+        elif op == "leave" and node in world.status.nodes:
+            world.leave(node)
+        elif op == "kill":
+            world.kill(node)
+        elif op == "revive" and node in world.pods:
+            world.pods[node] = rounds.PodObservation()
+        elif op == "tick":
+            world.tick(seconds)
+        status = world.decide().status
+        assert world.decide().status == status, "decisions are a fixed point"
+        assert status.round >= last_round, "rounds only increase"
+        last_round = status.round
+        if status.round:
+            members = tuple(status.members)
+            assert sealed_rounds.setdefault(status.round, members) == members, "sealed round changed"
+            names = [m.node for m in members]
+            assert len(set(names)) == len(names), "a node holds two ranks"
+            if status.state is RoundState.SEALED:
+                assert bounds[0] <= len(members) <= bounds[1]
+                assert status.master is not None
+                assert status.master.addr == status.nodes[names[0]].addr
+    # No join is lost: once time passes and agents left out of the round re-join (as their
+    # num_nodes_waiting() > 0 makes them do), every live node is admitted unless it is full.
+    if world.status.state is RoundState.CLOSED:
+        return
+    live = [
+        name
+        for name, entry in world.status.nodes.items()
+        if entry.intent is NodeIntent.JOIN and world.pods[name].gone_reason is None
+    ]
+    for _ in range(3):  # each agent left out re-joins, as its num_nodes_waiting() makes it
+        for name in live:
+            in_round = world.status.rank_of(name, world.status.nodes[name]) is not None
+            if not (in_round and world.status.state is RoundState.SEALED):
+                world.join(name)
+        world.decide()
+        world.tick(1000)
+        world.decide()
+    if len(live) >= bounds[0]:
+        assert world.status.state is RoundState.SEALED
+        admitted = {m.node for m in world.status.members}
+        left_out = [name for name in live if name not in admitted]
+        assert len(admitted) == bounds[1] or not left_out, f"{left_out} never admitted"

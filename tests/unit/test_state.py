@@ -1,0 +1,154 @@
+"""The wire format (``k8s_rendezvous.state``).
+
+Aspects: codecs round-trip; camelCase on the wire; decode errors name the field; a status
+not yet touched by the operator decodes; the schema version is checked; IPv6 masters are
+bracketed for display only; the status of a large round stays within a size budget; and,
+fuzzed, no input makes the decoder raise anything but ``DecodeError``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import hypothesis
+import pytest
+from hypothesis import strategies as st
+
+from k8s_rendezvous import state
+
+NOW = datetime.datetime(2026, 11, 30, 9, 0, 0, 123456, tzinfo=datetime.timezone.utc)
+
+
+def sealed_status(nodes: int) -> state.RendezvousStatus:
+    entries = {
+        f"train-job-worker-{i}-abcde": state.NodeEntry(f"{i:016x}", 3, f"10.244.{i // 250}.{i % 250}", 40000 + i)
+        for i in range(nodes)
+    }
+    members = tuple(
+        state.Member(name, entry.instance, entry.attempt, entry.addr) for name, entry in entries.items()
+    )
+    return state.RendezvousStatus(
+        state=state.RoundState.SEALED,
+        round=7,
+        members=members,
+        master=state.Master(members[0].addr, 40000),
+        sealed_at=NOW,
+        conditions=(state.Condition("Ready", "True", "RoundSealed", "ok", NOW.replace(microsecond=0), 2),),
+        observed_generation=2,
+        nodes=entries,
+    )
+
+
+def test_status_round_trips_through_json() -> None:
+    status = sealed_status(5)
+    wire = json.loads(json.dumps(status.to_dict()))
+    assert state.RendezvousStatus.from_dict(wire) == status
+
+
+def test_wire_names_are_camel_case() -> None:
+    wire = sealed_status(2).to_dict()
+    assert {"roundKey", "worldSize", "nodesWaiting", "sealedAt", "schemaVersion"} <= set(wire)
+    assert set(next(iter(wire["nodes"].values()))) == {"instance", "attempt", "addr", "storePort", "intent"}
+    assert wire["roundKey"] == "7-Sealed"
+    assert wire["worldSize"] == 2
+
+
+def test_spec_round_trips_and_defaults_timeouts() -> None:
+    spec = state.RendezvousSpec.from_dict({"minNodes": 2, "maxNodes": 4, "runId": "r"})
+    assert spec.join_timeout_seconds == 600
+    assert spec.last_call_timeout_seconds == 30
+    assert spec.close_timeout_seconds == 30
+    assert state.RendezvousSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"minNodes": 3, "maxNodes": 2, "runId": "r"}, "minNodes (3) must not exceed maxNodes (2)"),
+        ({"minNodes": 0, "maxNodes": 2, "runId": "r"}, "spec.minNodes: must be at least 1"),
+        ({"minNodes": "2", "maxNodes": 2, "runId": "r"}, "spec.minNodes: expected an integer"),
+        ({"minNodes": 1, "maxNodes": 2}, "spec.runId: expected a string"),
+        ([], "spec: expected an object"),
+    ],
+)
+def test_spec_errors_name_the_field(raw: object, message: str) -> None:
+    with pytest.raises(state.DecodeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        state.RendezvousSpec.from_dict(raw)
+
+
+def test_status_without_operator_fields_keeps_node_entries() -> None:
+    raw = {"nodes": {"p": {"instance": "i", "attempt": 1, "addr": "a", "storePort": 5, "intent": "Join"}}}
+    status = state.RendezvousStatus.from_dict(raw)
+    assert status.state is state.RoundState.FORMING
+    assert status.nodes["p"].store_port == 5
+
+
+def test_other_schema_version_is_refused_with_upgrade_advice() -> None:
+    raw = sealed_status(1).to_dict() | {"schemaVersion": 99}
+    with pytest.raises(state.DecodeError, match="upgrade them together"):
+        state.RendezvousStatus.from_dict(raw)
+
+
+def test_member_rank_must_match_its_position() -> None:
+    raw = sealed_status(2).to_dict()
+    raw["members"][1]["rank"] = 0
+    with pytest.raises(state.DecodeError, match=r"status.members\[1\].rank"):
+        state.RendezvousStatus.from_dict(raw)
+
+
+def test_bad_node_entry_names_the_pod() -> None:
+    raw = sealed_status(1).to_dict()
+    raw["nodes"]["bad-pod"] = {"instance": "i", "attempt": 1, "addr": "a", "storePort": 1, "intent": "Fly"}
+    with pytest.raises(state.DecodeError, match=r"status.nodes\[bad-pod\].intent: 'Fly' is not one of"):
+        state.RendezvousStatus.from_dict(raw)
+
+
+def test_ipv6_master_is_bracketed_for_display_only() -> None:
+    master = state.Master("fd00::1", 29500)
+    assert master.endpoint == "[fd00::1]:29500"
+    assert master.to_dict()["addr"] == "fd00::1"
+
+
+def test_round_key_of_closed_rendezvous() -> None:
+    assert state.RendezvousStatus(state=state.RoundState.CLOSED, round=3).round_key == "Closed"
+
+
+def test_status_of_a_1000_node_round_stays_under_budget() -> None:
+    # Every pod receives this object once per round it waits for; keep it lean. Measured
+    # 257 bytes per node with 28-character pod names (entry + member); guard against growth.
+    size = len(json.dumps(sealed_status(1000).to_dict(), separators=(",", ":")))
+    assert size < 270_000, size
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(value=json_values)
+def test_decoder_raises_only_decode_error(value: object) -> None:
+    for decode in (state.RendezvousStatus.from_dict, state.RendezvousSpec.from_dict):
+        try:
+            decode(value)
+        except state.DecodeError:
+            pass
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    mutation=st.tuples(
+        st.sampled_from(["state", "round", "members", "master", "nodes", "conditions", "sealedAt"]),
+        json_values,
+    )
+)
+def test_decoder_survives_any_field_corruption(mutation: tuple[str, object]) -> None:
+    raw = sealed_status(3).to_dict()
+    raw[mutation[0]] = mutation[1]
+    try:
+        state.RendezvousStatus.from_dict(raw)
+    except state.DecodeError:
+        pass
