@@ -1,0 +1,295 @@
+"""The rendezvous protocol against the real control plane: real operator process, real
+pods on kwok nodes, handlers authenticated with their own pod-bound tokens.
+
+Aspects: the CRD's validation; a round seals with unique dense ranks and the master of
+rank 0; many nodes joining concurrently; a waiting node hears nothing of other joins (the
+server-side filter); pod deletion and rank-0 loss re-form the world with a new master;
+scale-up is signalled through num_nodes_waiting(); nodes beyond maxNodes wait; closing;
+one node leaving does not close; join timeout; an operator restarted mid-join; a pod
+without the worker role gets an error that names the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import kubernetes.client
+import pytest
+from kubernetes.client.exceptions import ApiException
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod
+from tests.support.operator import OperatorProcess
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
+
+from k8s_rendezvous import kube, state
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+MakeRendezvous = Callable[..., Rendezvous]
+MakeNodes = Callable[..., list[Node]]
+
+
+def join_all(nodes: list[Node]) -> list[tuple[int, int, str, int]]:
+    """All nodes call next_rendezvous() concurrently; (rank, world, master addr, port)."""
+    joins = [node.join_in_background() for node in nodes]
+    infos = [joining.wait() for joining in joins]
+    return [
+        (i.rank, i.world_size, i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+        for i in infos
+    ]
+
+
+def test_crd_rejects_min_above_max_with_the_rules_message(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    body = {
+        "apiVersion": state.API_VERSION, "kind": state.KIND,
+        "metadata": {"name": "bad"}, "spec": {"minNodes": 3, "maxNodes": 2, "runId": "r"},
+    }
+    with pytest.raises(ApiException) as error:
+        kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
+        )
+    assert error.value.status == 422
+    assert "minNodes must be less than or equal to maxNodes" in str(error.value.body)
+
+
+def test_run_id_is_immutable(make_rendezvous: MakeRendezvous, admin_api: kubernetes.client.ApiClient) -> None:
+    rdzv = make_rendezvous(1, 1)
+    with pytest.raises(ApiException) as error:
+        kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object(
+            state.GROUP, state.VERSION, rdzv.namespace, state.PLURAL, rdzv.name,
+            {"spec": {"runId": "other"}},
+        )
+    assert "runId is immutable" in str(error.value.body)
+
+
+def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, control_plane: ControlPlane
+) -> None:
+    rdzv = make_rendezvous(3, 3)
+    nodes = make_nodes(rdzv, 3)
+    results = join_all(nodes)
+    ranks = sorted(rank for rank, *_ in results)
+    assert ranks == [0, 1, 2]
+    assert {world for _, world, *_ in results} == {3}
+    rank0 = next(node for node, (rank, *_) in zip(nodes, results) if rank == 0)
+    assert {(addr, port) for *_, addr, port in results} == {
+        (rank0.addr, rank0.handler._store_server.port)  # type: ignore[union-attr]
+    }
+    status = rdzv.status()
+    assert (status.state, status.round, status.world_size) == (state.RoundState.SEALED, 1, 3)
+    table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace).stdout
+    assert "Sealed" in table and f"{rank0.addr}:" in table
+    assert any(reason == "RoundSealed" for _, reason, _ in rdzv.events())
+
+
+def test_stores_of_the_round_are_shared_and_prefixed_per_round(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(2, 2)
+    nodes = make_nodes(rdzv, 2)
+    infos = [j.wait() for j in [n.join_in_background() for n in nodes]]
+    infos[0].store.set("key", b"from-" + str(infos[0].rank).encode())
+    assert infos[1].store.get("key") == b"from-" + str(infos[0].rank).encode()
+    again = [j.wait() for j in [n.join_in_background() for n in nodes]]
+    assert again[0].world_size == 2
+    again[1].store.set("key", b"round-2")
+    assert again[0].store.get("key") == b"round-2"
+    assert infos[0].store.get("key") != b"round-2", "rounds must not share keys"
+
+
+def test_32_nodes_joining_at_once_get_32_distinct_ranks(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(32, 32)
+    nodes = make_nodes(rdzv, 32)
+    results = join_all(nodes)
+    assert sorted(rank for rank, *_ in results) == list(range(32))
+    assert {world for _, world, *_ in results} == {32}
+    status = rdzv.status()
+    assert status.round == 1, "exactly one round for one wave of joins"
+    returned = {node.pod: rank for node, (rank, *_) in zip(nodes, results)}
+    assert returned == {member.node: rank for rank, member in enumerate(status.members)}
+
+
+def test_waiting_node_receives_no_other_nodes_joins(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(6, 6)
+    nodes = make_nodes(rdzv, 6)
+    watcher = nodes[0].handler._watcher
+    offers = []
+    original = watcher.offer
+    watcher.offer = lambda obj: (offers.append(obj), original(obj))[1]  # type: ignore[method-assign]
+    first = nodes[0].join_in_background()
+    rdzv.wait(lambda s: nodes[0].pod in s.nodes, "first node joined")
+    for node in nodes[1:]:  # one after another: five more joins while node 0 waits
+        node.join_in_background()
+        rdzv.wait(lambda s, pod=node.pod: pod in s.nodes, f"{node.pod} joined")
+    first.wait()
+    # Node 0 saw its own patch response, the operator's first status if it raced with it,
+    # and the sealed round: never one object per join of the other five.
+    assert len(offers) <= 3, [o.get("status", {}).get("roundKey") for o in offers]
+
+
+def test_deleted_pod_is_dropped_and_survivors_reform_fast(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, admin_api: kubernetes.client.ApiClient
+) -> None:
+    rdzv = make_rendezvous(2, 3)
+    nodes = make_nodes(rdzv, 3)
+    join_all(nodes)
+    victim = nodes[2]
+    delete_pod(admin_api, rdzv.namespace, victim.pod)
+    survivors = nodes[:2]
+    wait_for(
+        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors), 10,
+        "survivors told to re-rendezvous", interval=0.02,
+    )
+    results = join_all(survivors)
+    assert sorted(rank for rank, *_ in results) == [0, 1]
+    status = rdzv.status()
+    assert status.round == 2 and victim.pod not in {m.node for m in status.members}
+    lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
+    assert any(victim.pod in message and "PodDeleted" in message or "PodTerminating" in message
+               for message in lost), lost
+
+
+def test_rank0_loss_hands_every_survivor_the_new_master(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, admin_api: kubernetes.client.ApiClient
+) -> None:
+    rdzv = make_rendezvous(1, 3)
+    nodes = make_nodes(rdzv, 3)
+    first = dict(zip((n.pod for n in nodes), join_all(nodes)))
+    rank0 = next(n for n in nodes if first[n.pod][0] == 0)
+    delete_pod(admin_api, rdzv.namespace, rank0.pod)
+    survivors = [n for n in nodes if n is not rank0]
+    wait_for(lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors), 10,
+             "survivors told to re-rendezvous", interval=0.02)
+    results = join_all(survivors)
+    new_rank0 = next(n for n, r in zip(survivors, results) if r[0] == 0)
+    assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
+    assert {(addr, port) for *_, addr, port in results} == {
+        (new_rank0.addr, new_rank0.handler._store_server.port)  # type: ignore[union-attr]
+    }
+
+
+def test_scale_up_is_signalled_and_rank0_stays(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(2, 3, lastCallTimeoutSeconds=1)
+    running = make_nodes(rdzv, 2)
+    before = dict(zip((n.pod for n in running), join_all(running)))
+    assert all(n.handler.num_nodes_waiting() == 0 for n in running)
+    newcomer = make_nodes(rdzv, 1)[0]
+    late = newcomer.join_in_background()
+    wait_for(lambda: all(n.handler.num_nodes_waiting() > 0 for n in running), 10,
+             "running nodes see the newcomer", interval=0.02)
+    results = join_all(running)
+    late_info = late.wait()
+    assert late_info.world_size == 3 and late_info.rank == 2, "newcomers are appended"
+    rank0 = next(pod for pod, r in before.items() if r[0] == 0)
+    assert dict(zip((n.pod for n in running), results))[rank0][0] == 0
+
+
+def test_nodes_beyond_max_wait_without_disturbing_the_round(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, admin_api: kubernetes.client.ApiClient
+) -> None:
+    rdzv = make_rendezvous(2, 2)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    spare = make_nodes(rdzv, 1)[0]
+    waiting = spare.join_in_background()
+    rdzv.wait(lambda s: spare.pod in s.nodes, "spare joined")
+    status = rdzv.wait(lambda s: s.state is state.RoundState.SEALED and s.nodes_waiting == 0,
+                       "round stays sealed")
+    assert status.round == 1
+    assert all(n.handler.num_nodes_waiting() == 0 for n in nodes)
+    delete_pod(admin_api, rdzv.namespace, nodes[1].pod)
+    survivor_round = nodes[0].join_in_background()
+    assert waiting.wait().world_size == 2, "the spare steps in when a member is lost"
+    assert survivor_round.wait().rank == 0
+
+
+def test_set_closed_closes_for_everyone_and_shutdown_of_one_does_not(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(1, 3)
+    nodes = make_nodes(rdzv, 3)
+    join_all(nodes)
+    assert nodes[2].handler.shutdown()
+    wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 10, "loss noticed", interval=0.02)
+    assert rdzv.status().state is not state.RoundState.CLOSED
+    join_all(nodes[:2])
+    nodes[0].handler.set_closed()
+    rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed")
+    assert wait_for(lambda: nodes[1].handler.is_closed(), 10, "closure seen")
+    assert nodes[1].handler.num_nodes_waiting() == 0, "workers may finish"
+    with pytest.raises(RendezvousClosedError, match="ClosedByNode"):
+        nodes[1].handler.next_rendezvous()
+
+
+def test_all_members_leaving_closes_the_rendezvous(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(2, 2)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    for node in nodes:
+        assert node.handler.shutdown()
+    status = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed after all left")
+    assert status.closed_reason == "AllNodesLeft"
+
+
+def test_join_timeout_names_what_is_missing_and_withdraws(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(2, 2, joinTimeoutSeconds=2)
+    node = make_nodes(rdzv, 1)[0]
+    with pytest.raises(RendezvousTimeoutError) as error:
+        node.handler.next_rendezvous()
+    message = str(error.value)
+    assert rdzv.name in message and "1 of minNodes=2" in message and node.pod in message
+    assert rdzv.status().nodes[node.pod].intent is state.NodeIntent.LEAVE
+
+
+def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, operator_process: OperatorProcess
+) -> None:
+    rdzv = make_rendezvous(3, 3)
+    nodes = make_nodes(rdzv, 3)
+    rdzv.wait(lambda s: s.round_key == "0-Forming", "operator initialised the status")
+    operator_process.kill()
+    joins = [node.join_in_background() for node in nodes]
+    rdzv.wait(lambda s: len(s.nodes) == 3, "all joined while the operator is down")
+    assert rdzv.status().round == 0
+    operator_process.start()
+    results = [joining.wait() for joining in joins]
+    assert sorted(info.rank for info in results) == [0, 1, 2]
+
+
+def test_pod_without_the_worker_role_is_told_how_to_fix_it(
+    make_rendezvous: MakeRendezvous, control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient
+) -> None:
+    rdzv = make_rendezvous(1, 1)
+    kubernetes.client.CoreV1Api(admin_api).create_namespaced_service_account(
+        rdzv.namespace, {"metadata": {"name": "no-role"}}
+    )
+    pod = create_pods(admin_api, rdzv.namespace, ["unbound"], service_account="no-role")[0]
+    token = control_plane.token_for(rdzv.namespace, "no-role", pod_name="unbound",
+                                    pod_uid=pod["metadata"]["uid"])
+    client = kube.RendezvousClient(
+        control_plane.client_for_token(token), rdzv.namespace, rdzv.name, retry_seconds=2
+    )
+    handler = KubernetesRendezvousHandler(
+        client, run_id=rdzv.name, node="unbound", addr="127.0.0.99", min_nodes=1, max_nodes=1
+    )
+    with pytest.raises(RendezvousConnectionError, match="k8s-rendezvous-worker") as error:
+        handler.next_rendezvous()
+    assert "403" in str(error.value)

@@ -1,0 +1,221 @@
+"""Fixtures for rendezvous tests against the real control plane: the CRD, the operator
+as a process, pods scheduled onto kwok nodes, and in-process nodes that authenticate with
+their pod's own bound token exactly as the handler does in a pod."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
+from tests.support.operator import OperatorProcess
+
+from k8s_rendezvous import kube, state
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "manifests" / "crds"
+WORKER_ROLE = REPO / "manifests" / "rbac" / "worker-clusterrole.yaml"
+
+
+@pytest.fixture(scope="session")
+def rendezvous_crd(control_plane: ControlPlane) -> None:
+    control_plane.kubectl("apply", "--server-side", "-f", str(CRD))
+    control_plane.kubectl(
+        "wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev", "--timeout=60s"
+    )
+    control_plane.kubectl("apply", "--server-side", "-f", str(WORKER_ROLE))
+
+
+@pytest.fixture
+def workers_namespace(namespace: str, control_plane: ControlPlane, rendezvous_crd: None) -> str:
+    """A namespace whose `default` ServiceAccount may use the rendezvous (worker role)."""
+    control_plane.kubectl(
+        "-n", namespace, "create", "rolebinding", "k8s-rendezvous-worker",
+        "--clusterrole=k8s-rendezvous-worker", f"--serviceaccount={namespace}:default",
+    )
+    return namespace
+
+
+@pytest.fixture
+def operator_process(
+    control_plane: ControlPlane, workers_namespace: str, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """The operator, running as its own process, watching the test's namespace."""
+    process = OperatorProcess(
+        control_plane.kubeconfig, tmp_path / "operator.log", namespaces=(workers_namespace,)
+    )
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        print(f"--- operator log (tail) ---\n{process.log_tail()}")
+
+
+class Rendezvous:
+    """The test's view of one Rendezvous object (admin credentials)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+        self._custom = kubernetes.client.CustomObjectsApi(api)
+
+    def body(self) -> dict[str, Any]:
+        return self._custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+        )
+
+    def status(self) -> state.RendezvousStatus:
+        return state.RendezvousStatus.from_dict(self.body().get("status"))
+
+    def wait(
+        self, predicate: Callable[[state.RendezvousStatus], bool], message: str, timeout: float = 30
+    ) -> state.RendezvousStatus:
+        def check() -> state.RendezvousStatus | None:
+            current = self.status()
+            return current if predicate(current) else None
+
+        return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
+
+    def events(self) -> list[tuple[str, str, str]]:
+        core = kubernetes.client.CoreV1Api(self._custom.api_client)
+        found = core.list_namespaced_event(
+            self.namespace, field_selector=f"involvedObject.name={self.name}"
+        )
+        return [(e.type, e.reason, e.message) for e in found.items]
+
+
+@pytest.fixture
+def make_rendezvous(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> Callable[..., Rendezvous]:
+    def make(min_nodes: int, max_nodes: int, **spec: Any) -> Rendezvous:
+        name = f"rdzv-{uuid.uuid4().hex[:6]}"
+        body = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": name, "namespace": workers_namespace},
+            "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "runId": name, **spec},
+        }
+        kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
+        )
+        return Rendezvous(admin_api, workers_namespace, name)
+
+    return make
+
+
+@dataclasses.dataclass
+class Node:
+    """A simulated node: a real Pod object and a handler that uses that pod's token."""
+
+    pod: str
+    addr: str
+    handler: KubernetesRendezvousHandler
+    api: kubernetes.client.ApiClient
+
+    def join_in_background(self) -> Joining:
+        return Joining(self)
+
+
+class Joining:
+    """``next_rendezvous()`` running in a thread (nodes join concurrently)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"join-{node.pod}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.node.handler.next_rendezvous()
+        except BaseException as error:
+            self.error = error
+
+    def wait(self, timeout: float = 60) -> Any:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"{self.node.pod}: next_rendezvous() still blocked"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def create_pods(
+    api: kubernetes.client.ApiClient, namespace: str, names: list[str],
+    service_account: str = "default",
+) -> list[dict[str, Any]]:
+    """Bare pods, scheduled by kube-scheduler onto kwok nodes; returns them Running."""
+    core = kubernetes.client.CoreV1Api(api)
+    for name in names:
+        core.create_namespaced_pod(namespace, {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
+                "restartPolicy": "Never",
+                "serviceAccountName": service_account,
+            },
+        })
+
+    def running() -> list[dict[str, Any]] | None:
+        pods = [api.sanitize_for_serialization(core.read_namespaced_pod(n, namespace)) for n in names]
+        ok = all(p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in pods)
+        return pods if ok else None
+
+    return wait_for(running, 60, f"pods {names} Running with IPs")
+
+
+@pytest.fixture
+def make_nodes(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    tmp_path: Path,
+) -> Iterator[Callable[..., list[Node]]]:
+    """Create ``count`` pods and a handler per pod, each authenticated as its own pod."""
+    created: list[Node] = []
+    counter = iter(range(10_000))
+
+    def make(rendezvous: Rendezvous, count: int, *, min_nodes: int = 1, max_nodes: int = 1,
+             read_timeout: int = 20) -> list[Node]:
+        names = [f"node-{next(counter)}" for _ in range(count)]
+        nodes = []
+        for pod in create_pods(admin_api, workers_namespace, names):
+            name = pod["metadata"]["name"]
+            token = control_plane.token_for(
+                workers_namespace, "default", pod_name=name, pod_uid=pod["metadata"]["uid"]
+            )
+            api = control_plane.client_for_token(token)
+            client = kube.RendezvousClient(
+                api, rendezvous.namespace, rendezvous.name, retry_seconds=read_timeout
+            )
+            # Distinct loopback addresses stand in for pod IPs: the stores must be reachable.
+            addr = f"127.0.0.{len(created) + 2}"
+            handler = KubernetesRendezvousHandler(
+                client, run_id=rendezvous.name, node=name, addr=addr,
+                min_nodes=min_nodes, max_nodes=max_nodes, read_timeout=read_timeout,
+            )
+            node = Node(name, addr, handler, api)
+            created.append(node)
+            nodes.append(node)
+        return nodes
+
+    yield make
+    for node in created:
+        node.handler.shutdown()
+        node.api.close()
+
+
+def delete_pod(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
+    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(name, namespace, grace_period_seconds=0)

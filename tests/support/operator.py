@@ -1,0 +1,66 @@
+"""Run the real operator as a separate process, the way a Deployment would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+class OperatorProcess:
+    """``python -m k8s_rendezvous_operator`` against a kubeconfig; stopped by PID.
+
+    Args:
+        kubeconfig: Credentials the operator runs with (admin, or a ServiceAccount token).
+        log_path: Where its output goes (read it when a test fails).
+        namespaces: Watch only these namespaces; all when empty.
+    """
+
+    def __init__(self, kubeconfig: Path, log_path: Path, namespaces: tuple[str, ...] = ()) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.namespaces = namespaces
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        assert self._process is None or self._process.poll() is not None, "already running"
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness=", "--verbose"]
+        for namespace in self.namespaces:
+            args += ["--namespace", namespace]
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def stop(self, timeout: float = 15) -> None:
+        """SIGTERM, then SIGKILL: what Kubernetes does to a pod."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for fault tests."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
