@@ -159,6 +159,8 @@ class RoundWatcher:
                         break
                 backoff = 0.1
             except Exception as error:  # keep serving the last status; the agent polls us
+                if self._stopped.is_set():
+                    return
                 log.warning("watching %s failed, retrying: %s", self._client.reference, error)
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -171,6 +173,40 @@ def _version_number(obj: Mapping[str, Any]) -> int:
         return int((obj.get("metadata") or {}).get("resourceVersion", -1))
     except (TypeError, ValueError):
         return -1
+
+
+class Heartbeat:
+    """Renews this node's Lease from a background thread until stopped, like torch's
+    keep-alive timer; failures are logged and retried on the next beat."""
+
+    def __init__(self, client: kube.RendezvousClient, node: str, instance: str) -> None:
+        self._client = client
+        self._node = node
+        self._instance = instance
+        self._period = 10.0
+        self._timeout = state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, spec: state.RendezvousSpec) -> None:
+        self._period = spec.heartbeat_interval_seconds
+        self._timeout = spec.heartbeat_timeout_seconds
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"k8s-rendezvous-heartbeat-{self._node}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._client.renew_lease(self._node, self._instance, self._timeout)
+            except RendezvousError as error:
+                log.warning("node %s could not renew its heartbeat: %s", self._node, error)
+            self._stopped.wait(self._period)
 
 
 @dataclasses.dataclass
@@ -216,6 +252,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._attempt = 0
         self._joined: _Joined | None = None
         self._watcher = RoundWatcher(client)
+        self._heartbeat = Heartbeat(client, node, self._instance)
         self._store_server: dist.TCPStore | None = None
         self._store_clients: dict[tuple[str, int], dist.Store] = {}
         self._spec_checked = False
@@ -275,6 +312,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         obj = self._client.write_entry(self._node, entry)
         self._watcher.offer(obj)
         spec = self._check_spec(obj)
+        self._heartbeat.start(spec)
         log.info(
             "node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt
         )
@@ -329,6 +367,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """This node leaves; the rendezvous closes only once every member has left."""
         self._watcher.stop()
+        self._heartbeat.stop()
         try:
             if self._attempt > 0 and not self._closed_locally:
                 self._write_intent(state.NodeIntent.LEAVE)

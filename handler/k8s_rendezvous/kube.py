@@ -8,6 +8,8 @@ message that names the fix.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
 import random
@@ -83,6 +85,7 @@ class RendezvousClient:
         self.name = name
         self.retry_seconds = retry_seconds
         self._api = client.CustomObjectsApi(api_client)
+        self._leases = client.CoordinationV1Api(api_client)
         self._server = api_client.configuration.host
 
     @property
@@ -111,6 +114,38 @@ class RendezvousClient:
                 _content_type=_MERGE_PATCH,
             ),
         )
+
+    def renew_lease(self, node: str, instance: str, duration_seconds: int) -> None:
+        """Renew this node's heartbeat Lease (create it the first time).
+
+        The Lease is the node's own object: heartbeats never touch the Rendezvous, so they
+        cost one small write per node and period, seen only by the operator's watch.
+        """
+        name = state.lease_name(self.name, node)
+        metadata = {
+            "name": name,
+            "labels": {state.NODE_LABEL: self.name},
+            "annotations": {state.INSTANCE_ANNOTATION: instance},
+        }
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
+
+        def renew() -> None:
+            try:
+                self._leases.patch_namespaced_lease(
+                    name, self.namespace, {"metadata": metadata, "spec": spec},
+                    _content_type=_MERGE_PATCH,
+                )
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+                self._leases.create_namespaced_lease(
+                    self.namespace,
+                    {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                     "metadata": metadata, "spec": spec},
+                )
+
+        self._call(f"renew the heartbeat Lease {name} of", renew)
 
     def list_unless(self, round_key: str | None) -> tuple[dict[str, Any] | None, str]:
         """The object if its round key differs from ``round_key``, and the list's version."""
@@ -201,8 +236,6 @@ class RendezvousClient:
 
 
 def _reason(error: ApiException) -> str:
-    import json
-
     try:
         return str(json.loads(error.body or "{}").get("message") or error.reason)
     except (ValueError, AttributeError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import hashlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -39,6 +40,23 @@ close), never another node's join."""
 DEFAULT_JOIN_TIMEOUT_SECONDS: Final = 600
 DEFAULT_LAST_CALL_TIMEOUT_SECONDS: Final = 30
 DEFAULT_CLOSE_TIMEOUT_SECONDS: Final = 30
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS: Final = 30
+MIN_HEARTBEAT_TIMEOUT_SECONDS: Final = 3
+
+NODE_LABEL: Final = f"{GROUP}/rendezvous"
+"""On a node's pod (set by the operator) and Lease (set by the node): the Rendezvous name."""
+INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
+"""On a node's Lease: the agent instance that renews it."""
+
+
+def lease_name(rendezvous: str, node: str) -> str:
+    """The name of a node's heartbeat Lease: ``<rendezvous>.<pod>``, shortened with a hash
+    when that exceeds the 253 characters of a Kubernetes name."""
+    name = f"{rendezvous}.{node}"
+    if len(name) <= 253:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f"{name[:236]}.{digest}"
 
 
 class DecodeError(ValueError):
@@ -137,6 +155,12 @@ class RendezvousSpec:
     join_timeout_seconds: int = DEFAULT_JOIN_TIMEOUT_SECONDS
     last_call_timeout_seconds: int = DEFAULT_LAST_CALL_TIMEOUT_SECONDS
     close_timeout_seconds: int = DEFAULT_CLOSE_TIMEOUT_SECONDS
+    heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+
+    @property
+    def heartbeat_interval_seconds(self) -> float:
+        """How often a node renews its Lease: three renewals fit in one timeout."""
+        return self.heartbeat_timeout_seconds / 3
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,6 +170,7 @@ class RendezvousSpec:
             "joinTimeoutSeconds": self.join_timeout_seconds,
             "lastCallTimeoutSeconds": self.last_call_timeout_seconds,
             "closeTimeoutSeconds": self.close_timeout_seconds,
+            "heartbeatTimeoutSeconds": self.heartbeat_timeout_seconds,
         }
 
     @classmethod
@@ -163,6 +188,10 @@ class RendezvousSpec:
             ),
             close_timeout_seconds=_int(
                 data, "closeTimeoutSeconds", field, default=DEFAULT_CLOSE_TIMEOUT_SECONDS
+            ),
+            heartbeat_timeout_seconds=_int(
+                data, "heartbeatTimeoutSeconds", field,
+                default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS, minimum=MIN_HEARTBEAT_TIMEOUT_SECONDS,
             ),
         )
         if spec.min_nodes > spec.max_nodes:

@@ -13,9 +13,6 @@ from kubernetes.client.rest import ApiException
 
 from k8s_rendezvous import state
 
-RENDEZVOUS_LABEL: Final = f"{state.GROUP}/rendezvous"
-"""Set by the operator on the pods of node entries so it can watch just those pods."""
-
 _MERGE_PATCH: Final = "application/merge-patch+json"
 
 
@@ -74,7 +71,7 @@ class OperatorApi:
 
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> None:
         """Label a node's pod so the operator's server-side filtered pod watch sees it."""
-        body = {"metadata": {"labels": {RENDEZVOUS_LABEL: rendezvous}}}
+        body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
         try:
             self._core.patch_namespaced_pod(pod, namespace, body, _content_type=_MERGE_PATCH)
         except ApiException as error:

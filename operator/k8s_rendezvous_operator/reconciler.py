@@ -52,6 +52,8 @@ class Reconciler:
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._again: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self._heartbeats: dict[Key, rounds.Heartbeat] = {}
+        self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
 
@@ -70,6 +72,14 @@ class Reconciler:
         self._pods[key] = observation
         if rendezvous:
             self.request((key[0], rendezvous))
+
+    def heartbeat_seen(self, key: Key, instance: str | None, deleted: bool) -> None:
+        """A node's Lease changed. Only remembered: expiries are checked by the timer the
+        last decision set, so a renewal costs no reconcile."""
+        if deleted or not instance:
+            self._heartbeats.pop(key, None)
+        else:
+            self._heartbeats[key] = rounds.Heartbeat(instance, self._clock())
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
         known = self._bodies.get(key)
@@ -129,9 +139,18 @@ class Reconciler:
                 for node in current.nodes
                 if (observation := self._pods.get((namespace, node))) is not None
             }
+            liveness = rounds.Liveness(
+                {
+                    node: beat
+                    for node in current.nodes
+                    if (beat := self._heartbeats.get((namespace, node))) is not None
+                },
+                since=self._started_at,
+            )
             now = self._clock()
             decision = rounds.decide(
-                spec, current, pods, now, generation=int(body["metadata"].get("generation", 0))
+                spec, current, pods, now, liveness=liveness,
+                generation=int(body["metadata"].get("generation", 0)),
             )
             fields = decision.status.operator_fields()
             if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
@@ -220,7 +239,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.reporting_component = "k8s-rendezvous-operator"
     settings.posting.level = logging.INFO
     # Only pods we labelled (nodes of some rendezvous) are streamed to us, not every pod.
-    settings.watching.label_selectors["pods"] = kube.RENDEZVOUS_LABEL
+    settings.watching.label_selectors["pods"] = state.NODE_LABEL
+    settings.watching.label_selectors["leases"] = state.NODE_LABEL
     # No cluster-wide namespace/CRD scanning: fewer permissions, nothing to gain here.
     settings.scanning.disabled = True
     settings.execution.max_workers = 8
@@ -238,12 +258,26 @@ async def rendezvous_event(
     )
 
 
-@kopf.on.event("", "v1", "pods", labels={kube.RENDEZVOUS_LABEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={state.NODE_LABEL: kopf.PRESENT})
 async def pod_event(
     event: Mapping[str, Any], body: kopf.Body, namespace: str, name: str,
     labels: Mapping[str, str], memo: kopf.Memo, **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     observation = observe.observe_pod(body, deleted=event.get("type") == "DELETED")
-    reconciler.pod_seen((namespace, name), observation, labels.get(kube.RENDEZVOUS_LABEL))
+    reconciler.pod_seen((namespace, name), observation, labels.get(state.NODE_LABEL))
 
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={state.NODE_LABEL: kopf.PRESENT})
+async def lease_event(
+    event: Mapping[str, Any], body: kopf.Body, namespace: str,
+    annotations: Mapping[str, str], memo: kopf.Memo, **_: Any,
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    node = (body.get("spec") or {}).get("holderIdentity")
+    if node:
+        reconciler.heartbeat_seen(
+            (namespace, node), annotations.get(state.INSTANCE_ANNOTATION),
+            deleted=event.get("type") == "DELETED",
+        )

@@ -50,6 +50,7 @@ LOST_CONTAINER_RESTARTED: Final = "ContainerRestarted"
 LOST_AGENT_RESTARTED: Final = "AgentRestarted"
 LOST_LEFT: Final = "Left"
 LOST_ENTRY_REMOVED: Final = "EntryRemoved"
+LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
 
 CLOSED_BY_NODE: Final = "ClosedByNode"
 CLOSED_ALL_LEFT: Final = "AllNodesLeft"
@@ -63,6 +64,34 @@ class PodObservation:
     """``None`` while the pod lives; else why it is gone (one of the ``LOST_POD_*``)."""
     restarts: int = 0
     """Sum of its containers' restart counts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """The latest renewal of a node's Lease, timed by the operator's own clock when it saw
+    it (so a node's clock can never make it look alive or dead)."""
+
+    instance: str
+    seen_at: datetime.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+    """Heartbeats as the operator has observed them."""
+
+    heartbeats: Mapping[str, Heartbeat]
+    since: datetime.datetime
+    """When observation began (the operator's start): nobody expires for lack of
+    renewals the operator could not have seen."""
+
+    def expires_at(
+        self, member: Member, sealed_at: datetime.datetime | None, timeout: datetime.timedelta
+    ) -> datetime.datetime:
+        last = max(self.since, sealed_at or self.since)
+        beat = self.heartbeats.get(member.node)
+        if beat is not None and beat.instance == member.instance:
+            last = max(last, beat.seen_at)
+        return last + timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +111,7 @@ class Decision:
     losses: tuple[MemberLoss, ...] = ()
     """Members lost, reported when the sealed round goes stale."""
     wake_at: datetime.datetime | None = None
-    """Decide again at this time even if nothing changes (the last call)."""
+    """Decide again at this time even if nothing changes (last call, heartbeat expiry)."""
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -93,7 +122,11 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def _loss_reason(
-    member: Member, entry: NodeEntry | None, pod: PodObservation | None
+    member: Member,
+    entry: NodeEntry | None,
+    pod: PodObservation | None,
+    expires_at: datetime.datetime | None,
+    now: datetime.datetime,
 ) -> str | None:
     if entry is None:
         return LOST_ENTRY_REMOVED
@@ -105,6 +138,8 @@ def _loss_reason(
         return LOST_AGENT_RESTARTED
     if entry.intent is NodeIntent.LEAVE:
         return LOST_LEFT
+    if expires_at is not None and now >= expires_at and member.admits(entry):
+        return LOST_HEARTBEAT_EXPIRED
     return None
 
 
@@ -197,6 +232,7 @@ def decide(
     pods: Mapping[str, PodObservation],
     now: datetime.datetime,
     *,
+    liveness: Liveness | None = None,
     generation: int = 0,
 ) -> Decision:
     """Decide the next status of a rendezvous.
@@ -208,6 +244,7 @@ def decide(
             absent from the mapping is taken to be alive (not yet observed).
         now: The operator's clock. Deadlines are the operator's alone, so clock skew between
             nodes cannot change a decision.
+        liveness: Observed heartbeats; members are not checked for expiry without it.
         generation: ``metadata.generation``, recorded as observed.
 
     Returns:
@@ -229,10 +266,25 @@ def decide(
             and not (pods.get(m.node) or PodObservation()).gone_reason
         ),
     )
+    timeout = datetime.timedelta(seconds=spec.heartbeat_timeout_seconds)
+    expiries = {
+        member.node: liveness.expires_at(member, status.sealed_at, timeout)
+        for member in status.members
+        if liveness is not None
+    }
     losses = tuple(
         MemberLoss(member.node, rank, reason)
         for rank, member in enumerate(status.members)
-        if (reason := _loss_reason(member, status.nodes.get(member.node), pods.get(member.node)))
+        if (
+            reason := _loss_reason(
+                member, status.nodes.get(member.node), pods.get(member.node),
+                expiries.get(member.node), now,
+            )
+        )
+    )
+    lost_nodes = {loss.node for loss in losses}
+    next_expiry = min(
+        (moment for node, moment in expiries.items() if node not in lost_nodes), default=None
     )
     joiners = _joiners(status, pods)
 
@@ -256,11 +308,21 @@ def decide(
         out_of_spec = not spec.min_nodes <= status.world_size <= spec.max_nodes
         if not (losses or rejoined or (newcomers and fits) or out_of_spec):
             kept = dataclasses.replace(status, nodes_waiting=0)
-            return Decision(_with_conditions(kept, now, generation))
+            return Decision(_with_conditions(kept, now, generation), wake_at=next_expiry)
         status = dataclasses.replace(status, state=RoundState.REFORMING, forming_since=now)
         reported_losses = losses
 
-    return _form(spec, status, pods, joiners, losses, reported_losses, now, generation)
+    decision = _form(spec, status, pods, joiners, losses, reported_losses, now, generation)
+    if decision.sealed and liveness is not None:
+        sealed = decision.status
+        next_expiry = min(
+            liveness.expires_at(member, sealed.sealed_at, timeout) for member in sealed.members
+        )
+        return dataclasses.replace(decision, wake_at=next_expiry)
+    if next_expiry is None:
+        return decision
+    wake_at = min(next_expiry, decision.wake_at or next_expiry)
+    return dataclasses.replace(decision, wake_at=wake_at)
 
 
 def _form(

@@ -293,3 +293,37 @@ def test_pod_without_the_worker_role_is_told_how_to_fix_it(
     with pytest.raises(RendezvousConnectionError, match="k8s-rendezvous-worker") as error:
         handler.next_rendezvous()
     assert "403" in str(error.value)
+
+
+def test_heartbeats_renew_a_lease_and_never_write_the_rendezvous(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, admin_api: kubernetes.client.ApiClient
+) -> None:
+    rdzv = make_rendezvous(2, 2, heartbeatTimeoutSeconds=3)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    version = rdzv.body()["metadata"]["resourceVersion"]
+    leases = kubernetes.client.CoordinationV1Api(admin_api)
+    name = state.lease_name(rdzv.name, nodes[0].pod)
+    renewals: set[object] = set()
+
+    def renewed_three_times() -> bool:
+        renewals.add(leases.read_namespaced_lease(name, rdzv.namespace).spec.renew_time)
+        return len(renewals) >= 3
+
+    wait_for(renewed_three_times, 15, f"Lease {name} renewed", interval=0.2)
+    assert rdzv.body()["metadata"]["resourceVersion"] == version
+    assert rdzv.status().state is state.RoundState.SEALED
+
+
+def test_hung_agent_is_dropped_when_its_heartbeat_expires(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
+) -> None:
+    rdzv = make_rendezvous(1, 2, heartbeatTimeoutSeconds=3)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    nodes[1].handler._heartbeat.stop()  # the agent hangs: its pod lives, it renews no more
+    wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 15, "expiry noticed", interval=0.05)
+    lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
+    assert any(nodes[1].pod in message and "HeartbeatExpired" in message for message in lost), lost
+    survivor = join_all(nodes[:1])
+    assert survivor == [(0, 1, nodes[0].addr, survivor[0][3])]

@@ -36,6 +36,7 @@ class World:
     status: RendezvousStatus = dataclasses.field(default_factory=RendezvousStatus)
     pods: dict[str, rounds.PodObservation] = dataclasses.field(default_factory=dict)
     now: datetime.datetime = T0
+    liveness: rounds.Liveness | None = None
     history: list[rounds.Decision] = dataclasses.field(default_factory=list)
     instances: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
@@ -66,7 +67,9 @@ class World:
         self.now += datetime.timedelta(seconds=seconds)
 
     def decide(self) -> rounds.Decision:
-        decision = rounds.decide(self.spec, self.status, self.pods, self.now)
+        decision = rounds.decide(
+            self.spec, self.status, self.pods, self.now, liveness=self.liveness
+        )
         self.status = decision.status
         self.history.append(decision)
         return decision
@@ -75,8 +78,11 @@ class World:
         return [member.node for member in self.status.members]
 
 
-def spec(min_nodes: int, max_nodes: int, last_call: int = 30) -> RendezvousSpec:
-    return RendezvousSpec(min_nodes, max_nodes, "run", last_call_timeout_seconds=last_call)
+def spec(min_nodes: int, max_nodes: int, last_call: int = 30, heartbeat: int = 30) -> RendezvousSpec:
+    return RendezvousSpec(
+        min_nodes, max_nodes, "run", last_call_timeout_seconds=last_call,
+        heartbeat_timeout_seconds=heartbeat,
+    )
 
 
 def test_round_seals_when_max_nodes_join() -> None:
@@ -282,6 +288,45 @@ def test_conditions_track_state_and_keep_transition_time() -> None:
     world.decide()
     again = next(c for c in world.status.conditions if c.type == rounds.CONDITION_READY)
     assert again.last_transition_time == ready.last_transition_time
+
+
+def test_member_without_heartbeats_expires_after_the_timeout_and_wakes_the_operator() -> None:
+    world = World(spec(1, 2, heartbeat=9), liveness=rounds.Liveness({}, since=T0))
+    world.join("a")
+    world.join("b")
+    decision = world.decide()
+    assert decision.sealed
+    assert decision.wake_at == T0 + datetime.timedelta(seconds=9)
+    beat_a = rounds.Heartbeat(world.status.nodes["a"].instance, T0 + datetime.timedelta(seconds=8))
+    world.liveness = rounds.Liveness({"a": beat_a}, since=T0)
+    world.tick(8.9)
+    assert world.decide().wake_at == T0 + datetime.timedelta(seconds=9)
+    world.tick(0.1)
+    decision = world.decide()
+    assert [(loss.node, loss.reason) for loss in decision.losses] == [
+        ("b", rounds.LOST_HEARTBEAT_EXPIRED)
+    ]
+    assert decision.wake_at == T0 + datetime.timedelta(seconds=17), "a's next expiry"
+
+
+def test_heartbeat_of_a_previous_agent_instance_does_not_count() -> None:
+    world = World(spec(1, 1, heartbeat=9), liveness=rounds.Liveness({}, since=T0))
+    world.join("a")
+    world.decide()
+    stale = rounds.Heartbeat("some-older-instance", T0 + datetime.timedelta(seconds=100))
+    world.liveness = rounds.Liveness({"a": stale}, since=T0)
+    world.tick(10)
+    assert [loss.reason for loss in world.decide().losses] == [rounds.LOST_HEARTBEAT_EXPIRED]
+
+
+def test_operator_restart_gives_members_a_full_heartbeat_period() -> None:
+    world = World(spec(1, 1, heartbeat=9))
+    world.join("a")
+    world.decide()
+    world.tick(60)  # the operator was down for a minute and saw no renewals
+    world.liveness = rounds.Liveness({}, since=world.now)
+    world.tick(8)
+    assert world.decide().losses == ()
 
 
 def test_decision_is_a_fixed_point() -> None:
