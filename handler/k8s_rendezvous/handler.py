@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-import torch.distributed as dist
+# Exported by torch.distributed at run time but missing from its type stubs.
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandler,
@@ -66,8 +67,9 @@ def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, s
 
 def _route_address(towards: str | None) -> str:
     """The local address that routes to the API server: no DNS involved."""
-    with socket.socket(socket.AF_INET6 if towards and ":" in towards else socket.AF_INET,
-                       socket.SOCK_DGRAM) as probe:
+    with socket.socket(
+        socket.AF_INET6 if towards and ":" in towards else socket.AF_INET, socket.SOCK_DGRAM
+    ) as probe:
         probe.connect((towards or "10.255.255.255", 443))
         return str(probe.getsockname()[0])
 
@@ -253,8 +255,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._joined: _Joined | None = None
         self._watcher = RoundWatcher(client)
         self._heartbeat = Heartbeat(client, node, self._instance)
-        self._store_server: dist.TCPStore | None = None
-        self._store_clients: dict[tuple[str, int], dist.Store] = {}
+        self._store_server: TCPStore | None = None
+        self._store_clients: dict[tuple[str, int], Store] = {}
         self._spec_checked = False
         self._closed_locally = False
 
@@ -313,9 +315,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._watcher.offer(obj)
         spec = self._check_spec(obj)
         self._heartbeat.start(spec)
-        log.info(
-            "node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt
-        )
+        log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)
 
         def included_or_closed(status: state.RendezvousStatus) -> bool:
             return status.state is state.RoundState.CLOSED or (
@@ -332,11 +332,17 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._joined = _Joined(status.round, rank)
         log.info(
             "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
-            self._node, rank, status.world_size, status.round, self._client.reference,
-            status.master.endpoint, time.monotonic() - started,
+            self._node,
+            rank,
+            status.world_size,
+            status.round,
+            self._client.reference,
+            status.master.endpoint,
+            time.monotonic() - started,
         )
-        store = dist.PrefixStore(
-            f"torch.rendezvous.{self._run_id}.{status.round}", self._round_store(status.master, rank)
+        store = PrefixStore(
+            f"torch.rendezvous.{self._run_id}.{status.round}",
+            self._round_store(status.master, rank),
         )
         return RendezvousInfo(
             store,
@@ -383,7 +389,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
     def _ensure_store_server(self) -> int:
         if self._store_server is None:
-            self._store_server = dist.TCPStore(
+            self._store_server = TCPStore(
                 host_name=self._addr,
                 port=0,
                 is_master=True,
@@ -393,13 +399,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
         return int(self._store_server.port)
 
-    def _round_store(self, master: state.Master, rank: int) -> dist.Store:
+    def _round_store(self, master: state.Master, rank: int) -> Store:
         if rank == 0:
             assert self._store_server is not None
             return self._store_server
         endpoint = (master.addr, master.port)
         if endpoint not in self._store_clients:
-            self._store_clients[endpoint] = dist.TCPStore(
+            self._store_clients[endpoint] = TCPStore(
                 host_name=master.addr,
                 port=master.port,
                 is_master=False,
@@ -408,7 +414,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._store_clients[endpoint]
 
     def _write_intent(self, intent: state.NodeIntent) -> None:
-        port = self._ensure_store_server() if self._store_server is None else int(self._store_server.port)
+        port = (
+            self._ensure_store_server()
+            if self._store_server is None
+            else int(self._store_server.port)
+        )
         entry = state.NodeEntry(self._instance, max(self._attempt, 1), self._addr, port, intent)
         self._watcher.offer(self._client.write_entry(self._node, entry))
 
@@ -424,12 +434,17 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             if spec.run_id != self._run_id:
                 log.warning(
                     "%s has runId %r but torchrun was given --rdzv-id=%r; the resource wins",
-                    self._client.reference, spec.run_id, self._run_id,
+                    self._client.reference,
+                    spec.run_id,
+                    self._run_id,
                 )
             if (spec.min_nodes, spec.max_nodes) != self._nnodes:
                 log.warning(
                     "%s admits %d:%d nodes but torchrun was given --nnodes=%d:%d; the "
-                    "resource wins", self._client.reference, spec.min_nodes, spec.max_nodes,
+                    "resource wins",
+                    self._client.reference,
+                    spec.min_nodes,
+                    spec.max_nodes,
                     *self._nnodes,
                 )
             from_spec = {
@@ -441,7 +456,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 if from_spec[key] != value:
                     log.warning(
                         "%s sets %s=%d but --rdzv-conf gave %s=%d; the resource wins",
-                        self._client.reference, key, from_spec[key], key, value,
+                        self._client.reference,
+                        key,
+                        from_spec[key],
+                        key,
+                        value,
                     )
         return spec
 
@@ -453,7 +472,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             name for name, other in status.nodes.items() if other.intent is state.NodeIntent.JOIN
         )
         missing = sorted(
-            m.node for m in status.members
+            m.node
+            for m in status.members
             if (other := status.nodes.get(m.node)) is None or m.admits(other)
         )
         try:

@@ -16,11 +16,11 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import urllib3
 from kubernetes import client, config, watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import state
 from k8s_rendezvous.errors import (
@@ -58,12 +58,20 @@ def load_api_client() -> client.ApiClient:
     """In a pod, its service account; elsewhere, the current kubeconfig context."""
     configuration = client.Configuration()
     directory = service_account_dir()
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and (directory / "token").exists():
-        config.incluster_config.InClusterConfigLoader(
-            token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt")
-        ).load_and_set(configuration)
-    else:
-        config.load_kube_config(client_configuration=configuration)
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and (directory / "token").exists():
+            loader = config.incluster_config.InClusterConfigLoader(  # type: ignore[no-untyped-call]
+                token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt")
+            )
+            loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except (config.ConfigException, OSError) as error:
+        raise KubernetesRendezvousConnectionError(
+            f"could not load Kubernetes credentials ({error}). In a pod, mount the service "
+            f"account token (automountServiceAccountToken) at {directory}; elsewhere, set "
+            "KUBECONFIG."
+        ) from error
     return client.ApiClient(configuration)
 
 
@@ -93,7 +101,7 @@ class RendezvousClient:
         return f"Rendezvous {self.namespace}/{self.name}"
 
     def get(self) -> dict[str, Any]:
-        return self._call(
+        return self._call_for_object(
             "read",
             lambda: self._api.get_namespaced_custom_object(
                 state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
@@ -107,10 +115,15 @@ class RendezvousClient:
         the patch to the latest object itself instead of failing with a conflict.
         """
         body = {"status": {"nodes": {node: entry.to_dict()}}}
-        return self._call(
+        return self._call_for_object(
             f"write the entry of node {node!r} in",
             lambda: self._api.patch_namespaced_custom_object_status(
-                state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name, body,
+                state.GROUP,
+                state.VERSION,
+                self.namespace,
+                state.PLURAL,
+                self.name,
+                body,
                 _content_type=_MERGE_PATCH,
             ),
         )
@@ -133,7 +146,9 @@ class RendezvousClient:
         def renew() -> None:
             try:
                 self._leases.patch_namespaced_lease(
-                    name, self.namespace, {"metadata": metadata, "spec": spec},
+                    name,
+                    self.namespace,
+                    {"metadata": metadata, "spec": spec},
                     _content_type=_MERGE_PATCH,
                 )
             except ApiException as error:
@@ -141,18 +156,25 @@ class RendezvousClient:
                     raise
                 self._leases.create_namespaced_lease(
                     self.namespace,
-                    {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                     "metadata": metadata, "spec": spec},
+                    {  # type: ignore[arg-type]  # plain dicts are sent as they are
+                        "apiVersion": "coordination.k8s.io/v1",
+                        "kind": "Lease",
+                        "metadata": metadata,
+                        "spec": spec,
+                    },
                 )
 
         self._call(f"renew the heartbeat Lease {name} of", renew)
 
     def list_unless(self, round_key: str | None) -> tuple[dict[str, Any] | None, str]:
         """The object if its round key differs from ``round_key``, and the list's version."""
-        result = self._call(
+        result = self._call_for_object(
             "list",
             lambda: self._api.list_namespaced_custom_object(
-                state.GROUP, state.VERSION, self.namespace, state.PLURAL,
+                state.GROUP,
+                state.VERSION,
+                self.namespace,
+                state.PLURAL,
                 field_selector=self._selector(round_key),
             ),
         )
@@ -167,9 +189,12 @@ class RendezvousClient:
         Raises ``ApiException`` (410 when ``resource_version`` is too old) and transport
         errors unmapped: the caller's loop re-lists and retries.
         """
-        stream = watch.Watch().stream(
+        stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
             self._api.list_namespaced_custom_object,
-            state.GROUP, state.VERSION, self.namespace, state.PLURAL,
+            state.GROUP,
+            state.VERSION,
+            self.namespace,
+            state.PLURAL,
             field_selector=self._selector(round_key),
             resource_version=resource_version,
             allow_watch_bookmarks=True,
@@ -184,6 +209,9 @@ class RendezvousClient:
         if round_key is not None:
             selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
         return selector
+
+    def _call_for_object(self, what: str, request: Callable[[], object]) -> dict[str, Any]:
+        return cast(dict[str, Any], self._call(what, request))
 
     def _call(self, what: str, request: Callable[[], _T]) -> _T:
         deadline = time.monotonic() + self.retry_seconds

@@ -190,8 +190,11 @@ class RendezvousSpec:
                 data, "closeTimeoutSeconds", field, default=DEFAULT_CLOSE_TIMEOUT_SECONDS
             ),
             heartbeat_timeout_seconds=_int(
-                data, "heartbeatTimeoutSeconds", field,
-                default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS, minimum=MIN_HEARTBEAT_TIMEOUT_SECONDS,
+                data,
+                "heartbeatTimeoutSeconds",
+                field,
+                default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+                minimum=MIN_HEARTBEAT_TIMEOUT_SECONDS,
             ),
         )
         if spec.min_nodes > spec.max_nodes:
@@ -270,7 +273,9 @@ class Member:
     def from_dict(cls, value: object, field: str, rank: int | None) -> Member:
         data = _mapping(value, field)
         if rank is not None and data.get("rank") != rank:
-            raise DecodeError(f"{field}.rank: expected {rank} (its position), got {data.get('rank')!r}")
+            raise DecodeError(
+                f"{field}.rank: expected {rank} (its position), got {data.get('rank')!r}"
+            )
         return cls(
             node=_str(data, "node", field),
             instance=_str(data, "instance", field),
@@ -333,7 +338,9 @@ class Condition:
             status=_str(data, "status", field),
             reason=_str(data, "reason", field),
             message=_str(data, "message", field, default=""),
-            last_transition_time=parse_time(data.get("lastTransitionTime"), f"{field}.lastTransitionTime"),
+            last_transition_time=parse_time(
+                data.get("lastTransitionTime"), f"{field}.lastTransitionTime"
+            ),
             observed_generation=_int(data, "observedGeneration", field, default=0),
         )
 
@@ -460,7 +467,9 @@ class RendezvousStatus:
             state=_enum(RoundState, data, "state", field),
             round=_int(data, "round", field, default=0),
             members=members,
-            master=None if master_data is None else Master.from_dict(master_data, f"{field}.master"),
+            master=None
+            if master_data is None
+            else Master.from_dict(master_data, f"{field}.master"),
             nodes_waiting=_int(data, "nodesWaiting", field, default=0),
             forming_since=optional_time("formingSince"),
             last_call_deadline=optional_time("lastCallDeadline"),

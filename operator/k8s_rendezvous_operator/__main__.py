@@ -13,11 +13,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Seal elastic PyTorch rendezvous rounds kept in Rendezvous resources.",
     )
     parser.add_argument(
-        "-n", "--namespace", action="append", default=[],
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
         help="watch only this namespace (repeatable); default: the whole cluster",
     )
     parser.add_argument(
-        "--liveness", default="http://0.0.0.0:8080/healthz",
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint URL, or '' to disable (default: %(default)s)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")

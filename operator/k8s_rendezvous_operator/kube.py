@@ -6,10 +6,10 @@ Calls are blocking (the official client); the reconciler runs them in worker thr
 from __future__ import annotations
 
 import os
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import state
 
@@ -27,9 +27,9 @@ class NotFound(Exception):
 def load_api_client() -> client.ApiClient:
     configuration = client.Configuration()
     if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config(client_configuration=configuration)
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     else:
-        config.load_kube_config(client_configuration=configuration)
+        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     # Many rendezvous may reconcile at once; do not queue them behind a tiny pool.
     configuration.connection_pool_maxsize = 32
     return client.ApiClient(configuration)
@@ -42,13 +42,14 @@ class OperatorApi:
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         try:
-            return self._custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            found = self._custom.get_namespaced_custom_object(
                 state.GROUP, state.VERSION, namespace, state.PLURAL, name
             )
         except ApiException as error:
             if error.status == 404:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             raise
+        return cast(dict[str, Any], found)
 
     def write_status(
         self, namespace: str, name: str, resource_version: str, fields: dict[str, Any]
@@ -58,8 +59,13 @@ class OperatorApi:
         """
         body = {"metadata": {"resourceVersion": resource_version}, "status": fields}
         try:
-            return self._custom.patch_namespaced_custom_object_status(  # type: ignore[no-any-return]
-                state.GROUP, state.VERSION, namespace, state.PLURAL, name, body,
+            written = self._custom.patch_namespaced_custom_object_status(
+                state.GROUP,
+                state.VERSION,
+                namespace,
+                state.PLURAL,
+                name,
+                body,
                 _content_type=_MERGE_PATCH,
             )
         except ApiException as error:
@@ -68,6 +74,7 @@ class OperatorApi:
             if error.status == 404:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             raise
+        return cast(dict[str, Any], written)
 
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> None:
         """Label a node's pod so the operator's server-side filtered pod watch sees it."""

@@ -12,7 +12,7 @@ import asyncio
 import datetime
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -66,7 +66,9 @@ class Reconciler:
         self._remember(key, body)
         self.request(key)
 
-    def pod_seen(self, key: Key, observation: rounds.PodObservation, rendezvous: str | None) -> None:
+    def pod_seen(
+        self, key: Key, observation: rounds.PodObservation, rendezvous: str | None
+    ) -> None:
         if self._pods.get(key) == observation:
             return
         self._pods[key] = observation
@@ -130,7 +132,11 @@ class Reconciler:
                 spec = state.RendezvousSpec.from_dict(body.get("spec"))
                 current = state.RendezvousStatus.from_dict(body.get("status"))
             except state.DecodeError as error:
-                kopf.warn(body, reason="InvalidRendezvous", message=f"cannot be read: {error}")
+                kopf.warn(
+                    kopf.Body(cast(kopf.RawBody, body)),
+                    reason="InvalidRendezvous",
+                    message=f"cannot be read: {error}",
+                )
                 log.warning("Rendezvous %s/%s cannot be read: %s", namespace, name, error)
                 return
             self._label_pods(namespace, name, current)
@@ -149,7 +155,11 @@ class Reconciler:
             )
             now = self._clock()
             decision = rounds.decide(
-                spec, current, pods, now, liveness=liveness,
+                spec,
+                current,
+                pods,
+                now,
+                liveness=liveness,
                 generation=int(body["metadata"].get("generation", 0)),
             )
             fields = decision.status.operator_fields()
@@ -157,7 +167,10 @@ class Reconciler:
                 try:
                     written = await asyncio.to_thread(
                         self._api.write_status,
-                        namespace, name, body["metadata"]["resourceVersion"], fields,
+                        namespace,
+                        name,
+                        body["metadata"]["resourceVersion"],
+                        fields,
                     )
                 except kube.Conflict:
                     fresh = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
@@ -181,9 +194,10 @@ class Reconciler:
     ) -> None:
         """Events after the write succeeded, where `kubectl describe` shows them."""
         status = decision.status
+        target = kopf.Body(cast(kopf.RawBody, dict(body)))
         for loss in decision.losses:
             kopf.warn(
-                body,
+                target,
                 reason="MemberLost",
                 message=f"pod {loss.node} (rank {loss.rank} of round {previous.round}) "
                 f"left the round: {loss.reason}",
@@ -191,23 +205,28 @@ class Reconciler:
         if decision.sealed and status.master is not None:
             took = ""
             if previous.forming_since is not None:
-                took = f" {(now - previous.forming_since).total_seconds():.3f} s after the first join;"
+                took = (
+                    f" {(now - previous.forming_since).total_seconds():.3f} s after the first join;"
+                )
             names = ", ".join(member.node for member in status.members[:8])
             more = f" and {status.world_size - 8} more" if status.world_size > 8 else ""
             kopf.info(
-                body,
+                target,
                 reason="RoundSealed",
                 message=f"round {status.round} sealed with {status.world_size} nodes "
                 f"({names}{more});{took} master {status.master.endpoint}",
             )
             log.info(
                 "Rendezvous %s/%s: round %d sealed with %d nodes, master %s",
-                body["metadata"].get("namespace"), body["metadata"]["name"],
-                status.round, status.world_size, status.master.endpoint,
+                body["metadata"].get("namespace"),
+                body["metadata"]["name"],
+                status.round,
+                status.world_size,
+                status.master.endpoint,
             )
         if decision.closed:
             kopf.info(
-                body,
+                target,
                 reason="Closed",
                 message=f"{status.closed_reason}: {status.closed_message}",
             )
@@ -249,10 +268,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 
 @kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
 async def rendezvous_event(
-    event: Mapping[str, Any], body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
     reconciler.rendezvous_seen(
         (namespace, name), dict(body), deleted=event.get("type") == "DELETED"
     )
@@ -260,24 +284,35 @@ async def rendezvous_event(
 
 @kopf.on.event("", "v1", "pods", labels={state.NODE_LABEL: kopf.PRESENT})
 async def pod_event(
-    event: Mapping[str, Any], body: kopf.Body, namespace: str, name: str,
-    labels: Mapping[str, str], memo: kopf.Memo, **_: Any,
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
     observation = observe.observe_pod(body, deleted=event.get("type") == "DELETED")
     reconciler.pod_seen((namespace, name), observation, labels.get(state.NODE_LABEL))
 
 
-
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={state.NODE_LABEL: kopf.PRESENT})
 async def lease_event(
-    event: Mapping[str, Any], body: kopf.Body, namespace: str,
-    annotations: Mapping[str, str], memo: kopf.Memo, **_: Any,
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    annotations: Mapping[str, str],
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
     node = (body.get("spec") or {}).get("holderIdentity")
     if node:
         reconciler.heartbeat_seen(
-            (namespace, node), annotations.get(state.INSTANCE_ANNOTATION),
+            (namespace, node),
+            annotations.get(state.INSTANCE_ANNOTATION),
             deleted=event.get("type") == "DELETED",
         )

@@ -188,15 +188,32 @@ def _with_conditions(
     conditions = status.conditions
     if status.state is RoundState.CLOSED:
         conditions = set_condition(
-            conditions, CONDITION_CLOSED, True, status.closed_reason or "Closed",
-            status.closed_message or "", now, generation,
+            conditions,
+            CONDITION_CLOSED,
+            True,
+            status.closed_reason or "Closed",
+            status.closed_message or "",
+            now,
+            generation,
         )
         conditions = set_condition(
-            conditions, CONDITION_READY, False, "Closed", "the rendezvous is closed", now, generation
+            conditions,
+            CONDITION_READY,
+            False,
+            "Closed",
+            "the rendezvous is closed",
+            now,
+            generation,
         )
     else:
         conditions = set_condition(
-            conditions, CONDITION_CLOSED, False, "Open", "rounds can still be formed", now, generation
+            conditions,
+            CONDITION_CLOSED,
+            False,
+            "Open",
+            "rounds can still be formed",
+            now,
+            generation,
         )
         if status.state is RoundState.SEALED:
             master = status.master.endpoint if status.master else "none"
@@ -212,9 +229,7 @@ def _with_conditions(
     return dataclasses.replace(status, conditions=conditions, observed_generation=generation)
 
 
-def _closed(
-    status: RendezvousStatus, reason: str, message: str
-) -> RendezvousStatus:
+def _closed(status: RendezvousStatus, reason: str, message: str) -> RendezvousStatus:
     return dataclasses.replace(
         status,
         state=RoundState.CLOSED,
@@ -253,7 +268,9 @@ def decide(
     if status.state is RoundState.CLOSED:
         return Decision(_with_conditions(status, now, generation))
 
-    closer = next((n for n, e in sorted(status.nodes.items()) if e.intent is NodeIntent.CLOSE), None)
+    closer = next(
+        (n for n, e in sorted(status.nodes.items()) if e.intent is NodeIntent.CLOSE), None
+    )
     if closer is not None:
         closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
         return Decision(_with_conditions(closed, now, generation), closed=True)
@@ -261,8 +278,10 @@ def decide(
     status = dataclasses.replace(
         status,
         left_behind=tuple(
-            m for m in status.left_behind
-            if (entry := status.nodes.get(m.node)) is not None and m.admits(entry)
+            m
+            for m in status.left_behind
+            if (entry := status.nodes.get(m.node)) is not None
+            and m.admits(entry)
             and not (pods.get(m.node) or PodObservation()).gone_reason
         ),
     )
@@ -277,8 +296,11 @@ def decide(
         for rank, member in enumerate(status.members)
         if (
             reason := _loss_reason(
-                member, status.nodes.get(member.node), pods.get(member.node),
-                expiries.get(member.node), now,
+                member,
+                status.nodes.get(member.node),
+                pods.get(member.node),
+                expiries.get(member.node),
+                now,
             )
         )
     )

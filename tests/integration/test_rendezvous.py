@@ -40,7 +40,12 @@ def join_all(nodes: list[Node]) -> list[tuple[int, int, str, int]]:
     joins = [node.join_in_background() for node in nodes]
     infos = [joining.wait() for joining in joins]
     return [
-        (i.rank, i.world_size, i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+        (
+            i.rank,
+            i.world_size,
+            i.bootstrap_store_info.master_addr,
+            i.bootstrap_store_info.master_port,
+        )
         for i in infos
     ]
 
@@ -49,8 +54,10 @@ def test_crd_rejects_min_above_max_with_the_rules_message(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str
 ) -> None:
     body = {
-        "apiVersion": state.API_VERSION, "kind": state.KIND,
-        "metadata": {"name": "bad"}, "spec": {"minNodes": 3, "maxNodes": 2, "runId": "r"},
+        "apiVersion": state.API_VERSION,
+        "kind": state.KIND,
+        "metadata": {"name": "bad"},
+        "spec": {"minNodes": 3, "maxNodes": 2, "runId": "r"},
     }
     with pytest.raises(ApiException) as error:
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
@@ -60,11 +67,17 @@ def test_crd_rejects_min_above_max_with_the_rules_message(
     assert "minNodes must be less than or equal to maxNodes" in str(error.value.body)
 
 
-def test_run_id_is_immutable(make_rendezvous: MakeRendezvous, admin_api: kubernetes.client.ApiClient) -> None:
+def test_run_id_is_immutable(
+    make_rendezvous: MakeRendezvous, admin_api: kubernetes.client.ApiClient
+) -> None:
     rdzv = make_rendezvous(1, 1)
     with pytest.raises(ApiException) as error:
         kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object(
-            state.GROUP, state.VERSION, rdzv.namespace, state.PLURAL, rdzv.name,
+            state.GROUP,
+            state.VERSION,
+            rdzv.namespace,
+            state.PLURAL,
+            rdzv.name,
             {"spec": {"runId": "other"}},
         )
     assert "runId is immutable" in str(error.value.body)
@@ -79,7 +92,7 @@ def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
     ranks = sorted(rank for rank, *_ in results)
     assert ranks == [0, 1, 2]
     assert {world for _, world, *_ in results} == {3}
-    rank0 = next(node for node, (rank, *_) in zip(nodes, results) if rank == 0)
+    rank0 = next(node for node, (rank, *_) in zip(nodes, results, strict=True) if rank == 0)
     assert {(addr, port) for *_, addr, port in results} == {
         (rank0.addr, rank0.handler._store_server.port)  # type: ignore[union-attr]
     }
@@ -115,7 +128,7 @@ def test_32_nodes_joining_at_once_get_32_distinct_ranks(
     assert {world for _, world, *_ in results} == {32}
     status = rdzv.status()
     assert status.round == 1, "exactly one round for one wave of joins"
-    returned = {node.pod: rank for node, (rank, *_) in zip(nodes, results)}
+    returned = {node.pod: rank for node, (rank, *_) in zip(nodes, results, strict=True)}
     assert returned == {member.node: rank for rank, member in enumerate(status.members)}
 
 
@@ -149,16 +162,20 @@ def test_deleted_pod_is_dropped_and_survivors_reform_fast(
     delete_pod(admin_api, rdzv.namespace, victim.pod)
     survivors = nodes[:2]
     wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors), 10,
-        "survivors told to re-rendezvous", interval=0.02,
+        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
+        10,
+        "survivors told to re-rendezvous",
+        interval=0.02,
     )
     results = join_all(survivors)
     assert sorted(rank for rank, *_ in results) == [0, 1]
     status = rdzv.status()
     assert status.round == 2 and victim.pod not in {m.node for m in status.members}
     lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
-    assert any(victim.pod in message and "PodDeleted" in message or "PodTerminating" in message
-               for message in lost), lost
+    assert any(
+        (victim.pod in message and "PodDeleted" in message) or "PodTerminating" in message
+        for message in lost
+    ), lost
 
 
 def test_rank0_loss_hands_every_survivor_the_new_master(
@@ -166,14 +183,18 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
 ) -> None:
     rdzv = make_rendezvous(1, 3)
     nodes = make_nodes(rdzv, 3)
-    first = dict(zip((n.pod for n in nodes), join_all(nodes)))
+    first = dict(zip((n.pod for n in nodes), join_all(nodes), strict=True))
     rank0 = next(n for n in nodes if first[n.pod][0] == 0)
     delete_pod(admin_api, rdzv.namespace, rank0.pod)
     survivors = [n for n in nodes if n is not rank0]
-    wait_for(lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors), 10,
-             "survivors told to re-rendezvous", interval=0.02)
+    wait_for(
+        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
+        10,
+        "survivors told to re-rendezvous",
+        interval=0.02,
+    )
     results = join_all(survivors)
-    new_rank0 = next(n for n, r in zip(survivors, results) if r[0] == 0)
+    new_rank0 = next(n for n, r in zip(survivors, results, strict=True) if r[0] == 0)
     assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
     assert {(addr, port) for *_, addr, port in results} == {
         (new_rank0.addr, new_rank0.handler._store_server.port)  # type: ignore[union-attr]
@@ -185,17 +206,21 @@ def test_scale_up_is_signalled_and_rank0_stays(
 ) -> None:
     rdzv = make_rendezvous(2, 3, lastCallTimeoutSeconds=1)
     running = make_nodes(rdzv, 2)
-    before = dict(zip((n.pod for n in running), join_all(running)))
+    before = dict(zip((n.pod for n in running), join_all(running), strict=True))
     assert all(n.handler.num_nodes_waiting() == 0 for n in running)
     newcomer = make_nodes(rdzv, 1)[0]
     late = newcomer.join_in_background()
-    wait_for(lambda: all(n.handler.num_nodes_waiting() > 0 for n in running), 10,
-             "running nodes see the newcomer", interval=0.02)
+    wait_for(
+        lambda: all(n.handler.num_nodes_waiting() > 0 for n in running),
+        10,
+        "running nodes see the newcomer",
+        interval=0.02,
+    )
     results = join_all(running)
     late_info = late.wait()
     assert late_info.world_size == 3 and late_info.rank == 2, "newcomers are appended"
     rank0 = next(pod for pod, r in before.items() if r[0] == 0)
-    assert dict(zip((n.pod for n in running), results))[rank0][0] == 0
+    assert dict(zip((n.pod for n in running), results, strict=True))[rank0][0] == 0
 
 
 def test_nodes_beyond_max_wait_without_disturbing_the_round(
@@ -207,8 +232,9 @@ def test_nodes_beyond_max_wait_without_disturbing_the_round(
     spare = make_nodes(rdzv, 1)[0]
     waiting = spare.join_in_background()
     rdzv.wait(lambda s: spare.pod in s.nodes, "spare joined")
-    status = rdzv.wait(lambda s: s.state is state.RoundState.SEALED and s.nodes_waiting == 0,
-                       "round stays sealed")
+    status = rdzv.wait(
+        lambda s: s.state is state.RoundState.SEALED and s.nodes_waiting == 0, "round stays sealed"
+    )
     assert status.round == 1
     assert all(n.handler.num_nodes_waiting() == 0 for n in nodes)
     delete_pod(admin_api, rdzv.namespace, nodes[1].pod)
@@ -275,15 +301,18 @@ def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
 
 
 def test_pod_without_the_worker_role_is_told_how_to_fix_it(
-    make_rendezvous: MakeRendezvous, control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient
+    make_rendezvous: MakeRendezvous,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
 ) -> None:
     rdzv = make_rendezvous(1, 1)
     kubernetes.client.CoreV1Api(admin_api).create_namespaced_service_account(
         rdzv.namespace, {"metadata": {"name": "no-role"}}
     )
     pod = create_pods(admin_api, rdzv.namespace, ["unbound"], service_account="no-role")[0]
-    token = control_plane.token_for(rdzv.namespace, "no-role", pod_name="unbound",
-                                    pod_uid=pod["metadata"]["uid"])
+    token = control_plane.token_for(
+        rdzv.namespace, "no-role", pod_name="unbound", pod_uid=pod["metadata"]["uid"]
+    )
     client = kube.RendezvousClient(
         control_plane.client_for_token(token), rdzv.namespace, rdzv.name, retry_seconds=2
     )

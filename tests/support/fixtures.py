@@ -38,8 +38,13 @@ def rendezvous_crd(control_plane: ControlPlane) -> None:
 def workers_namespace(namespace: str, control_plane: ControlPlane, rendezvous_crd: None) -> str:
     """A namespace whose `default` ServiceAccount may use the rendezvous (worker role)."""
     control_plane.kubectl(
-        "-n", namespace, "create", "rolebinding", "k8s-rendezvous-worker",
-        "--clusterrole=k8s-rendezvous-worker", f"--serviceaccount={namespace}:default",
+        "-n",
+        namespace,
+        "create",
+        "rolebinding",
+        "k8s-rendezvous-worker",
+        "--clusterrole=k8s-rendezvous-worker",
+        f"--serviceaccount={namespace}:default",
     )
     return namespace
 
@@ -151,25 +156,32 @@ class Joining:
 
 
 def create_pods(
-    api: kubernetes.client.ApiClient, namespace: str, names: list[str],
+    api: kubernetes.client.ApiClient,
+    namespace: str,
+    names: list[str],
     service_account: str = "default",
 ) -> list[dict[str, Any]]:
     """Bare pods, scheduled by kube-scheduler onto kwok nodes; returns them Running."""
     core = kubernetes.client.CoreV1Api(api)
     for name in names:
-        core.create_namespaced_pod(namespace, {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
-                "restartPolicy": "Never",
-                "serviceAccountName": service_account,
+        core.create_namespaced_pod(
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name},
+                "spec": {
+                    "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
+                    "restartPolicy": "Never",
+                    "serviceAccountName": service_account,
+                },
             },
-        })
+        )
 
     def running() -> list[dict[str, Any]] | None:
-        pods = [api.sanitize_for_serialization(core.read_namespaced_pod(n, namespace)) for n in names]
+        pods = [
+            api.sanitize_for_serialization(core.read_namespaced_pod(n, namespace)) for n in names
+        ]
         ok = all(p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in pods)
         return pods if ok else None
 
@@ -187,8 +199,14 @@ def make_nodes(
     created: list[Node] = []
     counter = iter(range(10_000))
 
-    def make(rendezvous: Rendezvous, count: int, *, min_nodes: int = 1, max_nodes: int = 1,
-             read_timeout: int = 20) -> list[Node]:
+    def make(
+        rendezvous: Rendezvous,
+        count: int,
+        *,
+        min_nodes: int = 1,
+        max_nodes: int = 1,
+        read_timeout: int = 20,
+    ) -> list[Node]:
         names = [f"node-{next(counter)}" for _ in range(count)]
         nodes = []
         for pod in create_pods(admin_api, workers_namespace, names):
@@ -203,8 +221,13 @@ def make_nodes(
             # Distinct loopback addresses stand in for pod IPs: the stores must be reachable.
             addr = f"127.0.0.{len(created) + 2}"
             handler = KubernetesRendezvousHandler(
-                client, run_id=rendezvous.name, node=name, addr=addr,
-                min_nodes=min_nodes, max_nodes=max_nodes, read_timeout=read_timeout,
+                client,
+                run_id=rendezvous.name,
+                node=name,
+                addr=addr,
+                min_nodes=min_nodes,
+                max_nodes=max_nodes,
+                read_timeout=read_timeout,
             )
             node = Node(name, addr, handler, api)
             created.append(node)

@@ -46,8 +46,10 @@ class World:
     def join(self, node: str) -> NodeEntry:
         """``next_rendezvous()`` of the node's agent (a new one if it has none)."""
         old = self.status.nodes.get(node)
-        if old is None or old.intent is not NodeIntent.JOIN and old.intent is not NodeIntent.LEAVE:
-            entry = NodeEntry(f"i{next(self.instances)}", 1, f"10.0.0.{len(self.status.nodes)}", 29500)
+        if old is None or old.intent is NodeIntent.CLOSE:
+            entry = NodeEntry(
+                f"i{next(self.instances)}", 1, f"10.0.0.{len(self.status.nodes)}", 29500
+            )
         else:
             entry = dataclasses.replace(old, attempt=old.attempt + 1, intent=NodeIntent.JOIN)
         self.write(node, entry)
@@ -78,9 +80,14 @@ class World:
         return [member.node for member in self.status.members]
 
 
-def spec(min_nodes: int, max_nodes: int, last_call: int = 30, heartbeat: int = 30) -> RendezvousSpec:
+def spec(
+    min_nodes: int, max_nodes: int, last_call: int = 30, heartbeat: int = 30
+) -> RendezvousSpec:
     return RendezvousSpec(
-        min_nodes, max_nodes, "run", last_call_timeout_seconds=last_call,
+        min_nodes,
+        max_nodes,
+        "run",
+        last_call_timeout_seconds=last_call,
         heartbeat_timeout_seconds=heartbeat,
     )
 
@@ -378,7 +385,9 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
         last_round = status.round
         if status.round:
             members = tuple(status.members)
-            assert sealed_rounds.setdefault(status.round, members) == members, "sealed round changed"
+            assert sealed_rounds.setdefault(status.round, members) == members, (
+                "sealed round changed"
+            )
             names = [m.node for m in members]
             assert len(set(names)) == len(names), "a node holds two ranks"
             if status.state is RoundState.SEALED:
@@ -394,13 +403,20 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
         for name, entry in world.status.nodes.items()
         if entry.intent is NodeIntent.JOIN and world.pods[name].gone_reason is None
     ]
-    for _ in range(3):  # each agent left out re-joins, as its num_nodes_waiting() makes it
-        for name in live:
-            in_round = world.status.rank_of(name, world.status.nodes[name]) is not None
-            if not (in_round and world.status.state is RoundState.SEALED):
-                world.join(name)
-        world.decide()
-        world.tick(1000)
+    world.tick(1000)  # every last call has passed
+    for _ in range(len(NODES) + 1):  # agents react to a stale round by re-joining at once
+        stale = [
+            name
+            for name in live
+            if world.status.state is not RoundState.SEALED
+            or world.status.rank_of(name, world.status.nodes[name]) is None
+        ]
+        if world.status.state is RoundState.SEALED and len(stale) == len(live) - len(
+            world.status.members
+        ):
+            break  # only spares beyond maxNodes are left out
+        for name in stale:
+            world.join(name)
         world.decide()
     if len(live) >= bounds[0]:
         assert world.status.state is RoundState.SEALED

@@ -1,0 +1,115 @@
+"""The torchrun plugin: registration through the ``torchrun.handlers`` entry point exactly
+as torch does it, parameters from torchrun, and what importing the plugin costs.
+
+Aspects: torch's registry lists and builds the ``kubernetes`` backend; get_backend()
+matches the entry-point name (torch checks it); the endpoint forms; unknown --rdzv-conf
+keys are refused naming the valid ones; the plugin module imports neither the Kubernetes
+client nor kopf nor the operator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+
+from k8s_rendezvous import BACKEND_NAME, kube
+from k8s_rendezvous.handler import KubernetesRendezvousHandler, parse_endpoint
+
+
+@pytest.fixture
+def pod_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-cluster files of a pod (no server is contacted by building a handler)."""
+    (tmp_path / "token").write_text("token")
+    (tmp_path / "ca.crt").write_text("not checked until a request is made")
+    (tmp_path / "namespace").write_text("team-a")
+    monkeypatch.setenv(kube.SERVICE_ACCOUNT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    monkeypatch.setenv("POD_NAME", "trainer-0")
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+
+
+def params(endpoint: str = "job-a", **config: str) -> RendezvousParameters:
+    return RendezvousParameters(BACKEND_NAME, endpoint, "run-1", 2, 4, **config)
+
+
+def test_torch_registry_builds_our_handler(pod_env: None) -> None:
+    handler = rendezvous_handler_registry.create_handler(params(timeout="900"))
+    assert isinstance(handler, KubernetesRendezvousHandler)
+    assert handler.get_backend() == "kubernetes"
+    assert handler.get_run_id() == "run-1"
+    assert handler.use_agent_store is True
+    assert handler._client.namespace == "team-a" and handler._client.name == "job-a"
+    assert handler._addr == "10.1.2.3" and handler._node == "trainer-0"
+
+
+def test_local_addr_overrides_the_pod_ip(pod_env: None) -> None:
+    handler = KubernetesRendezvousHandler.from_parameters(
+        RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr="fd00::7")
+    )
+    assert handler._addr == "fd00::7"
+
+
+def test_broken_credentials_are_a_connection_error_that_says_where(
+    pod_env: None, tmp_path: Path
+) -> None:
+    (tmp_path / "token").unlink()
+    (tmp_path / "ca.crt").write_text("")
+    with pytest.raises(RendezvousConnectionError, match="credentials"):
+        KubernetesRendezvousHandler.from_parameters(params())
+
+
+def test_unknown_rdzv_conf_key_names_the_valid_ones(pod_env: None) -> None:
+    with pytest.raises(ValueError, match=r"unknown --rdzv-conf key.*keep_alive_interval") as error:
+        KubernetesRendezvousHandler.from_parameters(params(keep_alive_interval="1"))
+    assert "read_timeout" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [("job-a", ("own-ns", "job-a")), ("other/job-b", ("other", "job-b"))],
+)
+def test_endpoint_forms(endpoint: str, expected: tuple[str, str]) -> None:
+    assert parse_endpoint(endpoint, "own-ns") == expected
+
+
+@pytest.mark.parametrize("endpoint", ["", "Job_A", "host:29400", "a/b/c"])
+def test_malformed_endpoint_says_which_forms_work(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="use NAME or NAMESPACE/NAME"):
+        parse_endpoint(endpoint, "own-ns")
+
+
+def test_plugin_import_is_light_and_loads_no_operator_code() -> None:
+    probe = (
+        "import sys, json; import k8s_rendezvous.plugin as p; p.handler_creator();"
+        "import k8s_rendezvous.handler;"
+        "print(json.dumps({m: m in sys.modules for m in "
+        "('kubernetes', 'kopf', 'k8s_rendezvous_operator')}))"
+    )
+    light = subprocess.run(
+        [sys.executable, "-c", probe.replace("import k8s_rendezvous.handler;", "")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(light.stdout) == {
+        "kubernetes": False,
+        "kopf": False,
+        "k8s_rendezvous_operator": False,
+    }
+    full = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert json.loads(full.stdout) == {
+        "kubernetes": True,
+        "kopf": False,
+        "k8s_rendezvous_operator": False,
+    }
