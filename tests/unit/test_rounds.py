@@ -357,7 +357,7 @@ operations = st.lists(
 )
 
 
-@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.settings(max_examples=2000, deadline=None)
 @hypothesis.given(
     bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)).map(lambda b: (b[0], b[0] + b[1])),
     history=operations,
@@ -411,10 +411,9 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
             if world.status.state is not RoundState.SEALED
             or world.status.rank_of(name, world.status.nodes[name]) is None
         ]
-        if world.status.state is RoundState.SEALED and len(stale) == len(live) - len(
-            world.status.members
-        ):
-            break  # only spares beyond maxNodes are left out
+        full = world.status.world_size == bounds[1]
+        if world.status.state is RoundState.SEALED and (not stale or full):
+            break  # everyone is in, or only spares beyond maxNodes are left out
         for name in stale:
             world.join(name)
         world.decide()
