@@ -1,0 +1,42 @@
+# Everything a newcomer needs, from a fresh machine (Python 3.11 and Go on PATH).
+#   make demo   set up, then run an elastic torchrun job on a local real control plane
+#   make test   set up, then lint, type-check and run every test
+PYTHON ?= python3
+UV_VERSION := 0.13.9
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup venv binaries test lint demo cluster-up cluster-down
+
+setup: venv binaries
+
+venv: $(VENV)/.synced
+
+# uv installs the locked environment (torch included, for the tests) in seconds once its
+# cache is warm; the first time it downloads a few GB from PyPI.
+$(VENV)/.synced: pyproject.toml uv.lock
+	$(PYTHON) -m uv --version 2>/dev/null | grep -q "$(UV_VERSION)" || \
+		$(PYTHON) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+	$(PYTHON) -m uv sync --frozen
+	touch $@
+
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm,
+# built from the Go module proxy into ~/.cache/k8s-rendezvous (about 10 min cold).
+binaries:
+	tests/cluster/build.sh >/dev/null
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: setup lint
+	$(BIN)/pytest
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+cluster-up: setup
+	$(BIN)/python -m tests.cluster up
+
+cluster-down: venv
+	$(BIN)/python -m tests.cluster down
