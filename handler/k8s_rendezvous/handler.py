@@ -36,16 +36,19 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousClosedError,
     KubernetesRendezvousStateError,
     KubernetesRendezvousTimeoutError,
+    RendezvousNotFoundError,
 )
 
 log = logging.getLogger(__name__)
 
 DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
+_SPEC_TIMEOUT = "seconds; used if this node creates the Rendezvous, else its spec wins"
 CONFIG_KEYS: Final = {
     "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
-    "join_timeout": "used only to compare with the Rendezvous spec, which wins",
-    "last_call_timeout": "used only to compare with the Rendezvous spec, which wins",
-    "close_timeout": "used only to compare with the Rendezvous spec, which wins",
+    "join_timeout": _SPEC_TIMEOUT,
+    "last_call_timeout": _SPEC_TIMEOUT,
+    "close_timeout": _SPEC_TIMEOUT,
+    "heartbeat_timeout": _SPEC_TIMEOUT,
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -276,7 +279,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
         configured = {
             key: value
-            for key in ("join_timeout", "last_call_timeout", "close_timeout")
+            for key in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
             if (value := params.get_as_int(key)) is not None
         }
         api_client = kube.load_api_client()
@@ -311,7 +314,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._attempt += 1
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, store_port)
         started = time.monotonic()
-        obj = self._client.write_entry(self._node, entry)
+        try:
+            obj = self._client.write_entry(self._node, entry)
+        except RendezvousNotFoundError:
+            if not self._create_rendezvous():
+                raise
+            obj = self._client.write_entry(self._node, entry)
         self._watcher.offer(obj)
         spec = self._check_spec(obj)
         self._heartbeat.start(spec)
@@ -421,6 +429,37 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         )
         entry = state.NodeEntry(self._instance, max(self._attempt, 1), self._addr, port, intent)
         self._watcher.offer(self._client.write_entry(self._node, entry))
+
+    def _create_rendezvous(self) -> bool:
+        """Make the missing Rendezvous from torchrun's parameters, owned by this pod's
+        controller, so any workload (JobSet, PyTorchJob, StatefulSet) works by changing
+        only the rendezvous backend. ``False`` if this service account may not."""
+        conf = self._configured_timeouts
+        spec = state.RendezvousSpec(
+            min_nodes=self._nnodes[0],
+            max_nodes=self._nnodes[1],
+            run_id=self._run_id,
+            join_timeout_seconds=conf.get("join_timeout", state.DEFAULT_JOIN_TIMEOUT_SECONDS),
+            last_call_timeout_seconds=conf.get(
+                "last_call_timeout", state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS
+            ),
+            close_timeout_seconds=conf.get("close_timeout", state.DEFAULT_CLOSE_TIMEOUT_SECONDS),
+            heartbeat_timeout_seconds=conf.get(
+                "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+            ),
+        )
+        owner = self._client.controller_of(self._node)
+        if not self._client.create(spec, owner):
+            return False
+        log.info(
+            "node %s created %s (%d:%d nodes, owner %s)",
+            self._node,
+            self._client.reference,
+            spec.min_nodes,
+            spec.max_nodes,
+            f"{owner['kind']}/{owner['name']}" if owner else "none",
+        )
+        return True
 
     def _check_spec(self, obj: Mapping[str, Any]) -> state.RendezvousSpec:
         try:

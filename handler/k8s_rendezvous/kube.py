@@ -128,6 +128,54 @@ class RendezvousClient:
             ),
         )
 
+    def controller_of(self, pod: str) -> dict[str, Any] | None:
+        """The ownerReference of ``pod``'s controller (a Job, StatefulSet, ...), or ``None``
+        if it has none or this service account may not read pods."""
+        core = client.CoreV1Api(self._api.api_client)
+        try:
+            found = core.read_namespaced_pod(pod, self.namespace)
+        except ApiException as error:
+            if error.status in (403, 404):
+                log.info("cannot read pod %s (%s): the Rendezvous gets no owner", pod, error.status)
+                return None
+            raise self._error(f"read pod {pod} for", error) from error
+        for owner in (found.metadata.owner_references if found.metadata else None) or []:
+            if owner.controller:
+                return {
+                    "apiVersion": owner.api_version,
+                    "kind": owner.kind,
+                    "name": owner.name,
+                    "uid": owner.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": False,
+                }
+        return None
+
+    def create(self, spec: state.RendezvousSpec, owner: dict[str, Any] | None) -> bool:
+        """Create the Rendezvous; ``True`` if made or already there, ``False`` if this
+        service account may not create it."""
+        body: dict[str, Any] = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": self.name, **({"ownerReferences": [owner]} if owner else {})},
+            "spec": spec.to_dict(),
+        }
+
+        def create() -> bool:
+            try:
+                self._api.create_namespaced_custom_object(
+                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, body
+                )
+            except ApiException as error:
+                if error.status == 409:
+                    return True
+                if error.status == 403:
+                    return False
+                raise
+            return True
+
+        return self._call("create", create)
+
     def renew_lease(self, node: str, instance: str, duration_seconds: int) -> None:
         """Renew this node's heartbeat Lease (create it the first time).
 
@@ -237,8 +285,9 @@ class RendezvousClient:
             status, reason = error.status, _reason(error)
             if status == 404:
                 return RendezvousNotFoundError(
-                    f"{self.reference} does not exist. Create it (see manifests/examples), "
-                    "annotate the Job with k8s-rendezvous.dev/nodes, or fix --rdzv-endpoint "
+                    f"{self.reference} does not exist. Annotate the Job with "
+                    "k8s-rendezvous.dev/nodes, create the Rendezvous, let the pods create it "
+                    "(bind the ClusterRole k8s-rendezvous-creator), or fix --rdzv-endpoint "
                     "(form: NAME or NAMESPACE/NAME)."
                 )
             if status in (401, 403):

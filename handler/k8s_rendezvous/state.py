@@ -156,6 +156,9 @@ class RendezvousSpec:
     last_call_timeout_seconds: int = DEFAULT_LAST_CALL_TIMEOUT_SECONDS
     close_timeout_seconds: int = DEFAULT_CLOSE_TIMEOUT_SECONDS
     heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+    rank_order_node_label: str | None = None
+    """Order newcomers by this label of their Kubernetes node (e.g. a zone or rack), so
+    that neighbours in the ring are neighbours in the network."""
 
     @property
     def heartbeat_interval_seconds(self) -> float:
@@ -163,7 +166,12 @@ class RendezvousSpec:
         return self.heartbeat_timeout_seconds / 3
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        order = (
+            {}
+            if self.rank_order_node_label is None
+            else {"rankOrder": {"nodeLabel": self.rank_order_node_label}}
+        )
+        return order | {
             "minNodes": self.min_nodes,
             "maxNodes": self.max_nodes,
             "runId": self.run_id,
@@ -195,6 +203,15 @@ class RendezvousSpec:
                 field,
                 default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
                 minimum=MIN_HEARTBEAT_TIMEOUT_SECONDS,
+            ),
+            rank_order_node_label=(
+                None
+                if data.get("rankOrder") is None
+                else _str(
+                    _mapping(data["rankOrder"], f"{field}.rankOrder"),
+                    "nodeLabel",
+                    f"{field}.rankOrder",
+                )
             ),
         )
         if spec.min_nodes > spec.max_nodes:

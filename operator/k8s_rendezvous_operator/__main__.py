@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -24,6 +25,57 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint URL, or '' to disable (default: %(default)s)",
     )
+    parser.add_argument(
+        "--job-label-selector",
+        default="",
+        help="only consider Jobs matching this label selector (filtered by the API server), "
+        "e.g. k8s-rendezvous.dev/enabled=true; default: every Job, opted in by annotation",
+    )
+    parser.add_argument(
+        "--worker-role",
+        default="k8s-rendezvous-worker",
+        help="ClusterRole to bind to the ServiceAccount of annotated Jobs in their namespace "
+        "('' to leave binding to the user; default: %(default)s)",
+    )
+    admission = parser.add_argument_group("zero-flag torchrun (mutating admission webhook)")
+    admission.add_argument(
+        "--webhook",
+        action="store_true",
+        help="inject torchrun's PET_* environment into pods of annotated Jobs",
+    )
+    admission.add_argument(
+        "--webhook-host",
+        default="",
+        help="host name the API server reaches the webhook at (its Service's DNS name)",
+    )
+    admission.add_argument("--webhook-addr", default="", help="listen address (default: all)")
+    admission.add_argument("--webhook-port", type=int, default=9443, help="(default: %(default)s)")
+    admission.add_argument(
+        "--webhook-cert-dir",
+        default="",
+        help="directory with ca.crt, tls.crt, tls.key; default: a self-signed set made at start",
+    )
+    admission.add_argument(
+        "--webhook-config-name",
+        default="torchrun-env.k8s-rendezvous.dev",
+        help="name of the MutatingWebhookConfiguration kept up to date (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="act only while holding a coordination.k8s.io Lease, so that several replicas "
+        "are safe; exits when the Lease is lost (default: off)",
+    )
+    parser.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        help="namespace of the Lease (default: POD_NAMESPACE, else the service account's)",
+    )
+    parser.add_argument(
+        "--leader-election-id",
+        default="k8s-rendezvous-operator",
+        help="name of the Lease (default: %(default)s)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     args = parser.parse_args(argv)
 
@@ -35,11 +87,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     from k8s_rendezvous_operator import reconciler  # registers the kopf handlers
 
     del reconciler
-    kopf.run(
+    if args.webhook:
+        if not args.webhook_host:
+            parser.error("--webhook needs --webhook-host (the webhook Service's DNS name)")
+        from k8s_rendezvous_operator import webhook  # registers the admission handler
+
+        del webhook
+    run: Callable[..., None] = kopf.run
+    if args.leader_elect:
+        from k8s_rendezvous_operator import kube, leadership
+
+        run = functools.partial(
+            leadership.run_elected,
+            namespace=args.leader_election_namespace,
+            name=args.leader_election_id,
+            api_client=kube.load_api_client(),
+        )
+    run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=True,
         liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(
+            job_label_selector=args.job_label_selector,
+            worker_role=args.worker_role,
+            webhook={
+                "host": args.webhook_host,
+                "addr": args.webhook_addr,
+                "port": args.webhook_port,
+                "cert_dir": args.webhook_cert_dir,
+                "config_name": args.webhook_config_name,
+            },
+        ),
     )
 
 

@@ -39,6 +39,8 @@ class OperatorApi:
     def __init__(self, api_client: client.ApiClient) -> None:
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
+        self._rbac = client.RbacAuthorizationV1Api(api_client)
+        self._batch = client.BatchV1Api(api_client)
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         try:
@@ -85,3 +87,86 @@ class OperatorApi:
             if error.status == 404:
                 raise NotFound(f"Pod {namespace}/{pod}") from error
             raise
+
+    def create_rendezvous(
+        self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Create the Rendezvous owned by ``owner`` (an ownerReference); ``None`` if it
+        exists already. No finalizer: garbage collection removes it with its owner."""
+        body = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "ownerReferences": [owner],
+                "labels": {"app.kubernetes.io/managed-by": "k8s-rendezvous-operator"},
+            },
+            "spec": spec.to_dict(),
+        }
+        try:
+            created = self._custom.create_namespaced_custom_object(
+                state.GROUP, state.VERSION, namespace, state.PLURAL, body
+            )
+        except ApiException as error:
+            if error.status == 409:
+                return None
+            raise
+        return cast(dict[str, Any], created)
+
+    def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
+        self._custom.patch_namespaced_custom_object(
+            state.GROUP,
+            state.VERSION,
+            namespace,
+            state.PLURAL,
+            name,
+            {"spec": spec},
+            _content_type=_MERGE_PATCH,
+        )
+
+    def bind_worker_role(self, namespace: str, service_account: str, cluster_role: str) -> None:
+        """Let ``service_account`` use rendezvous in ``namespace`` (idempotent)."""
+        body = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {
+                "name": f"{cluster_role}-{service_account}"[:253],
+                "labels": {"app.kubernetes.io/managed-by": "k8s-rendezvous-operator"},
+            },
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": cluster_role,
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
+            ],
+        }
+        try:
+            self._rbac.create_namespaced_role_binding(namespace, body)  # type: ignore[arg-type]
+        except ApiException as error:
+            if error.status != 409:
+                raise
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            job = self._batch.read_namespaced_job(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return cast(dict[str, Any], self._batch.api_client.sanitize_for_serialization(job))
+
+    def pod_node_name(self, namespace: str, pod: str) -> str | None:
+        try:
+            found = self._core.read_namespaced_pod(pod, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return found.spec.node_name if found.spec else None
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        found = self._core.read_node(node)
+        return dict(found.metadata.labels or {}) if found.metadata else {}

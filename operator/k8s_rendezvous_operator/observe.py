@@ -1,11 +1,13 @@
-"""What a Pod body says about the node running in it (pure)."""
+"""What Pod and Job bodies say, in the terms of the round decisions (pure)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from k8s_rendezvous_operator import rounds
+from k8s_rendezvous import state
+from k8s_rendezvous_operator import job_annotations, rounds
 
 
 def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.PodObservation:
@@ -29,3 +31,49 @@ def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.Pod
     if phase == "Succeeded":
         return rounds.PodObservation(rounds.LOST_POD_SUCCEEDED, restarts)
     return rounds.PodObservation(None, restarts)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobObservation:
+    """What an annotated Job asks for and where it stands."""
+
+    uid: str
+    spec: state.RendezvousSpec | None
+    """``None`` when the annotations have errors (see ``errors``)."""
+    errors: tuple[job_annotations.AnnotationError, ...]
+    parallelism: int | None
+    service_account: str
+    finished: tuple[str, str] | None
+    """``(reason, message)`` once the Job completed or failed."""
+
+
+def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
+    """The rendezvous view of a Job, or ``None`` if it did not opt in."""
+    metadata = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    parallelism = spec.get("parallelism")
+    parsed = job_annotations.parse(
+        metadata.get("annotations") or {},
+        job_name=metadata.get("name", ""),
+        parallelism=parallelism if isinstance(parallelism, int) else None,
+    )
+    if parsed is None:
+        return None
+    finished = None
+    for condition in (body.get("status") or {}).get("conditions") or []:
+        if condition.get("status") != "True":
+            continue
+        if condition.get("type") == "Complete":
+            finished = (rounds.CLOSED_JOB_COMPLETE, f"Job {metadata.get('name')} completed")
+        elif condition.get("type") == "Failed":
+            why = condition.get("reason") or "Failed"
+            finished = (rounds.CLOSED_JOB_FAILED, f"Job {metadata.get('name')} failed: {why}")
+    pod_spec = (spec.get("template") or {}).get("spec") or {}
+    return JobObservation(
+        uid=metadata.get("uid", ""),
+        spec=parsed if isinstance(parsed, state.RendezvousSpec) else None,
+        errors=parsed if isinstance(parsed, tuple) else (),
+        parallelism=parallelism if isinstance(parallelism, int) else None,
+        service_account=pod_spec.get("serviceAccountName") or "default",
+        finished=finished,
+    )

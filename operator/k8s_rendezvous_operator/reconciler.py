@@ -9,6 +9,7 @@ rendezvous at a time; events arriving meanwhile are coalesced into one more pass
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 from collections.abc import Callable, Mapping
@@ -42,10 +43,20 @@ class Reconciler:
     """Holds what the watches told us and runs one reconcile per rendezvous at a time."""
 
     def __init__(
-        self, api: kube.OperatorApi, clock: Callable[[], datetime.datetime] = _utcnow
+        self,
+        api: kube.OperatorApi,
+        clock: Callable[[], datetime.datetime] = _utcnow,
+        *,
+        worker_role: str | None = None,
     ) -> None:
         self._api = api
         self._clock = clock
+        self._worker_role = worker_role
+        self._jobs: dict[Key, observe.JobObservation] = {}
+        self._bound: set[Key] = set()
+        self._pod_nodes: dict[Key, str] = {}
+        self._node_labels: dict[str, dict[str, str]] = {}
+        self._unreadable: dict[Key, str] = {}
         self._bodies: dict[Key, dict[str, Any]] = {}
         self._pods: dict[Key, rounds.PodObservation] = {}
         self._labelling: set[Key] = set()
@@ -67,13 +78,119 @@ class Reconciler:
         self.request(key)
 
     def pod_seen(
-        self, key: Key, observation: rounds.PodObservation, rendezvous: str | None
+        self,
+        key: Key,
+        observation: rounds.PodObservation,
+        rendezvous: str | None,
+        node_name: str | None = None,
     ) -> None:
+        if node_name:
+            self._pod_nodes[key] = node_name
         if self._pods.get(key) == observation:
             return
         self._pods[key] = observation
         if rendezvous:
             self.request((key[0], rendezvous))
+
+    async def job_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
+        """An annotated Job changed: make or update its Rendezvous, report bad annotations,
+        and let its parallelism and completion inform the rounds. Unannotated Jobs cost a
+        scan of their annotations and nothing else."""
+        job = None if deleted else observe.observe_job(body)
+        previous = self._jobs.pop(key, None) if job is None else self._jobs.get(key)
+        if job is None or job == previous:
+            return
+        self._jobs[key] = job
+        target = kopf.Body(cast(kopf.RawBody, dict(body)))
+        if job.spec is None:
+            if previous is None or previous.errors != job.errors:
+                for error in job.errors:
+                    kopf.warn(target, reason="InvalidAnnotation", message=error.message)
+            return
+        if previous is None or previous.spec != job.spec:
+            await self._ensure_rendezvous(key, body, job.spec, target)
+        if self._worker_role and (key[0], job.service_account) not in self._bound:
+            await asyncio.to_thread(
+                self._api.bind_worker_role, key[0], job.service_account, self._worker_role
+            )
+            self._bound.add((key[0], job.service_account))
+        self.request(key)
+
+    async def _ensure_rendezvous(
+        self, key: Key, job: Mapping[str, Any], spec: state.RendezvousSpec, target: kopf.Body
+    ) -> None:
+        namespace, name = key
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": name,
+            "uid": job["metadata"]["uid"],
+            "controller": True,
+            # Blocking the Job's deletion would need update on jobs/finalizers; nothing here
+            # must outlive the Job anyway.
+            "blockOwnerDeletion": False,
+        }
+        created = await asyncio.to_thread(self._api.create_rendezvous, namespace, name, spec, owner)
+        if created is not None:
+            kopf.info(
+                target,
+                reason="RendezvousCreated",
+                message=f"Rendezvous {name} for {spec.min_nodes}:{spec.max_nodes} nodes, "
+                f"run id {spec.run_id}",
+            )
+            return
+        existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
+        owners = existing["metadata"].get("ownerReferences") or []
+        if not any(o.get("uid") == owner["uid"] for o in owners):
+            kopf.warn(
+                target,
+                reason="RendezvousNotOwned",
+                message=f"Rendezvous {name} exists and is not owned by this Job; it is left "
+                "as it is. Delete it, or rename the Job.",
+            )
+            return
+        wanted = {k: v for k, v in spec.to_dict().items() if k != "runId"}
+        current = existing.get("spec") or {}
+        if any(current.get(k) != v for k, v in wanted.items()) or (
+            "rankOrder" in current and "rankOrder" not in wanted
+        ):
+            await asyncio.to_thread(
+                self._api.patch_rendezvous_spec,
+                namespace,
+                name,
+                wanted | ({} if "rankOrder" in wanted else {"rankOrder": None}),
+            )
+        if current.get("runId") != spec.run_id:
+            kopf.warn(
+                target,
+                reason="RunIdImmutable",
+                message=f"Rendezvous {name} keeps runId {current.get('runId')!r}; "
+                f"the annotation asks for {spec.run_id!r}. Use a new Job for a new run.",
+            )
+
+    async def rendezvous_for_pod(
+        self, namespace: str, pod: Mapping[str, Any]
+    ) -> tuple[str, state.RendezvousSpec] | None:
+        """The rendezvous of the annotated Job that owns ``pod``, if any (for the webhook;
+        reads the Job when its watch event has not arrived yet)."""
+        owner = next(
+            (
+                o
+                for o in (pod.get("metadata") or {}).get("ownerReferences") or []
+                if o.get("kind") == "Job" and o.get("controller")
+            ),
+            None,
+        )
+        if owner is None:
+            return None
+        key = (namespace, owner["name"])
+        job = self._jobs.get(key)
+        if job is None or job.uid != owner.get("uid"):
+            body = await asyncio.to_thread(self._api.get_job, namespace, owner["name"])
+            job = observe.observe_job(body) if body is not None else None
+        if job is None or job.spec is None or job.uid != owner.get("uid"):
+            return None
+        return owner["name"], job.spec
 
     def heartbeat_seen(self, key: Key, instance: str | None, deleted: bool) -> None:
         """A node's Lease changed. Only remembered: expiries are checked by the timer the
@@ -132,13 +249,16 @@ class Reconciler:
                 spec = state.RendezvousSpec.from_dict(body.get("spec"))
                 current = state.RendezvousStatus.from_dict(body.get("status"))
             except state.DecodeError as error:
-                kopf.warn(
-                    kopf.Body(cast(kopf.RawBody, body)),
-                    reason="InvalidRendezvous",
-                    message=f"cannot be read: {error}",
-                )
-                log.warning("Rendezvous %s/%s cannot be read: %s", namespace, name, error)
+                if self._unreadable.get(key) != str(error):
+                    self._unreadable[key] = str(error)
+                    kopf.warn(
+                        kopf.Body(cast(kopf.RawBody, body)),
+                        reason="InvalidRendezvous",
+                        message=f"cannot be read, no round is decided: {error}",
+                    )
+                    log.warning("Rendezvous %s/%s cannot be read: %s", namespace, name, error)
                 return
+            self._unreadable.pop(key, None)
             self._label_pods(namespace, name, current)
             pods = {
                 node: observation
@@ -153,6 +273,11 @@ class Reconciler:
                 },
                 since=self._started_at,
             )
+            if spec.rank_order_node_label:
+                pods = await self._with_topology(
+                    namespace, spec.rank_order_node_label, current.nodes, pods
+                )
+            job = self._owning_job(key, body)
             now = self._clock()
             decision = rounds.decide(
                 spec,
@@ -160,6 +285,8 @@ class Reconciler:
                 pods,
                 now,
                 liveness=liveness,
+                expected_nodes=job.parallelism if job else None,
+                close=job.finished if job else None,
                 generation=int(body["metadata"].get("generation", 0)),
             )
             fields = decision.status.operator_fields()
@@ -185,6 +312,38 @@ class Reconciler:
             return
         self._again.add(key)  # lost five races in a row: try again after the next event
 
+    def _owning_job(self, key: Key, body: Mapping[str, Any]) -> observe.JobObservation | None:
+        job = self._jobs.get(key)
+        owners = body["metadata"].get("ownerReferences") or []
+        if job is None or not any(owner.get("uid") == job.uid for owner in owners):
+            return None
+        return job
+
+    async def _with_topology(
+        self,
+        namespace: str,
+        label: str,
+        nodes: Mapping[str, object],
+        pods: dict[str, rounds.PodObservation],
+    ) -> dict[str, rounds.PodObservation]:
+        """Each node's value of the rank-order label of the Kubernetes node its pod runs on
+        (pods read once if the watch has not shown them yet; node labels cached)."""
+        result = dict(pods)
+        for pod in nodes:
+            node = self._pod_nodes.get((namespace, pod))
+            if node is None:
+                node = await asyncio.to_thread(self._api.pod_node_name, namespace, pod)
+                if node is None:
+                    continue
+                self._pod_nodes[(namespace, pod)] = node
+            if node not in self._node_labels:
+                self._node_labels[node] = await asyncio.to_thread(self._api.node_labels, node)
+            observation = result.get(pod, rounds.PodObservation())
+            result[pod] = dataclasses.replace(
+                observation, topology=self._node_labels[node].get(label)
+            )
+        return result
+
     def _report(
         self,
         body: Mapping[str, Any],
@@ -194,7 +353,21 @@ class Reconciler:
     ) -> None:
         """Events after the write succeeded, where `kubectl describe` shows them."""
         status = decision.status
-        target = kopf.Body(cast(kopf.RawBody, dict(body)))
+        targets = [kopf.Body(cast(kopf.RawBody, dict(body)))]
+        metadata = body["metadata"]
+        for owner in metadata.get("ownerReferences") or []:
+            if owner.get("kind") == "Job" and owner.get("controller"):
+                job = {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {
+                        "name": owner["name"],
+                        "namespace": metadata.get("namespace"),
+                        "uid": owner["uid"],
+                    },
+                }
+                targets.append(kopf.Body(cast(kopf.RawBody, job)))
+        target = targets
         for loss in decision.losses:
             kopf.warn(
                 target,
@@ -263,7 +436,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # No cluster-wide namespace/CRD scanning: fewer permissions, nothing to gain here.
     settings.scanning.disabled = True
     settings.execution.max_workers = 8
-    memo["reconciler"] = Reconciler(kube.OperatorApi(kube.load_api_client()))
+    # Opting Jobs in by annotation means every Job event reaches us; a cluster with many
+    # Jobs can require a label as well, filtered by the API server.
+    if memo.get("job_label_selector"):
+        settings.watching.label_selectors["jobs"] = memo["job_label_selector"]
+    memo["reconciler"] = Reconciler(
+        kube.OperatorApi(kube.load_api_client()), worker_role=memo.get("worker_role") or None
+    )
 
 
 @kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
@@ -295,7 +474,12 @@ async def pod_event(
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
     observation = observe.observe_pod(body, deleted=event.get("type") == "DELETED")
-    reconciler.pod_seen((namespace, name), observation, labels.get(state.NODE_LABEL))
+    reconciler.pod_seen(
+        (namespace, name),
+        observation,
+        labels.get(state.NODE_LABEL),
+        node_name=(body.get("spec") or {}).get("nodeName"),
+    )
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={state.NODE_LABEL: kopf.PRESENT})
@@ -316,3 +500,17 @@ async def lease_event(
             annotations.get(state.INSTANCE_ANNOTATION),
             deleted=event.get("type") == "DELETED",
         )
+
+
+@kopf.on.event("batch", "v1", "jobs")
+async def job_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
+    await reconciler.job_seen((namespace, name), body, deleted=event.get("type") == "DELETED")

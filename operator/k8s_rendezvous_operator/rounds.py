@@ -54,6 +54,8 @@ LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
 
 CLOSED_BY_NODE: Final = "ClosedByNode"
 CLOSED_ALL_LEFT: Final = "AllNodesLeft"
+CLOSED_JOB_COMPLETE: Final = "JobComplete"
+CLOSED_JOB_FAILED: Final = "JobFailed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,8 @@ class PodObservation:
     """``None`` while the pod lives; else why it is gone (one of the ``LOST_POD_*``)."""
     restarts: int = 0
     """Sum of its containers' restart counts."""
+    topology: str | None = None
+    """The value of the spec's ``rankOrder.nodeLabel`` on the pod's node, if any."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +161,19 @@ def _joiners(status: RendezvousStatus, pods: Mapping[str, PodObservation]) -> li
     return waiting
 
 
-def _ordered(candidates: Sequence[str], previous: Sequence[Member]) -> list[str]:
-    """Previous members first, in their old rank order; newcomers after, in natural order."""
+def _ordered(
+    candidates: Sequence[str], previous: Sequence[Member], pods: Mapping[str, PodObservation]
+) -> list[str]:
+    """Previous members first, in their old rank order; newcomers after, grouped by their
+    node's topology value (when a rank order is set), then in natural order of name."""
     old_rank = {member.node: rank for rank, member in enumerate(previous)}
     known = sorted((name for name in candidates if name in old_rank), key=old_rank.__getitem__)
-    new = sorted((name for name in candidates if name not in old_rank), key=natural_key)
+
+    def newcomer_key(name: str) -> tuple[bool, str, tuple[tuple[int, int | str], ...]]:
+        topology = pods[name].topology if name in pods else None
+        return topology is None, topology or "", natural_key(name)
+
+    new = sorted((name for name in candidates if name not in old_rank), key=newcomer_key)
     return known + new
 
 
@@ -248,6 +260,8 @@ def decide(
     now: datetime.datetime,
     *,
     liveness: Liveness | None = None,
+    expected_nodes: int | None = None,
+    close: tuple[str, str] | None = None,
     generation: int = 0,
 ) -> Decision:
     """Decide the next status of a rendezvous.
@@ -260,6 +274,9 @@ def decide(
         now: The operator's clock. Deadlines are the operator's alone, so clock skew between
             nodes cannot change a decision.
         liveness: Observed heartbeats; members are not checked for expiry without it.
+        expected_nodes: How many nodes the workload runs (a Job's parallelism): the first
+            round seals as soon as that many (at most maxNodes) joined, without a last call.
+        close: ``(reason, message)`` to close with, when the workload has finished.
         generation: ``metadata.generation``, recorded as observed.
 
     Returns:
@@ -267,6 +284,10 @@ def decide(
     """
     if status.state is RoundState.CLOSED:
         return Decision(_with_conditions(status, now, generation))
+
+    if close is not None:
+        closed = _closed(status, *close)
+        return Decision(_with_conditions(closed, now, generation), closed=True)
 
     closer = next(
         (n for n, e in sorted(status.nodes.items()) if e.intent is NodeIntent.CLOSE), None
@@ -334,7 +355,9 @@ def decide(
         status = dataclasses.replace(status, state=RoundState.REFORMING, forming_since=now)
         reported_losses = losses
 
-    decision = _form(spec, status, pods, joiners, losses, reported_losses, now, generation)
+    decision = _form(
+        spec, status, pods, joiners, losses, reported_losses, now, generation, expected_nodes
+    )
     if decision.sealed and liveness is not None:
         sealed = decision.status
         next_expiry = min(
@@ -356,6 +379,7 @@ def _form(
     reported_losses: tuple[MemberLoss, ...],
     now: datetime.datetime,
     generation: int,
+    expected_nodes: int | None,
 ) -> Decision:
     lost_nodes = {loss.node for loss in losses}
     pending = [m for m in status.members if m.node not in lost_nodes and m.node not in joiners]
@@ -367,11 +391,16 @@ def _form(
     elif deadline is None:
         deadline = now + datetime.timedelta(seconds=spec.last_call_timeout_seconds)
 
-    everyone_here = status.round > 0 and not pending
+    if status.round > 0:
+        everyone_here = not pending
+    else:
+        everyone_here = expected_nodes is not None and len(joiners) >= min(
+            expected_nodes, spec.max_nodes
+        )
     if deadline is not None and (
         len(joiners) >= spec.max_nodes or everyone_here or now >= deadline
     ):
-        selected = _ordered(joiners, status.members)[: spec.max_nodes]
+        selected = _ordered(joiners, status.members, pods)[: spec.max_nodes]
         members = tuple(
             Member(
                 node=name,

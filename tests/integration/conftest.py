@@ -1,4 +1,5 @@
 from tests.support.fixtures import (  # noqa: F401  (fixtures)
+    attach_nodes,
     make_nodes,
     make_rendezvous,
     operator_process,

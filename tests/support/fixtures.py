@@ -5,6 +5,7 @@ their pod's own bound token exactly as the handler does in a pod."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "manifests" / "crds"
-WORKER_ROLE = REPO / "manifests" / "rbac" / "worker-clusterrole.yaml"
+RBAC = REPO / "manifests" / "rbac"
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,7 @@ def rendezvous_crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl(
         "wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev", "--timeout=60s"
     )
-    control_plane.kubectl("apply", "--server-side", "-f", str(WORKER_ROLE))
+    control_plane.kubectl("apply", "--server-side", "-f", str(RBAC))
 
 
 @pytest.fixture
@@ -49,19 +50,49 @@ def workers_namespace(namespace: str, control_plane: ControlPlane, rendezvous_cr
     return namespace
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.fixture
 def operator_process(
-    control_plane: ControlPlane, workers_namespace: str, tmp_path: Path
+    control_plane: ControlPlane,
+    workers_namespace: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
-    """The operator, running as its own process, watching the test's namespace."""
+    """The operator, running as its own process, watching the test's namespace.
+
+    ``@pytest.mark.webhook`` also serves the admission webhook on 127.0.0.1 (a
+    MutatingWebhookConfiguration named after the namespace, removed afterwards).
+    """
+    extra: tuple[str, ...] = ()
+    webhook_config = f"torchrun-env.{workers_namespace}.k8s-rendezvous.dev"
+    if request.node.get_closest_marker("webhook"):
+        extra = (
+            "--webhook",
+            "--webhook-host=127.0.0.1",
+            "--webhook-addr=127.0.0.1",
+            f"--webhook-port={free_port()}",
+            f"--webhook-config-name={webhook_config}",
+        )
     process = OperatorProcess(
-        control_plane.kubeconfig, tmp_path / "operator.log", namespaces=(workers_namespace,)
+        control_plane.kubeconfig,
+        tmp_path / "operator.log",
+        namespaces=(workers_namespace,),
+        extra_args=extra,
     )
     process.start()
     try:
         yield process
     finally:
         process.stop()
+        if extra:
+            control_plane.kubectl(
+                "delete", "mutatingwebhookconfiguration", webhook_config, "--ignore-not-found"
+            )
         print(f"--- operator log (tail) ---\n{process.log_tail()}")
 
 
@@ -189,30 +220,26 @@ def create_pods(
 
 
 @pytest.fixture
-def make_nodes(
-    control_plane: ControlPlane,
-    admin_api: kubernetes.client.ApiClient,
-    workers_namespace: str,
-    tmp_path: Path,
+def attach_nodes(
+    control_plane: ControlPlane, workers_namespace: str
 ) -> Iterator[Callable[..., list[Node]]]:
-    """Create ``count`` pods and a handler per pod, each authenticated as its own pod."""
+    """A handler per existing pod, each authenticated with its own pod-bound token."""
     created: list[Node] = []
-    counter = iter(range(10_000))
 
-    def make(
+    def attach(
         rendezvous: Rendezvous,
-        count: int,
+        pods: list[dict[str, Any]],
         *,
         min_nodes: int = 1,
         max_nodes: int = 1,
         read_timeout: int = 20,
+        service_account: str = "default",
     ) -> list[Node]:
-        names = [f"node-{next(counter)}" for _ in range(count)]
         nodes = []
-        for pod in create_pods(admin_api, workers_namespace, names):
+        for pod in pods:
             name = pod["metadata"]["name"]
             token = control_plane.token_for(
-                workers_namespace, "default", pod_name=name, pod_uid=pod["metadata"]["uid"]
+                workers_namespace, service_account, pod_name=name, pod_uid=pod["metadata"]["uid"]
             )
             api = control_plane.client_for_token(token)
             client = kube.RendezvousClient(
@@ -234,10 +261,26 @@ def make_nodes(
             nodes.append(node)
         return nodes
 
-    yield make
+    yield attach
     for node in created:
         node.handler.shutdown()
         node.api.close()
+
+
+@pytest.fixture
+def make_nodes(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: Callable[..., list[Node]],
+) -> Callable[..., list[Node]]:
+    """Create ``count`` bare pods and a handler per pod."""
+    counter = iter(range(10_000))
+
+    def make(rendezvous: Rendezvous, count: int, **options: Any) -> list[Node]:
+        names = [f"node-{next(counter)}" for _ in range(count)]
+        return attach_nodes(rendezvous, create_pods(admin_api, workers_namespace, names), **options)
+
+    return make
 
 
 def delete_pod(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:

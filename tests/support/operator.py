@@ -18,10 +18,17 @@ class OperatorProcess:
         namespaces: Watch only these namespaces; all when empty.
     """
 
-    def __init__(self, kubeconfig: Path, log_path: Path, namespaces: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        namespaces: tuple[str, ...] = (),
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.namespaces = namespaces
+        self.extra_args = extra_args
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -35,6 +42,7 @@ class OperatorProcess:
         args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness=", "--verbose"]
         for namespace in self.namespaces:
             args += ["--namespace", namespace]
+        args += self.extra_args
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

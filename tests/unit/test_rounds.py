@@ -68,9 +68,14 @@ class World:
     def tick(self, seconds: float) -> None:
         self.now += datetime.timedelta(seconds=seconds)
 
-    def decide(self) -> rounds.Decision:
+    def decide(self, **observed: object) -> rounds.Decision:
         decision = rounds.decide(
-            self.spec, self.status, self.pods, self.now, liveness=self.liveness
+            self.spec,
+            self.status,
+            self.pods,
+            self.now,
+            liveness=self.liveness,
+            **observed,  # type: ignore[arg-type]
         )
         self.status = decision.status
         self.history.append(decision)
@@ -334,6 +339,48 @@ def test_operator_restart_gives_members_a_full_heartbeat_period() -> None:
     world.liveness = rounds.Liveness({}, since=world.now)
     world.tick(8)
     assert world.decide().losses == ()
+
+
+def test_first_round_seals_once_the_expected_nodes_joined() -> None:
+    world = World(spec(1, 8, last_call=30))
+    world.join("a")
+    assert not world.decide(expected_nodes=3).sealed
+    world.join("b")
+    world.join("c")
+    assert world.decide(expected_nodes=3).sealed, "no last call when all expected are in"
+    assert world.status.world_size == 3
+
+
+def test_finished_workload_closes_with_its_reason() -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    world.decide()
+    decision = world.decide(close=(rounds.CLOSED_JOB_COMPLETE, "Job train completed"))
+    assert decision.closed
+    assert (world.status.closed_reason, world.status.closed_message) == (
+        rounds.CLOSED_JOB_COMPLETE,
+        "Job train completed",
+    )
+    closed = next(c for c in world.status.conditions if c.type == rounds.CONDITION_CLOSED)
+    assert (closed.status, closed.reason) == ("True", rounds.CLOSED_JOB_COMPLETE)
+
+
+def test_rank_order_groups_newcomers_by_topology_but_survivors_keep_ranks() -> None:
+    world = World(spec(4, 6))
+    zones = {"n1": "zone-b", "n2": "zone-a", "n3": "zone-b", "n4": "zone-a"}
+    for node, zone in zones.items():
+        world.join(node)
+        world.pods[node] = rounds.PodObservation(topology=zone)
+    world.decide(expected_nodes=4)
+    assert world.ranks() == ["n2", "n4", "n1", "n3"]
+    for node, zone in {"n5": "zone-a", "n0": "zone-b"}.items():
+        world.join(node)
+        world.pods[node] = rounds.PodObservation(topology=zone)
+    world.decide()
+    for node in zones:
+        world.join(node)
+    world.decide()
+    assert world.ranks() == ["n2", "n4", "n1", "n3", "n5", "n0"]
 
 
 def test_decision_is_a_fixed_point() -> None:

@@ -1,0 +1,127 @@
+"""A Job's rendezvous annotations, parsed and checked (pure).
+
+A Job opts in with ``k8s-rendezvous.dev/nodes`` in torchrun's own form (``"4"`` or
+``"2:4"``); every other key under the prefix is optional. A malformed or contradictory
+annotation yields :class:`AnnotationError`\\ s that name the key, the value and the accepted
+forms, and no resource is made from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Final
+
+from k8s_rendezvous import state
+
+PREFIX: Final = f"{state.GROUP}/"
+NODES: Final = f"{PREFIX}nodes"
+JOIN_TIMEOUT: Final = f"{PREFIX}join-timeout"
+LAST_CALL_TIMEOUT: Final = f"{PREFIX}last-call-timeout"
+CLOSE_TIMEOUT: Final = f"{PREFIX}close-timeout"
+HEARTBEAT_TIMEOUT: Final = f"{PREFIX}heartbeat-timeout"
+RUN_ID: Final = f"{PREFIX}run-id"
+RANK_ORDER: Final = f"{PREFIX}rank-order"
+
+ACCEPTED: Final = {
+    NODES: 'a node count "N" or a range "MIN:MAX" (torchrun --nnodes), 1 <= MIN <= MAX',
+    JOIN_TIMEOUT: 'seconds, e.g. "600" or "600s" (default 600)',
+    LAST_CALL_TIMEOUT: 'seconds, e.g. "30" or "30s", may be "0" (default 30)',
+    CLOSE_TIMEOUT: 'seconds, e.g. "30" or "30s" (default 30)',
+    HEARTBEAT_TIMEOUT: f"seconds, at least {state.MIN_HEARTBEAT_TIMEOUT_SECONDS} (default 30)",
+    RUN_ID: "torchrun's --rdzv-id (default: the Job's name)",
+    RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
+}
+"""Every annotation we read, with its accepted forms: the one table the docs show."""
+
+_SECONDS = re.compile(r"^\s*(\d{1,9})\s*s?\s*$")
+_NODES = re.compile(r"^\s*(\d{1,6})\s*(?::\s*(\d{1,6})\s*)?$")
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnnotationError:
+    key: str
+    value: str
+    problem: str
+
+    @property
+    def message(self) -> str:
+        accepted = ACCEPTED.get(self.key, "one of: " + ", ".join(sorted(ACCEPTED)))
+        return f"annotation {self.key}={self.value!r}: {self.problem}; accepted: {accepted}"
+
+
+def parse(
+    annotations: Mapping[str, str], *, job_name: str, parallelism: int | None
+) -> state.RendezvousSpec | tuple[AnnotationError, ...] | None:
+    """The Rendezvous spec a Job asks for, its errors, or ``None`` if it did not opt in."""
+    ours = {key: value for key, value in annotations.items() if key.startswith(PREFIX)}
+    if not ours:
+        return None
+    errors: list[AnnotationError] = [
+        AnnotationError(key, value, "unknown key")
+        for key, value in ours.items()
+        if key not in ACCEPTED
+    ]
+    raw_nodes = ours.get(NODES)
+    bounds: tuple[int, int] | None = None
+    if raw_nodes is None:
+        errors.append(AnnotationError(NODES, "", "missing: it opts the Job in"))
+    elif (match := _NODES.match(raw_nodes)) is None:
+        errors.append(AnnotationError(NODES, raw_nodes, "not a count or a range"))
+    else:
+        low = int(match.group(1))
+        high = int(match.group(2) or low)
+        if not 1 <= low <= high:
+            errors.append(AnnotationError(NODES, raw_nodes, "needs 1 <= MIN <= MAX"))
+        elif parallelism is not None and low > parallelism:
+            errors.append(
+                AnnotationError(
+                    NODES, raw_nodes, f"MIN is above the Job's parallelism ({parallelism})"
+                )
+            )
+        else:
+            bounds = (low, high)
+
+    def seconds(key: str, default: int, minimum: int) -> int:
+        raw = ours.get(key)
+        if raw is None:
+            return default
+        match = _SECONDS.match(raw)
+        if match is None or int(match.group(1)) < minimum:
+            errors.append(AnnotationError(key, raw, f"not a whole number of seconds >= {minimum}"))
+            return default
+        return int(match.group(1))
+
+    def text(key: str, valid: Callable[[str], bool], problem: str) -> str | None:
+        raw = ours.get(key)
+        if raw is not None and not valid(raw):
+            errors.append(AnnotationError(key, raw, problem))
+        return raw
+
+    join = seconds(JOIN_TIMEOUT, state.DEFAULT_JOIN_TIMEOUT_SECONDS, 1)
+    last_call = seconds(LAST_CALL_TIMEOUT, state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS, 0)
+    close = seconds(CLOSE_TIMEOUT, state.DEFAULT_CLOSE_TIMEOUT_SECONDS, 1)
+    heartbeat = seconds(
+        HEARTBEAT_TIMEOUT,
+        state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+        state.MIN_HEARTBEAT_TIMEOUT_SECONDS,
+    )
+    run_id = text(RUN_ID, lambda v: 0 < len(v) <= 253, "must be 1 to 253 characters")
+    rank_order = text(RANK_ORDER, lambda v: bool(_LABEL_KEY.match(v)), "not a label key")
+    if errors or bounds is None:
+        return tuple(errors)
+    return state.RendezvousSpec(
+        min_nodes=bounds[0],
+        max_nodes=bounds[1],
+        run_id=run_id or job_name,
+        join_timeout_seconds=join,
+        last_call_timeout_seconds=last_call,
+        close_timeout_seconds=close,
+        heartbeat_timeout_seconds=heartbeat,
+        rank_order_node_label=rank_order,
+    )

@@ -1,0 +1,480 @@
+"""Leader election over a ``coordination.k8s.io`` Lease, so several replicas are safe.
+
+Every replica tries to hold one Lease in the operator's namespace. The holder renews it
+every ``renew_period`` and runs kopf; the others stand by, looking again every
+``retry_period``. As in client-go, expiry is judged by the standby's own monotonic clock,
+from the moment it last saw the record change, never by comparing its clock with the
+``renewTime`` another machine wrote.
+
+The leader gives up when it has not renewed for ``renew_deadline`` or finds the Lease held
+by someone else: kopf's stop flag is set at once, and the process exits (hard after
+``exit_grace``) so that its Deployment restarts it as a standby. Both together are shorter
+than ``lease_duration``, the earliest a standby can take over, so the old leader has
+stopped before a new one starts. That narrows, but no lock can close, the window in which
+an old leader's request already in flight lands late; what makes such a write harmless is
+that every decision the operator writes carries the resourceVersion it was decided on.
+
+A leader stopped by SIGTERM (a rollout, a drain) releases the Lease, so a standby takes
+over within ``retry_period`` instead of waiting for the Lease to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, cast
+
+import aiohttp.web
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+GROUP: Final = "coordination.k8s.io"
+VERSION: Final = "v1"
+PLURAL: Final = "leases"
+DEFAULT_LEASE_NAME: Final = "k8s-rendezvous-operator"
+_NAMESPACE_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """Seconds. The defaults fail over within about 12 s of a leader's crash."""
+
+    lease_duration: float = 10.0
+    """How long a standby waits, after it last saw the Lease change, before taking it."""
+    renew_period: float = 2.0
+    """How often the leader renews."""
+    retry_period: float = 2.0
+    """How often a standby looks again, and a failed renewal is retried."""
+    renew_deadline: float = 6.0
+    """The leader gives up when its last successful renewal started this long ago."""
+    exit_grace: float = 2.0
+    """How long kopf may take to stop after leadership is lost before the process exits."""
+
+    def __post_init__(self) -> None:
+        if self.renew_deadline + self.exit_grace >= self.lease_duration:
+            raise ValueError(
+                "renew_deadline + exit_grace must be shorter than lease_duration, or an old "
+                "leader could still act when a standby takes over"
+            )
+        if not 0 < self.renew_period < self.renew_deadline:
+            raise ValueError("renew_period must be positive and shorter than renew_deadline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The Lease's spec, the part that says who leads."""
+
+    holder: str
+    """Empty when nobody holds it (released)."""
+    duration_seconds: int
+    acquire_time: str | None
+    renew_time: str | None
+    transitions: int
+
+    @classmethod
+    def from_lease(cls, lease: Mapping[str, Any]) -> Record:
+        spec = lease.get("spec") or {}
+        return cls(
+            holder=str(spec.get("holderIdentity") or ""),
+            duration_seconds=int(spec.get("leaseDurationSeconds") or 0),
+            acquire_time=spec.get("acquireTime"),
+            renew_time=spec.get("renewTime"),
+            transitions=int(spec.get("leaseTransitions") or 0),
+        )
+
+    def to_spec(self) -> dict[str, Any]:
+        return {
+            "holderIdentity": self.holder or None,
+            "leaseDurationSeconds": self.duration_seconds,
+            "acquireTime": self.acquire_time,
+            "renewTime": self.renew_time,
+            "leaseTransitions": self.transitions,
+        }
+
+
+class Taken(Exception):
+    """Someone else wrote the Lease first (409)."""
+
+
+class LeaseLock:
+    """Blocking reads and writes of one Lease; every call bounded by ``timeout`` seconds."""
+
+    def __init__(self, api_client: client.ApiClient, namespace: str, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+        self._api = client.CustomObjectsApi(api_client)
+
+    @property
+    def reference(self) -> str:
+        return f"Lease {self.namespace}/{self.name}"
+
+    def get(self, timeout: float) -> dict[str, Any] | None:
+        try:
+            found = self._api.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=timeout
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return cast(dict[str, Any], found)
+
+    def create(self, record: Record, timeout: float) -> dict[str, Any]:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Lease",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": record.to_spec(),
+        }
+        try:
+            created = self._api.create_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, body, _request_timeout=timeout
+            )
+        except ApiException as error:
+            if error.status == 409:
+                raise Taken(self.reference) from error
+            raise
+        return cast(dict[str, Any], created)
+
+    def update(self, lease: Mapping[str, Any], record: Record, timeout: float) -> dict[str, Any]:
+        """Replace the spec of ``lease`` (as read) if nobody wrote it since."""
+        metadata = {k: v for k, v in lease["metadata"].items() if k != "managedFields"}
+        body = {**lease, "metadata": metadata, "spec": record.to_spec()}
+        try:
+            replaced = self._api.replace_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, body, _request_timeout=timeout
+            )
+        except ApiException as error:
+            if error.status in (404, 409):
+                raise Taken(self.reference) from error
+            raise
+        return cast(dict[str, Any], replaced)
+
+
+def _micro_time() -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What one try found (applied by the event loop, so a try that overran its budget
+    changes nothing)."""
+
+    acquired: bool
+    observed: Record | None
+    observed_at: float
+    started: float
+
+
+class Elector:
+    """Takes, keeps and releases the Lease for ``identity``.
+
+    API calls run in a thread of their own, so a busy operator cannot delay a renewal.
+    """
+
+    def __init__(
+        self,
+        lock: LeaseLock,
+        identity: str,
+        timings: Timings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lock = lock
+        self.identity = identity
+        self.timings = timings or Timings()
+        self._clock = clock
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "leader-election")
+        self._observed: Record | None = None
+        self._observed_at = 0.0
+        self._renewed_at: float | None = None
+        """When our last successful write started (monotonic); None: not leading."""
+
+    @property
+    def leading(self) -> bool:
+        return self._renewed_at is not None
+
+    @property
+    def holder(self) -> str:
+        """Who held the Lease when we last looked ('' if nobody)."""
+        return self._observed.holder if self._observed else ""
+
+    def _expires_at(self, observed: Record | None, observed_at: float) -> float:
+        return observed_at + (observed.duration_seconds if observed else 0)
+
+    def _attempt(self, timeout: float, observed: Record | None, observed_at: float) -> _Outcome:
+        """One read and at most one write: take or renew the Lease if it is free, expired
+        or ours. Blocking; runs in the election thread."""
+        started = self._clock()
+        now = _micro_time()
+        duration = max(1, round(self.timings.lease_duration))
+        lease = self.lock.get(timeout)
+        if lease is None:
+            record = Record(self.identity, duration, now, now, 0)
+            try:
+                self.lock.create(record, timeout)
+            except Taken:
+                return _Outcome(False, observed, observed_at, started)
+            return _Outcome(True, record, self._clock(), started)
+        found = Record.from_lease(lease)
+        if found != observed:
+            observed, observed_at = found, self._clock()
+        ours = found.holder == self.identity
+        if found.holder and not ours and self._clock() < self._expires_at(found, observed_at):
+            return _Outcome(False, observed, observed_at, started)
+        record = Record(
+            self.identity,
+            duration,
+            found.acquire_time if ours else now,
+            now,
+            found.transitions if ours else found.transitions + 1,
+        )
+        try:
+            self.lock.update(lease, record, timeout)
+        except Taken:
+            return _Outcome(False, observed, observed_at, started)
+        return _Outcome(True, record, self._clock(), started)
+
+    async def _try(self, budget: float) -> bool:
+        """``_attempt`` within ``budget`` seconds; an API error counts as a failed try."""
+        loop = asyncio.get_running_loop()
+        budget = max(budget, 0.1)
+        try:
+            outcome = await asyncio.wait_for(
+                loop.run_in_executor(
+                    self._executor, self._attempt, budget, self._observed, self._observed_at
+                ),
+                budget,
+            )
+        except Exception as error:
+            log.warning("%s: could not read or write it: %r", self.lock.reference, error)
+            return False
+        self._observed, self._observed_at = outcome.observed, outcome.observed_at
+        if outcome.acquired:
+            self._renewed_at = outcome.started
+        return outcome.acquired
+
+    async def acquire(self, give_up: asyncio.Event) -> bool:
+        """Stand by until the Lease is ours (True) or ``give_up`` is set (False)."""
+        reported = None
+        while not give_up.is_set():
+            if await self._try(self.timings.retry_period):
+                log.info(
+                    "%s acquired by %s: this replica leads", self.lock.reference, self.identity
+                )
+                return True
+            delay = self.timings.retry_period
+            if self.holder and self.holder != self.identity:
+                # Look again right when the holder's term would run out, if that is sooner.
+                expiry = self._expires_at(self._observed, self._observed_at)
+                delay = min(delay, max(0.05, expiry - self._clock() + 0.01))
+                if reported != self.holder:
+                    reported = self.holder
+                    log.info(
+                        "%s is held by %s: standing by as %s",
+                        self.lock.reference,
+                        self.holder,
+                        self.identity,
+                    )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(give_up.wait(), delay)
+        return False
+
+    async def keep(self) -> str:
+        """Renew until leadership is lost; returns why. Cancel it to stop renewing."""
+        timings = self.timings
+        while True:
+            renewed_at = self._renewed_at
+            if renewed_at is None:
+                return "not leading"
+            await asyncio.sleep(max(0.0, renewed_at + timings.renew_period - self._clock()))
+            deadline = renewed_at + timings.renew_deadline
+            while True:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    self._renewed_at = None
+                    return f"not renewed for {timings.renew_deadline:g} s"
+                if await self._try(remaining):
+                    break
+                if self.holder not in ("", self.identity):
+                    self._renewed_at = None
+                    return f"taken by {self.holder}"
+                await asyncio.sleep(min(timings.retry_period, max(0.0, deadline - self._clock())))
+
+    async def release(self) -> None:
+        """Hand the Lease back (holder cleared, 1 s duration) if it is still ours."""
+        if not self.leading:
+            return
+        self._renewed_at = None
+
+        def give_back() -> bool:
+            lease = self.lock.get(self.timings.retry_period)
+            if lease is None:
+                return False
+            found = Record.from_lease(lease)
+            if found.holder != self.identity:
+                return False
+            now = _micro_time()
+            self.lock.update(lease, Record("", 1, now, now, found.transitions), 5)
+            return True
+
+        loop = asyncio.get_running_loop()
+        try:
+            released = await loop.run_in_executor(self._executor, give_back)
+        except Exception as error:
+            log.warning("%s: could not release it: %r", self.lock.reference, error)
+        else:
+            if released:
+                log.info("%s released by %s", self.lock.reference, self.identity)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def default_namespace() -> str:
+    """POD_NAMESPACE (downward API), else the service account's namespace, else 'default'."""
+    if namespace := os.environ.get("POD_NAMESPACE"):
+        return namespace
+    with contextlib.suppress(OSError):
+        if namespace := _NAMESPACE_FILE.read_text().strip():
+            return namespace
+    return "default"
+
+
+def default_identity() -> str:
+    """The pod's name and a random suffix: a restarted container is a new candidate."""
+    base = os.environ.get("POD_NAME") or socket.gethostname()
+    return f"{base}_{uuid.uuid4().hex[:8]}"
+
+
+async def _serve_standby_health(endpoint: str, elector: Elector) -> aiohttp.web.AppRunner:
+    """Answer the liveness probe while standing by (kopf serves it once this replica
+    leads): a standby is alive, not broken."""
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme != "http":
+        raise ValueError(f"unsupported liveness endpoint {endpoint!r}: only http is served")
+
+    async def health(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        del request
+        return aiohttp.web.json_response(
+            {"leader": False, "lease": elector.lock.reference, "holder": elector.holder}
+        )
+
+    app = aiohttp.web.Application()
+    app.add_routes([aiohttp.web.get(parts.path or "/", health)])
+    runner = aiohttp.web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, parts.hostname or "127.0.0.1", parts.port or 80)
+    await site.start()
+    return runner
+
+
+def _exit_now(reason: str) -> None:
+    log.critical("the operator did not stop in time after losing leadership (%s): exiting", reason)
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(1)
+
+
+async def lead(
+    elector: Elector,
+    operate: Callable[[asyncio.Event], Awaitable[None]],
+    liveness_endpoint: str | None,
+) -> int:
+    """Stand by until leading, then run ``operate(stop_flag)`` while the Lease is ours.
+
+    Returns the process exit code: 0 after SIGTERM/SIGINT (the Lease released), 1 when
+    leadership was lost (the Deployment restarts the pod as a standby).
+    """
+    loop = asyncio.get_running_loop()
+    terminate = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, terminate.set)
+    health = await _serve_standby_health(liveness_endpoint, elector) if liveness_endpoint else None
+    try:
+        acquired = await elector.acquire(terminate)
+    finally:
+        if health is not None:
+            await health.cleanup()
+        for sig in signals:
+            loop.remove_signal_handler(sig)  # kopf installs its own while it runs
+    if not acquired:
+        elector.close()
+        return 0
+
+    stop = asyncio.Event()
+    lost: list[str] = []
+
+    async def guard() -> None:
+        reason = await elector.keep()
+        lost.append(reason)
+        log.error(
+            "%s lost (%s): stopping the operator now; the process exits so that it "
+            "restarts as a standby",
+            elector.lock.reference,
+            reason,
+        )
+        stop.set()
+        timer = threading.Timer(elector.timings.exit_grace, _exit_now, (reason,))
+        timer.daemon = True
+        timer.start()
+
+    # Created before kopf starts: kopf leaves the tasks that existed before it alone.
+    keeper = asyncio.create_task(guard(), name="leader-election renewals")
+    try:
+        await operate(stop)
+    finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        if not lost:
+            await elector.release()
+        elector.close()
+    return 1 if lost else 0
+
+
+def run_elected(
+    *,
+    namespace: str | None,
+    name: str,
+    api_client: client.ApiClient,
+    timings: Timings | None = None,
+    **kopf_options: Any,
+) -> None:
+    """``kopf.run(**kopf_options)``, but only while this replica holds the Lease.
+
+    Returns after SIGTERM/SIGINT (the Lease released); exits the process with status 1
+    when leadership is lost, so that the pod restarts as a standby.
+    """
+    import kopf
+
+    elector = Elector(
+        LeaseLock(api_client, namespace or default_namespace(), name), default_identity(), timings
+    )
+    log.info("leader election: %s as %s", elector.lock.reference, elector.identity)
+
+    async def operate(stop_flag: asyncio.Event) -> None:
+        await kopf.operator(stop_flag=stop_flag, **kopf_options)
+
+    code = asyncio.run(lead(elector, operate, kopf_options.get("liveness_endpoint")))
+    if code:
+        raise SystemExit(code)

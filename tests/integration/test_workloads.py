@@ -1,0 +1,485 @@
+"""Workloads against the real control plane: annotated Jobs (pods made by the Job
+controller, scheduled onto kwok nodes), the admission webhook, a non-Job workload that
+creates its own Rendezvous, and topology-aware ranks.
+
+Aspects: annotation -> Rendezvous owned by the Job; each bad annotation -> a Warning Event
+naming it, and no resource until fixed; parallelism up and down grows and shrinks the
+world; a failed pod retried by the Job rejoins; Job complete/failed closes, Job deleted
+removes; the worker role is bound for the Job's ServiceAccount; the webhook injects
+torchrun's env and leaves other pods alone; a StatefulSet's pods create their Rendezvous;
+rank order groups newcomers by zone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import Node, Rendezvous
+
+from k8s_rendezvous import kube, state
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+AttachNodes = Callable[..., list[Node]]
+
+
+def make_job(
+    api: kubernetes.client.ApiClient,
+    namespace: str,
+    name: str,
+    parallelism: int,
+    annotations: dict[str, str],
+    **spec: Any,
+) -> dict[str, Any]:
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "parallelism": parallelism,
+            "completions": None,
+            "backoffLimit": spec.pop("backoffLimit", 6),
+            "template": {
+                "spec": {
+                    "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
+                    "restartPolicy": "Never",
+                }
+            },
+            **spec,
+        },
+    }
+    created = kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, body)
+    return api.sanitize_for_serialization(created)  # type: ignore[no-any-return]
+
+
+def job_pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[dict[str, Any]]:
+    core = kubernetes.client.CoreV1Api(api)
+    found = read_object(
+        core.list_namespaced_pod, namespace, label_selector=f"batch.kubernetes.io/job-name={job}"
+    )
+    return [
+        pod
+        for pod in found["items"]
+        if pod["status"].get("phase") == "Running"
+        and pod["status"].get("podIP")
+        and not pod["metadata"].get("deletionTimestamp")
+    ]
+
+
+def running_pods(
+    api: kubernetes.client.ApiClient, namespace: str, job: str, count: int
+) -> list[dict[str, Any]]:
+    return wait_for(
+        lambda: pods if len(pods := job_pods(api, namespace, job)) == count else None,
+        60,
+        f"{count} running pods of Job {job}",
+    )
+
+
+def job_events(
+    api: kubernetes.client.ApiClient, namespace: str, job: str
+) -> list[tuple[str, str, str]]:
+    core = kubernetes.client.CoreV1Api(api)
+    found = core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={job},involvedObject.kind=Job"
+    )
+    return [(e.type, e.reason, e.message) for e in found.items]
+
+
+def join_all(nodes: list[Node]) -> list[Any]:
+    joins = [node.join_in_background() for node in nodes]
+    return [joining.wait() for joining in joins]
+
+
+def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, attach_nodes: AttachNodes
+) -> None:
+    job = make_job(
+        admin_api,
+        workers_namespace,
+        "train",
+        2,
+        {"k8s-rendezvous.dev/nodes": "2:3", "k8s-rendezvous.dev/last-call-timeout": "60"},
+    )
+    rdzv = Rendezvous(admin_api, workers_namespace, "train")
+    body = wait_for(lambda: _get(rdzv), 30, "Rendezvous created for the Job")
+    assert body["spec"]["minNodes"] == 2 and body["spec"]["maxNodes"] == 3
+    assert body["spec"]["lastCallTimeoutSeconds"] == 60
+    assert body["spec"]["runId"] == "train"
+    (owner,) = body["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == (
+        "Job",
+        job["metadata"]["uid"],
+        True,
+    )
+    job_now = read_object(
+        kubernetes.client.BatchV1Api(admin_api).read_namespaced_job, "train", workers_namespace
+    )
+    assert not job_now["metadata"].get("finalizers"), "no finalizer on users' Jobs"
+    nodes = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "train", 2))
+    started = time.monotonic()
+    infos = join_all(nodes)
+    # Parallelism 2 is what the Job runs: no last call (60 s) is waited for.
+    assert time.monotonic() - started < 30
+    assert sorted(info.rank for info in infos) == [0, 1]
+    wait_for(
+        lambda: any(
+            reason == "RoundSealed"
+            for _, reason, _ in job_events(admin_api, workers_namespace, "train")
+        ),
+        10,
+        "RoundSealed Event on the Job",
+    )
+    binding = kubernetes.client.RbacAuthorizationV1Api(admin_api).read_namespaced_role_binding(
+        "k8s-rendezvous-worker-default", workers_namespace
+    )
+    assert binding.role_ref.name == "k8s-rendezvous-worker"
+
+
+def _get(rdzv: Rendezvous) -> dict[str, Any] | None:
+    try:
+        return rdzv.body()
+    except kubernetes.client.exceptions.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+@pytest.mark.parametrize(
+    ("annotations", "named"),
+    [
+        ({"k8s-rendezvous.dev/nodes": "4:2"}, "k8s-rendezvous.dev/nodes='4:2'"),
+        ({"k8s-rendezvous.dev/nodes": "x"}, "k8s-rendezvous.dev/nodes='x'"),
+        ({"k8s-rendezvous.dev/nodes": "3:4"}, "above the Job's parallelism (2)"),
+        (
+            {"k8s-rendezvous.dev/nodes": "2", "k8s-rendezvous.dev/colour": "red"},
+            "k8s-rendezvous.dev/colour='red': unknown key",
+        ),
+    ],
+    ids=["reversed", "not-a-number", "min-above-parallelism", "unknown-key"],
+)
+def test_bad_annotation_is_reported_on_the_job_and_fixing_it_fixes_the_state(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    annotations: dict[str, str],
+    named: str,
+) -> None:
+    make_job(admin_api, workers_namespace, "bad", 2, annotations)
+    warning = wait_for(
+        lambda: next(
+            (
+                m
+                for t, r, m in job_events(admin_api, workers_namespace, "bad")
+                if r == "InvalidAnnotation"
+            ),
+            None,
+        ),
+        30,
+        "InvalidAnnotation Event",
+    )
+    assert named in warning and "accepted:" in warning
+    rdzv = Rendezvous(admin_api, workers_namespace, "bad")
+    assert _get(rdzv) is None, "no half-made resource"
+    fixed = {key: None for key in annotations} | {"k8s-rendezvous.dev/nodes": "1:2"}
+    kubernetes.client.BatchV1Api(admin_api).patch_namespaced_job(
+        "bad",
+        workers_namespace,
+        {"metadata": {"annotations": fixed}},
+        _content_type="application/merge-patch+json",
+    )
+    body = wait_for(lambda: _get(rdzv), 30, "Rendezvous created once the annotation is fixed")
+    assert (body["spec"]["minNodes"], body["spec"]["maxNodes"]) == (1, 2)
+
+
+def test_parallelism_up_and_down_grows_and_shrinks_the_world(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, attach_nodes: AttachNodes
+) -> None:
+    make_job(admin_api, workers_namespace, "elastic", 2, {"k8s-rendezvous.dev/nodes": "1:3"})
+    rdzv = Rendezvous(admin_api, workers_namespace, "elastic")
+    wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
+    first = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "elastic", 2))
+    join_all(first)
+    batch = kubernetes.client.BatchV1Api(admin_api)
+    scaled = time.monotonic()
+    batch.patch_namespaced_job(
+        "elastic",
+        workers_namespace,
+        {"spec": {"parallelism": 3}},
+        _content_type="application/merge-patch+json",
+    )
+    pods = running_pods(admin_api, workers_namespace, "elastic", 3)
+    new_pod = next(p for p in pods if p["metadata"]["name"] not in {n.pod for n in first})
+    newcomer = attach_nodes(rdzv, [new_pod])[0]
+    late = newcomer.join_in_background()
+    wait_for(
+        lambda: all(n.handler.num_nodes_waiting() > 0 for n in first),
+        20,
+        "running nodes see the new pod",
+        interval=0.02,
+    )
+    print(f"parallelism 2->3 to first waiting signal: {time.monotonic() - scaled:.3f} s")
+    grown = join_all(first)
+    assert late.wait().world_size == 3 and {i.world_size for i in grown} == {3}
+
+    batch.patch_namespaced_job(
+        "elastic",
+        workers_namespace,
+        {"spec": {"parallelism": 2}},
+        _content_type="application/merge-patch+json",
+    )
+    everyone = [*first, newcomer]
+    removed = wait_for(
+        lambda: next((n for n in everyone if n.handler.num_nodes_waiting() > 0), None),
+        30,
+        "a node is removed by the Job controller and noticed",
+    )
+    remaining = {
+        p["metadata"]["name"] for p in running_pods(admin_api, workers_namespace, "elastic", 2)
+    }
+    survivors = [n for n in everyone if n.pod in remaining]
+    assert removed is not None and len(survivors) == 2
+    shrunk = join_all(survivors)
+    assert {i.world_size for i in shrunk} == {2}
+
+
+def test_failed_pod_is_replaced_by_the_job_and_the_replacement_joins(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, attach_nodes: AttachNodes
+) -> None:
+    make_job(
+        admin_api, workers_namespace, "retry", 2, {"k8s-rendezvous.dev/nodes": "2"}, backoffLimit=3
+    )
+    rdzv = Rendezvous(admin_api, workers_namespace, "retry")
+    wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
+    nodes = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "retry", 2))
+    join_all(nodes)
+    set_pod_phase(admin_api, workers_namespace, nodes[1].pod, "Failed", exit_code=1)
+    wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 20, "failure noticed", interval=0.02)
+    pods = running_pods(admin_api, workers_namespace, "retry", 2)
+    replacement = next(p for p in pods if p["metadata"]["name"] != nodes[0].pod)
+    assert replacement["metadata"]["name"] != nodes[1].pod
+    new_node = attach_nodes(rdzv, [replacement])[0]
+    infos = join_all([nodes[0], new_node])
+    assert {i.world_size for i in infos} == {2}
+    lost = [m for _, r, m in rdzv.events() if r == "MemberLost"]
+    assert any(nodes[1].pod in m and "PodFailed" in m for m in lost), lost
+
+
+@pytest.mark.parametrize(
+    ("phase", "reason"), [("Succeeded", "JobComplete"), ("Failed", "JobFailed")]
+)
+def test_finished_job_closes_the_rendezvous_and_deletion_removes_it(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: AttachNodes,
+    phase: str,
+    reason: str,
+) -> None:
+    make_job(
+        admin_api,
+        workers_namespace,
+        "done",
+        1,
+        {"k8s-rendezvous.dev/nodes": "1"},
+        backoffLimit=0,
+        completions=1,
+    )
+    rdzv = Rendezvous(admin_api, workers_namespace, "done")
+    wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
+    (node,) = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "done", 1))
+    join_all([node])
+    set_pod_phase(admin_api, workers_namespace, node.pod, phase)
+    status = rdzv.wait(
+        lambda s: s.state is state.RoundState.CLOSED, "closed with the Job", timeout=60
+    )
+    assert status.closed_reason == reason
+    kubernetes.client.BatchV1Api(admin_api).delete_namespaced_job(
+        "done", workers_namespace, propagation_policy="Background"
+    )
+    wait_for(lambda: _get(rdzv) is None, 60, "Rendezvous garbage-collected with its Job")
+
+
+@pytest.mark.webhook
+def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
+) -> None:
+    wait_for(
+        lambda: (
+            control_plane.kubectl(
+                "get", "mutatingwebhookconfigurations", "-o", "name", check=False
+            ).stdout.count(workers_namespace)
+            == 1
+        ),
+        30,
+        "webhook configuration registered",
+    )
+    make_job(
+        admin_api,
+        workers_namespace,
+        "zero-flag",
+        1,
+        {"k8s-rendezvous.dev/nodes": "1:4", "k8s-rendezvous.dev/run-id": "exp-3"},
+    )
+    make_job(admin_api, workers_namespace, "plain", 1, {})
+    injected = running_pods(admin_api, workers_namespace, "zero-flag", 1)[0]
+    env = {e["name"]: e for e in injected["spec"]["containers"][0]["env"]}
+    assert env["PET_RDZV_BACKEND"]["value"] == "kubernetes"
+    assert env["PET_RDZV_ENDPOINT"]["value"] == "zero-flag"
+    assert env["PET_NNODES"]["value"] == "1:4"
+    assert env["PET_RDZV_ID"]["value"] == "exp-3"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert injected["metadata"]["labels"][state.NODE_LABEL] == "zero-flag"
+    plain = running_pods(admin_api, workers_namespace, "plain", 1)[0]
+    assert not plain["spec"]["containers"][0].get("env")
+    assert state.NODE_LABEL not in plain["metadata"]["labels"]
+
+
+def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
+) -> None:
+    control_plane.kubectl(
+        "-n",
+        workers_namespace,
+        "create",
+        "rolebinding",
+        "creator",
+        "--clusterrole=k8s-rendezvous-creator",
+        f"--serviceaccount={workers_namespace}:default",
+    )
+    apps = kubernetes.client.AppsV1Api(admin_api)
+    created = apps.create_namespaced_stateful_set(
+        workers_namespace,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "sts"},
+            "spec": {
+                "replicas": 2,
+                "serviceName": "sts",
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": {"app": "sts"}},
+                "template": {
+                    "metadata": {"labels": {"app": "sts"}},
+                    "spec": {"containers": [{"name": "t", "image": "example.invalid/t"}]},
+                },
+            },
+        },
+    )
+    core = kubernetes.client.CoreV1Api(admin_api)
+    pods = wait_for(
+        lambda: (
+            p
+            if len(
+                p := [
+                    x
+                    for x in read_object(
+                        core.list_namespaced_pod, workers_namespace, label_selector="app=sts"
+                    )["items"]
+                    if x["status"].get("podIP")
+                ]
+            )
+            == 2
+            else None
+        ),
+        60,
+        "2 StatefulSet pods running",
+    )
+    handlers = []
+    for index, pod in enumerate(pods):
+        token = control_plane.token_for(
+            workers_namespace,
+            "default",
+            pod_name=pod["metadata"]["name"],
+            pod_uid=pod["metadata"]["uid"],
+        )
+        client = kube.RendezvousClient(
+            control_plane.client_for_token(token), workers_namespace, "sts-train", retry_seconds=20
+        )
+        handlers.append(
+            KubernetesRendezvousHandler(
+                client,
+                run_id="sts-train",
+                node=pod["metadata"]["name"],
+                addr=f"127.0.0.{50 + index}",
+                min_nodes=2,
+                max_nodes=2,
+            )
+        )
+    nodes = [Node(h._node, h._addr, h, h._client._api.api_client) for h in handlers]
+    try:
+        infos = join_all(nodes)
+        assert sorted(i.rank for i in infos) == [0, 1]
+        rdzv = Rendezvous(admin_api, workers_namespace, "sts-train")
+        body = rdzv.body()
+        (owner,) = body["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == (
+            "StatefulSet",
+            "sts",
+            created.metadata.uid,
+        )
+        assert (body["spec"]["minNodes"], body["spec"]["maxNodes"], body["spec"]["runId"]) == (
+            2,
+            2,
+            "sts-train",
+        )
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+
+
+def test_rank_order_groups_newcomers_by_zone(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: AttachNodes,
+    make_rendezvous: Callable[..., Rendezvous],
+) -> None:
+    rdzv = make_rendezvous(4, 4, rankOrder={"nodeLabel": "topology.kubernetes.io/zone"})
+    core = kubernetes.client.CoreV1Api(admin_api)
+    placement = {
+        "p-1": "kwok-node-2",
+        "p-2": "kwok-node-0",
+        "p-3": "kwok-node-2",
+        "p-4": "kwok-node-1",
+    }
+    for pod, node in placement.items():
+        core.create_namespaced_pod(
+            workers_namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod},
+                "spec": {
+                    "nodeName": node,
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "t", "image": "example.invalid/t"}],
+                },
+            },
+        )
+    pods = wait_for(
+        lambda: (
+            ps
+            if all(
+
+                    ps := [
+                        read_object(core.read_namespaced_pod, p, workers_namespace)
+                        for p in placement
+                    ]
+
+            )
+            and all(p["status"].get("phase") == "Running" for p in ps)
+            else None
+        ),
+        60,
+        "pinned pods running",
+    )
+    nodes = attach_nodes(rdzv, pods)
+    infos = dict(zip((n.pod for n in nodes), join_all(nodes), strict=True))
+    by_rank = [pod for pod, _ in sorted(infos.items(), key=lambda item: item[1].rank)]
+    # zone-a (node-0), zone-b (node-1), zone-c (node-2); natural name order within a zone
+    assert by_rank == ["p-2", "p-4", "p-1", "p-3"]
