@@ -373,8 +373,10 @@ class RendezvousStatus:
     """The latest sealed round in rank order (kept while it re-forms, for reference)."""
     master: Master | None = None
     nodes_waiting: int = 0
-    """What running agents' ``num_nodes_waiting()`` returns: nodes that can be admitted plus
-    members the round has lost. More than 0 tells healthy agents to re-rendezvous now."""
+    """What running agents' ``num_nodes_waiting()`` returns. In a sealed round always 0
+    (spares beyond maxNodes do not count); when the round goes stale, the nodes that made
+    it so (waiting to be admitted, plus members lost), counted once then. More than 0 tells
+    healthy agents to re-rendezvous now."""
     forming_since: datetime.datetime | None = None
     """When the round now forming got its first join request (operator's clock)."""
     last_call_deadline: datetime.datetime | None = None

@@ -60,6 +60,7 @@ class Reconciler:
         self._bodies: dict[Key, dict[str, Any]] = {}
         self._pods: dict[Key, rounds.PodObservation] = {}
         self._labelling: set[Key] = set()
+        self._labelled: set[Key] = set()
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._again: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
@@ -70,7 +71,13 @@ class Reconciler:
 
     def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         if deleted:
-            self._bodies.pop(key, None)
+            last = self._bodies.pop(key, None) or body
+            for node in (last.get("status") or {}).get("nodes") or {}:
+                pod = (key[0], node)
+                for memory in (self._pods, self._heartbeats, self._pod_nodes):
+                    memory.pop(pod, None)
+                self._labelled.discard(pod)
+            self._unreadable.pop(key, None)
             if timer := self._timers.pop(key, None):
                 timer.cancel()
             return
@@ -407,7 +414,7 @@ class Reconciler:
     def _label_pods(self, namespace: str, rendezvous: str, status: state.RendezvousStatus) -> None:
         for node in status.nodes:
             pod = (namespace, node)
-            if pod in self._pods or pod in self._labelling:
+            if pod in self._pods or pod in self._labelling or pod in self._labelled:
                 continue
             self._labelling.add(pod)
             asyncio.get_running_loop().create_task(self._label_pod(pod, rendezvous))
@@ -415,6 +422,7 @@ class Reconciler:
     async def _label_pod(self, pod: Key, rendezvous: str) -> None:
         try:
             await asyncio.to_thread(self._api.label_pod, pod[0], pod[1], rendezvous)
+            self._labelled.add(pod)
         except kube.NotFound:
             self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
         except Exception:

@@ -234,7 +234,7 @@ def _with_conditions(
                 conditions, CONDITION_READY, True, "RoundSealed", message, now, generation
             )
         else:
-            message = f"forming round {status.round + 1}: {status.nodes_waiting} nodes waiting"
+            message = f"forming round {status.round + 1}"
             conditions = set_condition(
                 conditions, CONDITION_READY, False, status.state.value, message, now, generation
             )
@@ -352,7 +352,15 @@ def decide(
         if not (losses or rejoined or (newcomers and fits) or out_of_spec):
             kept = dataclasses.replace(status, nodes_waiting=0)
             return Decision(_with_conditions(kept, now, generation), wake_at=next_expiry)
-        status = dataclasses.replace(status, state=RoundState.REFORMING, forming_since=now)
+        # Counted once, when the round goes stale: recounting every join while the next
+        # round forms would cost a status write per join and tell running agents nothing
+        # new (any positive number makes them re-rendezvous).
+        status = dataclasses.replace(
+            status,
+            state=RoundState.REFORMING,
+            forming_since=now,
+            nodes_waiting=max(1, len(joiners) + len(losses)),
+        )
         reported_losses = losses
 
     decision = _form(
@@ -430,7 +438,7 @@ def _form(
 
     forming = dataclasses.replace(
         status,
-        nodes_waiting=len(joiners) + (len(losses) if status.state is RoundState.REFORMING else 0),
+        nodes_waiting=status.nodes_waiting if status.state is RoundState.REFORMING else 0,
         forming_since=forming_since,
         last_call_deadline=deadline,
     )
