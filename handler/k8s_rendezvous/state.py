@@ -482,8 +482,11 @@ class RendezvousStatus:
         if not isinstance(conditions_data, list):
             raise DecodeError(f"{field}.conditions: expected a list")
         master_data = data.get("master")
+        state = _enum(RoundState, data, "state", field)
+        if state is RoundState.SEALED and (master_data is None or not members):
+            raise DecodeError(f"{field}: a Sealed round needs members and a master")
         return cls(
-            state=_enum(RoundState, data, "state", field),
+            state=state,
             round=_int(data, "round", field, default=0),
             members=members,
             master=None

@@ -258,12 +258,7 @@ class Reconciler:
             except state.DecodeError as error:
                 if self._unreadable.get(key) != str(error):
                     self._unreadable[key] = str(error)
-                    kopf.warn(
-                        kopf.Body(cast(kopf.RawBody, body)),
-                        reason="InvalidRendezvous",
-                        message=f"cannot be read, no round is decided: {error}",
-                    )
-                    log.warning("Rendezvous %s/%s cannot be read: %s", namespace, name, error)
+                    await self._refuse(key, body, error)
                 return
             self._unreadable.pop(key, None)
             self._label_pods(namespace, name, current)
@@ -318,6 +313,38 @@ class Reconciler:
             self._wake_at(key, decision.wake_at)
             return
         self._again.add(key)  # lost five races in a row: try again after the next event
+
+    async def _refuse(self, key: Key, body: Mapping[str, Any], error: state.DecodeError) -> None:
+        """A Rendezvous that does not decode (edited by hand, or by a foreign writer) is not
+        guessed at: no round is decided until it is fixed. Say so where users look, once
+        per distinct problem, so that our own write cannot make us loop."""
+        namespace, name = key
+        message = (
+            f"cannot be read, no round is decided: {error}. Fix the field (kubectl edit "
+            f"rdzv {name} --subresource=status) or recreate the Rendezvous."
+        )
+        log.warning("Rendezvous %s/%s: %s", namespace, name, message)
+        kopf.warn(kopf.Body(cast(kopf.RawBody, body)), reason="InvalidRendezvous", message=message)
+        generation = int(body["metadata"].get("generation", 0))
+        conditions = rounds.set_condition(
+            (),
+            rounds.CONDITION_READY,
+            False,
+            "InvalidRendezvous",
+            message[:32768],
+            self._clock(),
+            generation,
+        )
+        try:
+            await asyncio.to_thread(
+                self._api.write_status,
+                namespace,
+                name,
+                body["metadata"]["resourceVersion"],
+                {"conditions": [condition.to_dict() for condition in conditions]},
+            )
+        except (kube.Conflict, kube.NotFound):
+            self._unreadable.pop(key, None)  # changed meanwhile: look again at the next event
 
     def _owning_job(self, key: Key, body: Mapping[str, Any]) -> observe.JobObservation | None:
         job = self._jobs.get(key)

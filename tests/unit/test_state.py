@@ -174,3 +174,10 @@ def test_decoder_survives_any_field_corruption(mutation: tuple[str, object]) -> 
     raw[mutation[0]] = mutation[1]
     with contextlib.suppress(state.DecodeError):
         state.RendezvousStatus.from_dict(raw)
+
+
+def test_sealed_round_without_master_is_refused() -> None:
+    raw = sealed_status(2).to_dict()
+    del raw["master"]
+    with pytest.raises(state.DecodeError, match="a Sealed round needs members and a master"):
+        state.RendezvousStatus.from_dict(raw)
