@@ -45,36 +45,45 @@ CRD: dict[str, Any] = {
         "group": GROUP,
         "scope": "Namespaced",
         "names": {"plural": PLURAL, "singular": "proof", "kind": "Proof", "listKind": "ProofList"},
-        "versions": [{
-            "name": VERSION,
-            "served": True,
-            "storage": True,
-            "subresources": {"status": {}},
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "spec": {
-                        "type": "object",
-                        "required": ["minNodes", "maxNodes"],
-                        "properties": {
-                            "minNodes": {"type": "integer", "minimum": 1},
-                            "maxNodes": {"type": "integer", "minimum": 1},
-                        },
-                        "x-kubernetes-validations": [
-                            {"rule": "self.minNodes <= self.maxNodes", "message": CEL_MESSAGE},
-                        ],
-                    },
-                    "status": {
+        "versions": [
+            {
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
                         "type": "object",
                         "properties": {
-                            "members": {"type": "object",
-                                        "additionalProperties": {"type": "string"}},
-                            "note": {"type": "string"},
+                            "spec": {
+                                "type": "object",
+                                "required": ["minNodes", "maxNodes"],
+                                "properties": {
+                                    "minNodes": {"type": "integer", "minimum": 1},
+                                    "maxNodes": {"type": "integer", "minimum": 1},
+                                },
+                                "x-kubernetes-validations": [
+                                    {
+                                        "rule": "self.minNodes <= self.maxNodes",
+                                        "message": CEL_MESSAGE,
+                                    },
+                                ],
+                            },
+                            "status": {
+                                "type": "object",
+                                "properties": {
+                                    "members": {
+                                        "type": "object",
+                                        "additionalProperties": {"type": "string"},
+                                    },
+                                    "note": {"type": "string"},
+                                },
+                            },
                         },
-                    },
+                    }
                 },
-            }},
-        }],
+            }
+        ],
     },
 }
 
@@ -110,17 +119,24 @@ def proof_crd(admin_api: kubernetes.client.ApiClient) -> Iterator[str]:
         ext.delete_custom_resource_definition(name)
         wait_for(absent, 60, f"leftover CRD {name} to be deleted")
     ext.create_custom_resource_definition(
-        to_model(kubernetes.client.V1CustomResourceDefinition, CRD))
+        to_model(kubernetes.client.V1CustomResourceDefinition, CRD)
+    )
 
     def established() -> bool:
         crd = read_object(ext.read_custom_resource_definition, name)
-        return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in dig(crd, "status", "conditions", default=[]))
+        return any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in dig(crd, "status", "conditions", default=[])
+        )
 
     wait_for(established, 60, f"CRD {name} to be Established")
     custom = kubernetes.client.CustomObjectsApi(admin_api)
-    wait_for(lambda: custom.list_cluster_custom_object(GROUP, VERSION, PLURAL) is not None,
-             30, "the new resource to be served", ignore=(ApiException,))
+    wait_for(
+        lambda: custom.list_cluster_custom_object(GROUP, VERSION, PLURAL) is not None,
+        30,
+        "the new resource to be served",
+        ignore=(ApiException,),
+    )
     yield name
     ext.delete_custom_resource_definition(name)
 
@@ -148,8 +164,11 @@ def _pods(core: kubernetes.client.CoreV1Api, namespace: str, selector: str) -> l
 def _running_pods(
     core: kubernetes.client.CoreV1Api, namespace: str, selector: str, count: int
 ) -> list[dict[str, Any]] | None:
-    pods = [p for p in _pods(core, namespace, selector)
-            if dig(p, "status", "phase") == "Running" and dig(p, "status", "podIP")]
+    pods = [
+        p
+        for p in _pods(core, namespace, selector)
+        if dig(p, "status", "phase") == "Running" and dig(p, "status", "podIP")
+    ]
     return pods if len(pods) >= count else None
 
 
@@ -162,10 +181,12 @@ def _job(name: str, parallelism: int, completions: int, backoff_limit: int = 6) 
             "parallelism": parallelism,
             "completions": completions,
             "backoffLimit": backoff_limit,
-            "template": {"spec": {
-                "restartPolicy": "Never",
-                "containers": [{"name": "main", "image": "registry.invalid/never-pulled:1"}],
-            }},
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "main", "image": "registry.invalid/never-pulled:1"}],
+                }
+            },
         },
     }
 
@@ -195,24 +216,42 @@ def test_crd_cel_rule_and_status_subresource(
 
     # A valid object passes; status sent on create is dropped (status subresource) ...
     body = _proof("good") | {"status": {"note": "ignored"}}
-    created = _dict(
-        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body))
+    created = _dict(custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body))
     assert "status" not in created
     # ... a main-resource patch cannot set it, the /status endpoint can.
-    patched = _dict(custom.patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "good", {"status": {"note": "main"}},
-        _content_type=MERGE,
-    ))
+    patched = _dict(
+        custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "good",
+            {"status": {"note": "main"}},
+            _content_type=MERGE,
+        )
+    )
     assert "status" not in patched
-    patched = _dict(custom.patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, "good", {"status": {"note": "via-status"}},
-        _content_type=MERGE,
-    ))
+    patched = _dict(
+        custom.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "good",
+            {"status": {"note": "via-status"}},
+            _content_type=MERGE,
+        )
+    )
     assert patched["status"]["note"] == "via-status"
     # The CEL rule also guards updates.
     with pytest.raises(ApiException) as update_rejected:
         custom.patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "good", {"spec": {"minNodes": 9}},
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "good",
+            {"spec": {"minNodes": 9}},
             _content_type=MERGE,
         )
     assert update_rejected.value.status == 422
@@ -220,8 +259,10 @@ def test_crd_cel_rule_and_status_subresource(
 
 
 def test_concurrent_status_patches_lose_nothing_and_stale_updates_conflict(
-    control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient,
-    proof_crd: str, namespace: str,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    proof_crd: str,
+    namespace: str,
 ) -> None:
     custom = kubernetes.client.CustomObjectsApi(admin_api)
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _proof("shared"))
@@ -236,7 +277,11 @@ def test_concurrent_status_patches_lose_nothing_and_stale_updates_conflict(
                 kubernetes.client.VersionApi(own).get_code()  # connect before the barrier
                 barrier.wait(timeout=60)
                 api.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, PLURAL, "shared",
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    PLURAL,
+                    "shared",
                     {"status": {"members": {f"member-{index:02d}": f"value-{index}"}}},
                     _content_type=MERGE,
                 )
@@ -250,25 +295,39 @@ def test_concurrent_status_patches_lose_nothing_and_stale_updates_conflict(
         thread.join(timeout=120)
     assert not any(thread.is_alive() for thread in threads), "a writer hung"
     assert not errors, errors
-    members = _dict(custom.get_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "shared"))["status"]["members"]
+    members = _dict(
+        custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "shared")
+    )["status"]["members"]
     assert members == {f"member-{i:02d}": f"value-{i}" for i in range(writers)}
 
     stale = _dict(custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "shared"))
     custom.patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "shared", {"spec": {"maxNodes": 5}},
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        "shared",
+        {"spec": {"maxNodes": 5}},
         _content_type=MERGE,
     )
     stale_rv = stale["metadata"]["resourceVersion"]
     with pytest.raises(ApiException) as put_conflict:
         custom.replace_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "shared",
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "shared",
             stale | {"spec": {"minNodes": 2, "maxNodes": 6}},
         )
     assert put_conflict.value.status == 409
     with pytest.raises(ApiException) as patch_conflict:
         custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, "shared",
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "shared",
             {"metadata": {"resourceVersion": stale_rv}, "status": {"note": "late"}},
             _content_type=MERGE,
         )
@@ -283,7 +342,8 @@ def test_label_selector_watch_sees_objects_enter_and_leave(
 ) -> None:
     core = kubernetes.client.CoreV1Api(admin_api)
     start_rv = read_object(core.list_namespaced_config_map, namespace)["metadata"][
-        "resourceVersion"]
+        "resourceVersion"
+    ]
     core.create_namespaced_config_map(namespace, _config_map("never-matches"))
     core.create_namespaced_config_map(namespace, _config_map("subject"))
     for patch in (
@@ -296,8 +356,12 @@ def test_label_selector_watch_sees_objects_enter_and_leave(
     seen: list[tuple[str, str]] = []
     watch = kubernetes.watch.Watch()  # type: ignore[no-untyped-call]
     for event in watch.stream(  # type: ignore[no-untyped-call]
-        core.list_namespaced_config_map, namespace, label_selector="proof=yes",
-        resource_version=start_rv, timeout_seconds=30, deserialize=False,
+        core.list_namespaced_config_map,
+        namespace,
+        label_selector="proof=yes",
+        resource_version=start_rv,
+        timeout_seconds=30,
+        deserialize=False,
     ):
         seen.append((event["type"], event["object"]["metadata"]["name"]))
         if event["type"] == "DELETED":
@@ -306,8 +370,11 @@ def test_label_selector_watch_sees_objects_enter_and_leave(
 
 
 def test_rbac_denies_until_a_role_is_bound(
-    control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient, namespace: str,
-    service_account_client: Any, tmp_path: Path,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    namespace: str,
+    service_account_client: Any,
+    tmp_path: Path,
 ) -> None:
     reader = kubernetes.client.CoreV1Api(service_account_client("reader"))
     with pytest.raises(ApiException) as denied:
@@ -316,16 +383,33 @@ def test_rbac_denies_until_a_role_is_bound(
     assert f"system:serviceaccount:{namespace}:reader" in _status(denied.value)["message"]
 
     rbac = kubernetes.client.RbacAuthorizationV1Api(admin_api)
-    rbac.create_namespaced_role(namespace, to_model(kubernetes.client.V1Role, {
-        "metadata": {"name": "configmap-reader"},
-        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}],
-    }))
-    rbac.create_namespaced_role_binding(namespace, to_model(kubernetes.client.V1RoleBinding, {
-        "metadata": {"name": "configmap-reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                    "name": "configmap-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
-    }))
+    rbac.create_namespaced_role(
+        namespace,
+        to_model(
+            kubernetes.client.V1Role,
+            {
+                "metadata": {"name": "configmap-reader"},
+                "rules": [
+                    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}
+                ],
+            },
+        ),
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        to_model(
+            kubernetes.client.V1RoleBinding,
+            {
+                "metadata": {"name": "configmap-reader"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "configmap-reader",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+            },
+        ),
+    )
 
     def allowed() -> bool:
         try:
@@ -343,7 +427,8 @@ def test_rbac_denies_until_a_role_is_bound(
 
     # The same identity through a kubeconfig file, as kubectl or kopf would load it.
     kubeconfig = control_plane.write_kubeconfig_for_token(
-        control_plane.token_for(namespace, "reader"), tmp_path / "reader.kubeconfig")
+        control_plane.token_for(namespace, "reader"), tmp_path / "reader.kubeconfig"
+    )
     can_i = [f"--kubeconfig={kubeconfig}", "auth", "can-i", "-n", namespace]
     assert control_plane.kubectl(*can_i, "list", "configmaps").stdout.strip() == "yes"
     denied_secrets = control_plane.kubectl(*can_i, "list", "secrets", check=False)
@@ -351,16 +436,25 @@ def test_rbac_denies_until_a_role_is_bound(
 
 
 def test_pod_bound_token_carries_the_pod_and_dies_with_it(
-    control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient, namespace: str,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    namespace: str,
     pod_environment: Any,
 ) -> None:
     core = kubernetes.client.CoreV1Api(admin_api)
-    core.create_namespaced_pod(namespace, to_model(kubernetes.client.V1Pod, {
-        "metadata": {"name": "worker"},
-        "spec": {"containers": [{"name": "main", "image": "registry.invalid/x:1"}]},
-    }))
-    pod = wait_for(lambda: _running_pods(core, namespace, "", 1), 120,
-                   "pod worker to run on a kwok node")[0]
+    core.create_namespaced_pod(
+        namespace,
+        to_model(
+            kubernetes.client.V1Pod,
+            {
+                "metadata": {"name": "worker"},
+                "spec": {"containers": [{"name": "main", "image": "registry.invalid/x:1"}]},
+            },
+        ),
+    )
+    pod = wait_for(
+        lambda: _running_pods(core, namespace, "", 1), 120, "pod worker to run on a kwok node"
+    )[0]
     uid = pod["metadata"]["uid"]
 
     def review(api: kubernetes.client.ApiClient) -> dict[str, Any]:
@@ -385,7 +479,8 @@ def test_pod_bound_token_carries_the_pod_and_dies_with_it(
     assert env["POD_NAME"] == "worker" and env["POD_IP"] == pod["status"]["podIP"]
     configuration = kubernetes.client.Configuration()
     loader = InClusterConfigLoader(  # type: ignore[no-untyped-call]
-        token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt"),
+        token_filename=str(directory / "token"),
+        cert_filename=str(directory / "ca.crt"),
         environ=env,
     )
     loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
@@ -412,18 +507,27 @@ def test_job_pods_run_on_kwok_nodes_with_distinct_ips(
     admin_api: kubernetes.client.ApiClient, namespace: str
 ) -> None:
     kubernetes.client.BatchV1Api(admin_api).create_namespaced_job(
-        namespace, to_model(kubernetes.client.V1Job, _job("trio", parallelism=3, completions=3)))
+        namespace, to_model(kubernetes.client.V1Job, _job("trio", parallelism=3, completions=3))
+    )
     core = kubernetes.client.CoreV1Api(admin_api)
-    pods = wait_for(lambda: _running_pods(core, namespace, "job-name=trio", 3), 120,
-                    "3 Running pods of Job trio")
+    pods = wait_for(
+        lambda: _running_pods(core, namespace, "job-name=trio", 3),
+        120,
+        "3 Running pods of Job trio",
+    )
     assert len(pods) == 3
     assert {p["spec"]["nodeName"] for p in pods} <= set(NODE_ZONES)
     ips = [p["status"]["podIP"] for p in pods]
     assert len(set(ips)) == 3
     assert all(ipaddress.ip_address(ip) in ipaddress.ip_network(POD_CIDR) for ip in ips)
     batch = kubernetes.client.BatchV1Api(admin_api)
-    wait_for(lambda: dig(read_object(batch.read_namespaced_job, "trio", namespace),
-                         "status", "ready") == 3, 60, "Job trio to count 3 ready pods")
+    wait_for(
+        lambda: (
+            dig(read_object(batch.read_namespaced_job, "trio", namespace), "status", "ready") == 3
+        ),
+        60,
+        "Job trio to count 3 ready pods",
+    )
 
 
 def test_garbage_collector_deletes_dependents_of_a_deleted_owner(
@@ -432,10 +536,15 @@ def test_garbage_collector_deletes_dependents_of_a_deleted_owner(
     core = kubernetes.client.CoreV1Api(admin_api)
     owner = core.create_namespaced_config_map(namespace, _config_map("owner"))
     custom = kubernetes.client.CustomObjectsApi(admin_api)
-    reference = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
-                 "uid": owner.metadata.uid if owner.metadata else None}
+    reference = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "owner",
+        "uid": owner.metadata.uid if owner.metadata else None,
+    }
     custom.create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, _proof("dependent", ownerReferences=[reference]))
+        GROUP, VERSION, namespace, PLURAL, _proof("dependent", ownerReferences=[reference])
+    )
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _proof("bystander"))
     core.delete_namespaced_config_map("owner", namespace)
 
@@ -460,9 +569,13 @@ def test_job_controller_counts_pods_ended_by_set_pod_phase(
     core = kubernetes.client.CoreV1Api(admin_api)
     name = f"pair-{uuid.uuid4().hex[:6]}"
     batch.create_namespaced_job(
-        namespace, to_model(kubernetes.client.V1Job, _job(name, parallelism=2, completions=2)))
-    pods = wait_for(lambda: _running_pods(core, namespace, f"job-name={name}", 2), 120,
-                    f"2 Running pods of Job {name}")
+        namespace, to_model(kubernetes.client.V1Job, _job(name, parallelism=2, completions=2))
+    )
+    pods = wait_for(
+        lambda: _running_pods(core, namespace, f"job-name={name}", 2),
+        120,
+        f"2 Running pods of Job {name}",
+    )
     failing, succeeding = pods[0]["metadata"]["name"], pods[1]["metadata"]["name"]
 
     set_pod_phase(admin_api, namespace, failing, "Failed", exit_code=3)
@@ -470,7 +583,8 @@ def test_job_controller_counts_pods_ended_by_set_pod_phase(
 
     def counted() -> dict[str, Any] | None:
         status: dict[str, Any] = dig(
-            read_object(batch.read_namespaced_job, name, namespace), "status", default={})
+            read_object(batch.read_namespaced_job, name, namespace), "status", default={}
+        )
         done = status.get("failed") == 1 and status.get("succeeded") == 1
         return status if done else None
 
@@ -506,9 +620,22 @@ def test_apiserver_and_etcd_restarts_keep_state(
 
         control_plane.restart_etcd()
         transient = (ApiException, urllib3.exceptions.HTTPError)
-        wait_for(lambda: core.read_namespaced_config_map("survivor", namespace), 60,
-                 "the survivor ConfigMap to be readable after the etcd restart", ignore=transient)
-        wait_for(lambda: core.create_namespaced_config_map(namespace, _config_map("after")),
-                 60, "a write to succeed after the etcd restart", ignore=transient)
+        wait_for(
+            lambda: core.read_namespaced_config_map("survivor", namespace),
+            60,
+            "the survivor ConfigMap to be readable after the etcd restart",
+            ignore=transient,
+        )
+        wait_for(
+            lambda: core.create_namespaced_config_map(namespace, _config_map("after")),
+            60,
+            "a write to succeed after the etcd restart",
+            ignore=transient,
+        )
     assert set(control_plane.running_components()) == {
-        "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kwok",
+    }

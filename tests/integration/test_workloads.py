@@ -99,7 +99,10 @@ def join_all(nodes: list[Node]) -> list[Any]:
 
 
 def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
-    admin_api: kubernetes.client.ApiClient, workers_namespace: str, attach_nodes: AttachNodes
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: AttachNodes,
+    recorded: Callable[[str], Rendezvous],
 ) -> None:
     job = make_job(
         admin_api,
@@ -108,7 +111,7 @@ def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
         2,
         {"k8s-rendezvous.dev/nodes": "2:3", "k8s-rendezvous.dev/last-call-timeout": "60"},
     )
-    rdzv = Rendezvous(admin_api, workers_namespace, "train")
+    rdzv = recorded("train")
     body = wait_for(lambda: _get(rdzv), 30, "Rendezvous created for the Job")
     assert body["spec"]["minNodes"] == 2 and body["spec"]["maxNodes"] == 3
     assert body["spec"]["lastCallTimeoutSeconds"] == 60
@@ -199,10 +202,13 @@ def test_bad_annotation_is_reported_on_the_job_and_fixing_it_fixes_the_state(
 
 
 def test_parallelism_up_and_down_grows_and_shrinks_the_world(
-    admin_api: kubernetes.client.ApiClient, workers_namespace: str, attach_nodes: AttachNodes
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: AttachNodes,
+    recorded: Callable[[str], Rendezvous],
 ) -> None:
     make_job(admin_api, workers_namespace, "elastic", 2, {"k8s-rendezvous.dev/nodes": "1:3"})
-    rdzv = Rendezvous(admin_api, workers_namespace, "elastic")
+    rdzv = recorded("elastic")
     wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
     first = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "elastic", 2))
     join_all(first)
@@ -250,12 +256,15 @@ def test_parallelism_up_and_down_grows_and_shrinks_the_world(
 
 
 def test_failed_pod_is_replaced_by_the_job_and_the_replacement_joins(
-    admin_api: kubernetes.client.ApiClient, workers_namespace: str, attach_nodes: AttachNodes
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: AttachNodes,
+    recorded: Callable[[str], Rendezvous],
 ) -> None:
     make_job(
         admin_api, workers_namespace, "retry", 2, {"k8s-rendezvous.dev/nodes": "2"}, backoffLimit=3
     )
-    rdzv = Rendezvous(admin_api, workers_namespace, "retry")
+    rdzv = recorded("retry")
     wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
     nodes = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "retry", 2))
     join_all(nodes)
@@ -280,6 +289,7 @@ def test_finished_job_closes_the_rendezvous_and_deletion_removes_it(
     attach_nodes: AttachNodes,
     phase: str,
     reason: str,
+    recorded: Callable[[str], Rendezvous],
 ) -> None:
     make_job(
         admin_api,
@@ -290,7 +300,7 @@ def test_finished_job_closes_the_rendezvous_and_deletion_removes_it(
         backoffLimit=0,
         completions=1,
     )
-    rdzv = Rendezvous(admin_api, workers_namespace, "done")
+    rdzv = recorded("done")
     wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
     (node,) = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "done", 1))
     join_all([node])
@@ -465,12 +475,9 @@ def test_rank_order_groups_newcomers_by_zone(
         lambda: (
             ps
             if all(
-
-                    ps := [
-                        read_object(core.read_namespaced_pod, p, workers_namespace)
-                        for p in placement
-                    ]
-
+                ps := [
+                    read_object(core.read_namespaced_pod, p, workers_namespace) for p in placement
+                ]
             )
             and all(p["status"].get("phase") == "Running" for p in ps)
             else None

@@ -16,6 +16,7 @@ import kubernetes.client
 import pytest
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
+from tests.support import invariants
 from tests.support.operator import OperatorProcess
 
 from k8s_rendezvous import kube, state
@@ -97,11 +98,19 @@ def operator_process(
 
 
 class Rendezvous:
-    """The test's view of one Rendezvous object (admin credentials)."""
+    """The test's view of one Rendezvous object (admin credentials); with a recorder, its
+    history and its nodes' outcomes are checked against the invariants at teardown."""
 
-    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
+    def __init__(
+        self,
+        api: kubernetes.client.ApiClient,
+        namespace: str,
+        name: str,
+        recorder: invariants.Recorder | None = None,
+    ) -> None:
         self.namespace = namespace
         self.name = name
+        self.recorder = recorder
         self._custom = kubernetes.client.CustomObjectsApi(api)
 
     def body(self) -> dict[str, Any]:
@@ -130,8 +139,32 @@ class Rendezvous:
 
 
 @pytest.fixture
-def make_rendezvous(
+def recorded(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> Iterator[Callable[[str], Rendezvous]]:
+    """A Rendezvous (existing or to come) whose history is checked at teardown."""
+    made: list[Rendezvous] = []
+
+    def record(name: str) -> Rendezvous:
+        recorder = invariants.Recorder(admin_api, workers_namespace, name)
+        made.append(Rendezvous(admin_api, workers_namespace, name, recorder))
+        return made[-1]
+
+    yield record
+    for rendezvous in made:
+        assert rendezvous.recorder is not None
+        rendezvous.recorder.stop()
+        if rendezvous.recorder.spec is None:
+            continue  # never created (a test of bad input)
+        spec = state.RendezvousSpec.from_dict(rendezvous.recorder.spec)
+        invariants.check(spec, rendezvous.recorder.statuses(), rendezvous.recorder.outcomes)
+
+
+@pytest.fixture
+def make_rendezvous(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    recorded: Callable[[str], Rendezvous],
 ) -> Callable[..., Rendezvous]:
     def make(min_nodes: int, max_nodes: int, **spec: Any) -> Rendezvous:
         name = f"rdzv-{uuid.uuid4().hex[:6]}"
@@ -141,10 +174,11 @@ def make_rendezvous(
             "metadata": {"name": name, "namespace": workers_namespace},
             "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "runId": name, **spec},
         }
+        rendezvous = recorded(name)
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
             state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
         )
-        return Rendezvous(admin_api, workers_namespace, name)
+        return rendezvous
 
     return make
 
@@ -157,6 +191,7 @@ class Node:
     addr: str
     handler: KubernetesRendezvousHandler
     api: kubernetes.client.ApiClient
+    rendezvous: Rendezvous | None = None
 
     def join_in_background(self) -> Joining:
         return Joining(self)
@@ -173,10 +208,30 @@ class Joining:
         self._thread.start()
 
     def _run(self) -> None:
+        recorder = self.node.rendezvous.recorder if self.node.rendezvous else None
         try:
             self.result = self.node.handler.next_rendezvous()
         except BaseException as error:
             self.error = error
+            if recorder is not None:
+                recorder.outcomes.append(
+                    invariants.Outcome(self.node.pod, error=type(error).__name__)
+                )
+            return
+        if recorder is not None:
+            info, joined = self.result, self.node.handler._joined
+            recorder.outcomes.append(
+                invariants.Outcome(
+                    self.node.pod,
+                    round=joined.round if joined else None,
+                    rank=info.rank,
+                    world_size=info.world_size,
+                    master=(
+                        info.bootstrap_store_info.master_addr,
+                        info.bootstrap_store_info.master_port,
+                    ),
+                )
+            )
 
     def wait(self, timeout: float = 60) -> Any:
         self._thread.join(timeout)
@@ -256,7 +311,7 @@ def attach_nodes(
                 max_nodes=max_nodes,
                 read_timeout=read_timeout,
             )
-            node = Node(name, addr, handler, api)
+            node = Node(name, addr, handler, api, rendezvous)
             created.append(node)
             nodes.append(node)
         return nodes
