@@ -1,0 +1,161 @@
+"""Failure paths of the pod side's API client, with faults injected at the HTTP level by a
+scripted local server (fast, deterministic; the real API server covers the rest).
+
+Aspects: 5xx and 429 are retried with backoff until they pass; an API server that stays
+down past the budget, or refuses connections, becomes RendezvousConnectionError saying so;
+403 is not retried and names the role to bind; 404 names the ways to make the Rendezvous;
+422 is a state error; a merge patch carries no resourceVersion (joins never conflict).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+)
+
+from k8s_rendezvous import kube, state
+from k8s_rendezvous.errors import RendezvousNotFoundError
+
+OBJECT = {
+    "apiVersion": state.API_VERSION,
+    "kind": state.KIND,
+    "metadata": {"name": "r", "namespace": "ns", "resourceVersion": "7"},
+    "spec": {"minNodes": 1, "maxNodes": 1, "runId": "r"},
+}
+
+
+class Script:
+    """Answers requests with the next scripted status; records what it received."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+        self.requests: list[tuple[str, str, dict[str, Any] | None]] = []
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Script]]:
+    script = Script([])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            script.requests.append((self.command, self.headers.get("Content-Type", ""), body))
+            status = script.statuses.pop(0) if script.statuses else 200
+            payload = (
+                OBJECT
+                if status == 200
+                else {"kind": "Status", "code": status, "message": f"scripted {status}"}
+            )
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_PATCH = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", script
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def rendezvous_client(host: str, retry_seconds: float = 5) -> kube.RendezvousClient:
+    configuration = client.Configuration(host=host)
+    configuration.retries = 0  # our retries, not urllib3's
+    return kube.RendezvousClient(
+        client.ApiClient(configuration), "ns", "r", retry_seconds=retry_seconds
+    )
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_transient_errors_are_retried_until_they_pass(
+    server: tuple[str, Script], status: int
+) -> None:
+    host, script = server
+    script.statuses = [status, status, 200]
+    assert rendezvous_client(host).get()["metadata"]["name"] == "r"
+    assert len(script.requests) == 3
+
+
+def test_api_server_down_past_the_budget_is_a_connection_error(server: tuple[str, Script]) -> None:
+    host, script = server
+    script.statuses = [503] * 1000
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="503"):
+        rendezvous_client(host, retry_seconds=0.5).get()
+    assert 0.5 <= time.monotonic() - started < 5, "bounded by the budget, not forever"
+    assert len(script.requests) > 2, "retried with backoff"
+
+
+def test_unreachable_api_server_is_a_connection_error_that_says_so() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(RendezvousConnectionError, match="unreachable for 0 s"):
+        rendezvous_client(f"http://127.0.0.1:{port}", retry_seconds=0.3).get()
+
+
+def test_forbidden_is_not_retried_and_names_the_role(server: tuple[str, Script]) -> None:
+    host, script = server
+    script.statuses = [403]
+    entry = state.NodeEntry("i", 1, "10.0.0.1", 29500)
+    with pytest.raises(RendezvousConnectionError, match="ClusterRole k8s-rendezvous-worker"):
+        rendezvous_client(host).write_entry("pod-a", entry)
+    assert len(script.requests) == 1
+
+
+def test_missing_rendezvous_names_the_ways_to_make_it(server: tuple[str, Script]) -> None:
+    host, script = server
+    script.statuses = [404]
+    with pytest.raises(RendezvousNotFoundError, match="Annotate the Job"):
+        rendezvous_client(host).get()
+
+
+def test_rejected_entry_is_a_state_error(server: tuple[str, Script]) -> None:
+    host, script = server
+    script.statuses = [422]
+    with pytest.raises(RendezvousStateError, match="scripted 422"):
+        rendezvous_client(host).write_entry("pod-a", state.NodeEntry("i", 1, "a", 1))
+
+
+def test_join_is_a_merge_patch_of_the_own_entry_without_resource_version(
+    server: tuple[str, Script],
+) -> None:
+    host, script = server
+    rendezvous_client(host).write_entry("pod-a", state.NodeEntry("i", 2, "10.0.0.1", 29500))
+    ((method, content_type, body),) = script.requests
+    assert (method, content_type) == ("PATCH", "application/merge-patch+json")
+    assert body == {
+        "status": {
+            "nodes": {
+                "pod-a": {
+                    "instance": "i",
+                    "attempt": 2,
+                    "addr": "10.0.0.1",
+                    "storePort": 29500,
+                    "intent": "Join",
+                }
+            }
+        }
+    }
