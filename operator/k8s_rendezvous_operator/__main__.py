@@ -26,6 +26,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="kopf liveness endpoint URL, or '' to disable (default: %(default)s)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        help="serve Prometheus metrics at :PORT/metrics (0 disables; default: %(default)s)",
+    )
+    parser.add_argument(
         "--job-label-selector",
         default="",
         help="only consider Jobs matching this label selector (filtered by the API server), "
@@ -81,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import kopf
 
+    if args.metrics_port:
+        from k8s_rendezvous_operator import metrics
+
+        metrics.serve(args.metrics_port)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL)
     if not args.verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)

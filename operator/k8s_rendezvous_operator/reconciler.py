@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, observe, rounds
+from k8s_rendezvous_operator import kube, metrics, observe, rounds
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class Reconciler:
         self._pod_nodes: dict[Key, str] = {}
         self._node_labels: dict[str, dict[str, str]] = {}
         self._unreadable: dict[Key, str] = {}
+        self._waiting: dict[Key, int] = {}
         self._bodies: dict[Key, dict[str, Any]] = {}
         self._pods: dict[Key, rounds.PodObservation] = {}
         self._labelling: set[Key] = set()
@@ -78,6 +79,7 @@ class Reconciler:
                     memory.pop(pod, None)
                 self._labelled.discard(pod)
             self._unreadable.pop(key, None)
+            self._waiting.pop(key, None)
             if timer := self._timers.pop(key, None):
                 timer.cancel()
             return
@@ -220,6 +222,7 @@ class Reconciler:
             self._again.add(key)
             return
         self._running[key] = asyncio.get_running_loop().create_task(self._loop(key))
+        metrics.QUEUE_DEPTH.set(len(self._running))
 
     async def _loop(self, key: Key) -> None:
         try:
@@ -227,7 +230,8 @@ class Reconciler:
                 self._again.discard(key)
                 try:
                     await self._reconcile(key)
-                except Exception:
+                except Exception as error:
+                    metrics.API_ERRORS.labels(type(error).__name__).inc()
                     log.exception("reconciling Rendezvous %s/%s failed; retrying in 1 s", *key)
                     await asyncio.sleep(1)
                     self._again.add(key)
@@ -235,6 +239,7 @@ class Reconciler:
                     return
         finally:
             del self._running[key]
+            metrics.QUEUE_DEPTH.set(len(self._running))
 
     def _wake_at(self, key: Key, moment: datetime.datetime | None) -> None:
         if timer := self._timers.pop(key, None):
@@ -302,6 +307,7 @@ class Reconciler:
                         fields,
                     )
                 except kube.Conflict:
+                    metrics.WRITE_CONFLICTS.inc()
                     fresh = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
                     self._remember(key, fresh)
                     continue
@@ -310,6 +316,7 @@ class Reconciler:
                     return
                 self._remember(key, written)
                 self._report(written, current, decision, now)
+                self._count(key, current, decision, now)
             self._wake_at(key, decision.wake_at)
             return
         self._again.add(key)  # lost five races in a row: try again after the next event
@@ -345,6 +352,25 @@ class Reconciler:
             )
         except (kube.Conflict, kube.NotFound):
             self._unreadable.pop(key, None)  # changed meanwhile: look again at the next event
+
+    def _count(
+        self,
+        key: Key,
+        previous: state.RendezvousStatus,
+        decision: rounds.Decision,
+        now: datetime.datetime,
+    ) -> None:
+        status = decision.status
+        for loss in decision.losses:
+            metrics.MEMBERS_LOST.labels(loss.reason).inc()
+        if decision.sealed:
+            metrics.ROUNDS_SEALED.inc()
+            if decision.forming_seconds is not None:
+                metrics.SEAL_LATENCY.observe(decision.forming_seconds)
+        if decision.closed:
+            metrics.CLOSED.labels(status.closed_reason or "").inc()
+        self._waiting[key] = status.nodes_waiting
+        metrics.NODES_WAITING.set(sum(self._waiting.values()))
 
     def _owning_job(self, key: Key, body: Mapping[str, Any]) -> observe.JobObservation | None:
         job = self._jobs.get(key)

@@ -116,6 +116,8 @@ class Decision:
     """Members lost, reported when the sealed round goes stale."""
     wake_at: datetime.datetime | None = None
     """Decide again at this time even if nothing changes (last call, heartbeat expiry)."""
+    forming_seconds: float | None = None
+    """For a sealed round: from the first join request the operator saw to the seal."""
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -433,7 +435,10 @@ def _form(
             left_behind=(*status.left_behind, *pending),
         )
         return Decision(
-            _with_conditions(sealed, now, generation), sealed=True, losses=reported_losses
+            _with_conditions(sealed, now, generation),
+            sealed=True,
+            losses=reported_losses,
+            forming_seconds=(now - (forming_since or now)).total_seconds(),
         )
 
     forming = dataclasses.replace(

@@ -11,6 +11,7 @@ without the worker role gets an error that names the fix.
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Callable
 
 import kubernetes.client
@@ -394,3 +395,44 @@ def test_status_edited_into_nonsense_is_refused_with_a_condition_and_then_recove
         "operator decides again once the status is readable",
     )
     assert join_all(nodes[:1])[0][1] == 1
+
+
+@pytest.mark.metrics
+def test_operator_metrics_count_rounds_losses_and_seal_latency(
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+    admin_api: kubernetes.client.ApiClient,
+    operator_process: OperatorProcess,
+) -> None:
+    port = next(
+        int(arg.split("=")[1])
+        for arg in operator_process.extra_args
+        if arg.startswith("--metrics-port")
+    )
+    rdzv = make_rendezvous(1, 2)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    delete_pod(admin_api, rdzv.namespace, nodes[1].pod)
+    wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 10, "loss noticed", interval=0.02)
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("k8s_rendezvous_")
+        }
+
+    values = wait_for(
+        lambda: (
+            (m if m.get("k8s_rendezvous_rounds_sealed_total", 0) >= 1 else None)
+            if (m := scrape())
+            else None
+        ),
+        10,
+        "metrics served",
+    )
+    assert values["k8s_rendezvous_seal_latency_seconds_count"] >= 1
+    lost = {k: v for k, v in values.items() if k.startswith("k8s_rendezvous_members_lost_total")}
+    assert sum(lost.values()) >= 1, lost
+    assert values["k8s_rendezvous_nodes_waiting"] >= 1

@@ -67,12 +67,15 @@ def operator_process(
     """The operator, running as its own process, watching the test's namespace.
 
     ``@pytest.mark.webhook`` also serves the admission webhook on 127.0.0.1 (a
-    MutatingWebhookConfiguration named after the namespace, removed afterwards).
+    MutatingWebhookConfiguration named after the namespace, removed afterwards);
+    ``@pytest.mark.metrics`` serves Prometheus metrics on a free port.
     """
     extra: tuple[str, ...] = ()
     webhook_config = f"torchrun-env.{workers_namespace}.k8s-rendezvous.dev"
+    if request.node.get_closest_marker("metrics"):
+        extra += (f"--metrics-port={free_port()}",)
     if request.node.get_closest_marker("webhook"):
-        extra = (
+        extra += (
             "--webhook",
             "--webhook-host=127.0.0.1",
             "--webhook-addr=127.0.0.1",
@@ -90,7 +93,7 @@ def operator_process(
         yield process
     finally:
         process.stop()
-        if extra:
+        if request.node.get_closest_marker("webhook"):
             control_plane.kubectl(
                 "delete", "mutatingwebhookconfiguration", webhook_config, "--ignore-not-found"
             )

@@ -42,6 +42,8 @@ class OperatorProcess:
         args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness=", "--verbose"]
         for namespace in self.namespaces:
             args += ["--namespace", namespace]
+        if not any(arg.startswith("--metrics-port") for arg in self.extra_args):
+            args.append("--metrics-port=0")  # tests run several operators side by side
         args += self.extra_args
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the operator (``--metrics-port``, ``/metrics``)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+ROUNDS_SEALED: Final = Counter(
+    "k8s_rendezvous_rounds_sealed_total", "Rounds sealed by the operator."
+)
+SEAL_LATENCY: Final = Histogram(
+    "k8s_rendezvous_seal_latency_seconds",
+    "From the first join of a round to its seal, by the operator's clock.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+MEMBERS_LOST: Final = Counter(
+    "k8s_rendezvous_members_lost_total", "Members dropped from a sealed round.", ["reason"]
+)
+CLOSED: Final = Counter("k8s_rendezvous_closed_total", "Rendezvous closed.", ["reason"])
+NODES_WAITING: Final = Gauge(
+    "k8s_rendezvous_nodes_waiting", "Sum of status.nodesWaiting over all rendezvous."
+)
+API_ERRORS: Final = Counter(
+    "k8s_rendezvous_api_errors_total", "Failed API calls of the operator.", ["kind"]
+)
+WRITE_CONFLICTS: Final = Counter(
+    "k8s_rendezvous_write_conflicts_total",
+    "Status writes refused because the object changed since it was read (then retried).",
+)
+QUEUE_DEPTH: Final = Gauge(
+    "k8s_rendezvous_reconcile_queue_depth", "Rendezvous being reconciled or waiting to be."
+)
+
+
+def serve(port: int) -> None:
+    start_http_server(port)
