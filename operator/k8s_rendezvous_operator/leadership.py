@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 GROUP: Final = "coordination.k8s.io"
 VERSION: Final = "v1"
 PLURAL: Final = "leases"
-DEFAULT_LEASE_NAME: Final = "k8s-rendezvous-operator"
 _NAMESPACE_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -385,19 +384,19 @@ async def _serve_standby_health(endpoint: str, elector: Elector) -> aiohttp.web.
 
 
 def _exit_now(reason: str) -> None:
-    log.critical("the operator did not stop in time after losing leadership (%s): exiting", reason)
+    log.critical("exiting now: leadership lost (%s)", reason)
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()
     os._exit(1)
 
 
-async def lead(
-    elector: Elector,
-    operate: Callable[[asyncio.Event], Awaitable[None]],
-    liveness_endpoint: str | None,
-) -> int:
-    """Stand by until leading, then run ``operate(stop_flag)`` while the Lease is ours.
+Operate = Callable[[asyncio.Event, asyncio.Event], Awaitable[None]]
+"""``operate(stop_flag, ready_flag)``: run kopf until ``stop_flag`` is set."""
+
+
+async def lead(elector: Elector, operate: Operate, liveness_endpoint: str | None) -> int:
+    """Stand by until leading, then ``operate`` while the Lease is ours.
 
     Returns the process exit code: 0 after SIGTERM/SIGINT (the Lease released), 1 when
     leadership was lost (the Deployment restarts the pod as a standby).
@@ -414,12 +413,13 @@ async def lead(
         if health is not None:
             await health.cleanup()
         for sig in signals:
-            loop.remove_signal_handler(sig)  # kopf installs its own while it runs
+            loop.remove_signal_handler(sig)  # kopf installs its own while it starts
     if not acquired:
         elector.close()
         return 0
 
     stop = asyncio.Event()
+    ready = asyncio.Event()
     lost: list[str] = []
 
     async def guard() -> None:
@@ -436,14 +436,26 @@ async def lead(
         timer.daemon = True
         timer.start()
 
+    async def stop_on_signals() -> None:
+        # Once kopf runs, a signal sets the stop flag rather than kopf's own: kopf would
+        # otherwise wait 5 s for the task that waits on the flag before it stops.
+        await ready.wait()
+        for sig in signals:
+            loop.add_signal_handler(sig, stop.set)
+
     # Created before kopf starts: kopf leaves the tasks that existed before it alone.
-    keeper = asyncio.create_task(guard(), name="leader-election renewals")
+    helpers = [
+        asyncio.create_task(guard(), name="leader-election renewals"),
+        asyncio.create_task(stop_on_signals(), name="leader-election signals"),
+    ]
     try:
-        await operate(stop)
+        await operate(stop, ready)
     finally:
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
+        for task in helpers:
+            task.cancel()
+        for task in helpers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for sig in signals:
             loop.remove_signal_handler(sig)
         if not lost:
@@ -467,13 +479,18 @@ def run_elected(
     """
     import kopf
 
+    from k8s_rendezvous_operator import kube
+
     elector = Elector(
         LeaseLock(api_client, namespace or default_namespace(), name), default_identity(), timings
     )
     log.info("leader election: %s as %s", elector.lock.reference, elector.identity)
+    # The generated client's API classes take seconds to import; pay that while standing
+    # by, not after taking over.
+    kube.OperatorApi(api_client)
 
-    async def operate(stop_flag: asyncio.Event) -> None:
-        await kopf.operator(stop_flag=stop_flag, **kopf_options)
+    async def operate(stop_flag: asyncio.Event, ready_flag: asyncio.Event) -> None:
+        await kopf.operator(stop_flag=stop_flag, ready_flag=ready_flag, **kopf_options)
 
     code = asyncio.run(lead(elector, operate, kopf_options.get("liveness_endpoint")))
     if code:
