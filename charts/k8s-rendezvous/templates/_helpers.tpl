@@ -1,0 +1,54 @@
+{{/* The chart's name. */}}
+{{- define "k8s-rendezvous.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's prefix for every object name: the release name when it already
+contains the chart's name, else <release>-<chart>. */}}
+{{- define "k8s-rendezvous.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's objects: Deployment, ServiceAccount, roles and bindings. */}}
+{{- define "k8s-rendezvous.operator" -}}
+{{- printf "%s-operator" (include "k8s-rendezvous.fullname" .) -}}
+{{- end -}}
+
+{{- define "k8s-rendezvous.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "k8s-rendezvous.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: k8s-rendezvous
+{{- end -}}
+
+{{- define "k8s-rendezvous.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "k8s-rendezvous.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "k8s-rendezvous.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "k8s-rendezvous.operator" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The user name the operator's requests carry; the admission policies leave it alone. */}}
+{{- define "k8s-rendezvous.operatorUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "k8s-rendezvous.serviceAccountName" .) -}}
+{{- end -}}
+
+{{- define "k8s-rendezvous.leaseName" -}}
+{{- default (include "k8s-rendezvous.operator" .) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
+{{/* Fixed: the handler's error messages and the README name it. */}}
+{{- define "k8s-rendezvous.workerRole" -}}
+k8s-rendezvous-worker
+{{- end -}}

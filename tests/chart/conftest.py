@@ -1,0 +1,119 @@
+"""Fixtures of the chart tests: helm, a release of the chart installed into the test
+control plane, and namespaces whose pods hold the chart's worker role."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import kubernetes.client
+import pytest
+from kubernetes.client.exceptions import ApiException
+from tests.chart import chart
+from tests.cluster.controlplane import ControlPlane, build_binaries, to_model
+from tests.cluster.waiting import wait_for
+
+# The rendezvous fixtures (make_rendezvous, make_nodes and whatever they need);
+# workers_namespace is overridden below.
+from tests.support.fixtures import *  # noqa: F403
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> chart.Helm:
+    """helm without a cluster (lint, template)."""
+    return chart.Helm(build_binaries() / "helm", tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="session")
+def cluster_helm(helm: chart.Helm, control_plane: ControlPlane) -> chart.Helm:
+    """helm as the test control plane's admin."""
+    return chart.Helm(helm.binary, helm.home, control_plane.kubeconfig)
+
+
+@pytest.fixture(scope="module")
+def chart_release(
+    control_plane: ControlPlane,
+    cluster_helm: chart.Helm,
+    admin_api: kubernetes.client.ApiClient,
+) -> Iterator[chart.Release]:
+    """The chart installed with its defaults but 2 replicas (two pods whose identities the
+    tests' operator processes borrow); uninstalled after the module, leaving the session
+    as the other fixtures expect it (CRD, worker role from manifests/)."""
+    removed = chart.adopt_worker_role(control_plane)
+    chart.ensure_namespace(control_plane)
+    cluster_helm.run(
+        "install",
+        chart.RELEASE,
+        str(chart.CHART),
+        "--namespace",
+        chart.NAMESPACE,
+        "--set",
+        "replicas=2",
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    control_plane.kubectl(
+        "wait", "--for=condition=established", f"crd/{chart.CRD_NAME}", "--timeout=60s"
+    )
+    try:
+        yield chart.Release(control_plane, admin_api)
+    finally:
+        cluster_helm.run("uninstall", chart.RELEASE, "--namespace", chart.NAMESPACE, "--wait")
+        control_plane.kubectl("-n", chart.NAMESPACE, "delete", "leases", "--all")
+        if removed:
+            chart.restore_worker_role(control_plane)
+
+
+@pytest.fixture
+def workers_namespace(
+    namespace: str, control_plane: ControlPlane, chart_release: chart.Release
+) -> str:
+    """A namespace whose `default` ServiceAccount is bound to the chart's worker role the
+    way NOTES.txt says (instead of the role applied from manifests/ with kubectl)."""
+    control_plane.kubectl(
+        "-n",
+        namespace,
+        "create",
+        "rolebinding",
+        chart.WORKER_ROLE,
+        f"--clusterrole={chart.WORKER_ROLE}",
+        f"--serviceaccount={namespace}:default",
+    )
+    return namespace
+
+
+@pytest.fixture
+def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[[], str]]:
+    """More fresh namespaces (with their `default` ServiceAccount); deleted afterwards."""
+    core = kubernetes.client.CoreV1Api(admin_api)
+    made: list[str] = []
+
+    def default_sa(name: str) -> bool:
+        try:
+            core.read_namespaced_service_account("default", name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def make() -> str:
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        core.create_namespace(
+            to_model(
+                kubernetes.client.V1Namespace,
+                {"metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}},
+            )
+        )
+        made.append(name)
+        wait_for(lambda: default_sa(name), 60, f"ServiceAccount {name}/default")
+        return name
+
+    yield make
+    for name in made:
+        try:
+            core.delete_namespace(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise

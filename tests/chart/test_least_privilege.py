@@ -1,0 +1,385 @@
+"""Least privilege, proven: the operator runs as a local process with a real token of the
+chart's ServiceAccount (bound to one of the Deployment's pods, as the kubelet would mount
+it; its flags as in the Deployment, leader election included) through the core scenarios.
+Its ClusterRole is compared with an explicit minimal list, and the API server is asked what
+it may not do."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import kubernetes.client
+import pytest
+from kubernetes.client.exceptions import ApiException
+from tests.chart.chart import NAMESPACE, OPERATOR, WORKER_ROLE, ChartOperator, Release
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import Node, Rendezvous, delete_pod
+
+from k8s_rendezvous import state
+
+pytestmark = pytest.mark.usefixtures("chart_release")
+
+MakeRendezvous = Callable[..., Rendezvous]
+MakeNodes = Callable[..., list[Node]]
+SUBJECT = f"system:serviceaccount:{NAMESPACE}:{OPERATOR}"
+
+Rule = tuple[str, str, str, str]
+"""(API group, resource, verb, resource name or '')"""
+
+# Why each is there: see templates/rbac-operator.yaml, which says the same per rule.
+TODAY: set[Rule] = {
+    ("k8s-rendezvous.dev", "rendezvous", "list", ""),  # kopf's watch: list, then watch
+    ("k8s-rendezvous.dev", "rendezvous", "watch", ""),
+    ("k8s-rendezvous.dev", "rendezvous", "get", ""),  # re-read after a 409 on write_status
+    ("k8s-rendezvous.dev", "rendezvous/status", "patch", ""),  # sealing rounds
+    ("", "pods", "list", ""),  # the labelled node pods (server-side label selector)
+    ("", "pods", "watch", ""),
+    ("", "pods", "patch", ""),  # setting that label on a node's pod
+    ("", "pods", "get", ""),  # spec.rankOrder: a pod's node before its watch event
+    ("", "nodes", "get", ""),  # spec.rankOrder: that node's labels
+    ("coordination.k8s.io", "leases", "list", ""),  # nodes' heartbeat Leases (same label)
+    ("coordination.k8s.io", "leases", "watch", ""),
+    ("", "events", "create", ""),  # kopf posts Events; it never patches them
+}
+ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
+    ("batch", "jobs", "list", ""),
+    ("batch", "jobs", "watch", ""),
+    ("k8s-rendezvous.dev", "rendezvous", "create", ""),
+    ("k8s-rendezvous.dev", "rendezvous", "patch", ""),  # spec follows the annotations
+    ("rbac.authorization.k8s.io", "rolebindings", "create", ""),
+    ("rbac.authorization.k8s.io", "clusterroles", "bind", WORKER_ROLE),
+}
+LEADER_ELECTION: set[Rule] = {  # a Role in the release namespace
+    ("coordination.k8s.io", "leases", "create", ""),
+    ("coordination.k8s.io", "leases", "get", OPERATOR),
+    ("coordination.k8s.io", "leases", "update", OPERATOR),
+}
+
+
+def flatten(role: dict[str, object]) -> set[Rule]:
+    rules: set[Rule] = set()
+    for rule in role["rules"]:  # type: ignore[attr-defined]
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    for name in rule.get("resourceNames") or [""]:
+                        rules.add((group, resource, verb, name))
+    return rules
+
+
+@pytest.fixture(scope="module")
+def chart_operator(
+    chart_release: Release, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ChartOperator]:
+    """The operator with the chart's identity and flags, watching the whole cluster."""
+    directory = tmp_path_factory.mktemp("chart-operator")
+    pod = chart_release.operator_pods()[0]
+    process = ChartOperator(
+        chart_release.operator_kubeconfig(pod, directory / "kubeconfig"),
+        directory / "operator.log",
+        pod=pod["metadata"]["name"],
+        args=(
+            "--leader-elect",
+            f"--leader-election-namespace={NAMESPACE}",
+            f"--leader-election-id={OPERATOR}",
+        ),
+    )
+    process.start()
+    try:
+        wait_for(lambda: "this replica leads" in process.log(), 30, "the operator leads")
+        yield process
+    finally:
+        process.stop()
+        print(f"--- operator log (tail) ---\n{process.log_tail()}")
+
+
+@pytest.fixture
+def operator_log(chart_operator: ChartOperator) -> Iterator[Callable[[], str]]:
+    """What the operator logged during the test; it must never have been refused."""
+    start = len(chart_operator.log())
+
+    def written() -> str:
+        return chart_operator.log()[start:]
+
+    yield written
+    # An RBAC denial reads 'x is forbidden: User "system:serviceaccount:..." cannot ...'
+    # (kopf only logs failed Event posts; a 403 for a namespace being deleted is no denial).
+    refused = [line for line in written().splitlines() if f'forbidden: User "{SUBJECT}"' in line]
+    assert not refused, "RBAC refused the operator:\n" + "\n".join(refused[:20])
+
+
+def join_all(nodes: list[Node]) -> list[tuple[int, int]]:
+    """All nodes call next_rendezvous() at once; (rank, world size) each."""
+    infos = [joining.wait() for joining in [node.join_in_background() for node in nodes]]
+    return [(info.rank, info.world_size) for info in infos]
+
+
+def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -> None:
+    role = json.loads(control_plane.kubectl("get", "clusterrole", OPERATOR, "-o", "json").stdout)
+    assert flatten(role) == TODAY | ANNOTATED_JOBS
+    election = json.loads(
+        control_plane.kubectl(
+            "-n", NAMESPACE, "get", "role", f"{OPERATOR}-leader-election", "-o", "json"
+        ).stdout
+    )
+    assert flatten(election) == LEADER_ELECTION
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "where", "allowed"),
+    [
+        ("list", "rendezvous.k8s-rendezvous.dev", "-A", True),
+        ("patch", "rendezvous.k8s-rendezvous.dev:status", "-A", True),
+        ("patch", "pods", "-A", True),
+        ("create", "events", "-A", True),
+        ("watch", "leases.coordination.k8s.io", "-A", True),
+        ("update", "leases.coordination.k8s.io/k8s-rendezvous-operator", NAMESPACE, True),
+        # Denied: everything else.
+        ("list", "secrets", "-A", False),
+        ("get", "secrets", NAMESPACE, False),
+        ("get", "configmaps", "-A", False),
+        ("delete", "pods", "-A", False),
+        ("create", "pods", "-A", False),
+        ("update", "pods", "-A", False),
+        ("create", "pods:exec", "-A", False),
+        ("update", "rendezvous.k8s-rendezvous.dev", "-A", False),
+        ("delete", "rendezvous.k8s-rendezvous.dev", "-A", False),
+        ("update", "rendezvous.k8s-rendezvous.dev:status", "-A", False),
+        ("create", "leases.coordination.k8s.io", "default", False),
+        ("patch", "leases.coordination.k8s.io", "-A", False),
+        ("delete", "leases.coordination.k8s.io", NAMESPACE, False),
+        ("update", "leases.coordination.k8s.io/someone-elses-lock", NAMESPACE, False),
+        ("patch", "events", "-A", False),
+        ("list", "nodes", "", False),
+        ("patch", "nodes", "", False),
+        ("get", "jobs.batch", "-A", False),
+        ("patch", "jobs.batch", "-A", False),
+        ("list", "mutatingwebhookconfigurations", "", False),
+        ("list", "namespaces", "", False),
+        ("list", "customresourcedefinitions", "", False),
+        ("create", "jobs.batch", "-A", False),
+        ("delete", "rolebindings", "-A", False),
+        ("bind", "clusterroles/cluster-admin", "", False),
+        ("escalate", "clusterroles", "", False),
+        ("impersonate", "serviceaccounts", "-A", False),
+    ],
+)
+def test_the_api_server_says_what_it_may_do(
+    control_plane: ControlPlane,
+    verb: str,
+    resource: str,
+    where: str,
+    allowed: bool,
+) -> None:
+    """``resource[/name][:subresource]``; ``where``: -A, a namespace, or '' (cluster)."""
+    scope = ["-A"] if where == "-A" else (["-n", where] if where else [])
+    resource, _, subresource = resource.partition(":")
+    if subresource:
+        scope.append(f"--subresource={subresource}")
+    answer = control_plane.kubectl(
+        "auth", "can-i", verb, resource, *scope, f"--as={SUBJECT}", check=False
+    ).stdout.strip()
+    assert answer == ("yes" if allowed else "no"), f"can-i {verb} {resource} {where}: {answer}"
+
+
+def test_nodes_join_and_a_round_seals(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+) -> None:
+    rdzv = make_rendezvous(3, 3)
+    nodes = make_nodes(rdzv, 3)
+    assert sorted(join_all(nodes)) == [(0, 3), (1, 3), (2, 3)]
+    status = rdzv.status()
+    assert (status.state, status.round) == (state.RoundState.SEALED, 1)
+    assert any(reason == "RoundSealed" for _, reason, _ in rdzv.events()), "Events posted"
+
+
+def test_a_deleted_pod_reforms_the_world(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    rdzv = make_rendezvous(2, 3)
+    nodes = make_nodes(rdzv, 3)
+    join_all(nodes)
+    victim, survivors = nodes[2], nodes[:2]
+    delete_pod(admin_api, rdzv.namespace, victim.pod)
+    wait_for(
+        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
+        10,
+        "survivors told to re-rendezvous",
+        interval=0.02,
+    )
+    assert sorted(join_all(survivors)) == [(0, 2), (1, 2)]
+    assert rdzv.status().round == 2
+    lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
+    assert any(victim.pod in message for message in lost), lost
+
+
+def test_a_hung_agent_is_dropped_when_its_heartbeat_expires(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+) -> None:
+    rdzv = make_rendezvous(1, 2, heartbeatTimeoutSeconds=3)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    nodes[1].handler._heartbeat.stop()
+    wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 15, "expiry noticed", interval=0.05)
+    lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
+    assert any(nodes[1].pod in message and "HeartbeatExpired" in message for message in lost), lost
+    assert join_all(nodes[:1]) == [(0, 1)]
+
+
+def test_an_annotated_job_gets_its_rendezvous_kept_in_step_and_its_role_bound(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    batch = kubernetes.client.BatchV1Api(admin_api)
+    annotations = {"k8s-rendezvous.dev/nodes": "2:3", "k8s-rendezvous.dev/last-call-timeout": "60"}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "train", "annotations": annotations},
+        "spec": {
+            "parallelism": 2,
+            "template": {
+                "spec": {
+                    "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
+                    "restartPolicy": "Never",
+                }
+            },
+        },
+    }
+    batch.create_namespaced_job(workers_namespace, job)
+    custom = kubernetes.client.CustomObjectsApi(admin_api)
+
+    def spec() -> dict[str, object] | None:
+        try:
+            body = custom.get_namespaced_custom_object(
+                state.GROUP, state.VERSION, workers_namespace, state.PLURAL, "train"
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return dict(body["spec"])
+
+    assert wait_for(spec, 30, "the Job's Rendezvous created")["lastCallTimeoutSeconds"] == 60
+    rbac = kubernetes.client.RbacAuthorizationV1Api(admin_api)
+    binding = wait_for(
+        lambda: next(
+            (
+                b
+                for b in rbac.list_namespaced_role_binding(workers_namespace).items
+                if b.role_ref.name == WORKER_ROLE and b.metadata.name != WORKER_ROLE
+            ),
+            None,
+        ),
+        30,
+        "the operator bound the worker role for the Job's ServiceAccount",
+    )
+    assert binding.subjects[0].name == "default"
+    batch.patch_namespaced_job(
+        "train",
+        workers_namespace,
+        {"metadata": {"annotations": {"k8s-rendezvous.dev/last-call-timeout": "5"}}},
+    )
+    wait_for(
+        lambda: (spec() or {}).get("lastCallTimeoutSeconds") == 5,
+        30,
+        "the Rendezvous spec follows the annotation",
+    )
+
+
+def test_rank_order_reads_the_nodes_pods_run_on(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: MakeRendezvous,
+    attach_nodes: Callable[..., list[Node]],
+) -> None:
+    rdzv = make_rendezvous(3, 3, rankOrder={"nodeLabel": "topology.kubernetes.io/zone"})
+    core = kubernetes.client.CoreV1Api(admin_api)
+    placement = {"p-1": "kwok-node-2", "p-2": "kwok-node-0", "p-3": "kwok-node-1"}
+    for pod, node in placement.items():
+        core.create_namespaced_pod(
+            workers_namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod},
+                "spec": {
+                    "nodeName": node,
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "t", "image": "example.invalid/t"}],
+                },
+            },
+        )
+
+    def running() -> list[dict[str, object]] | None:
+        pods = [
+            admin_api.sanitize_for_serialization(core.read_namespaced_pod(p, workers_namespace))
+            for p in placement
+        ]
+        return pods if all(p["status"].get("phase") == "Running" for p in pods) else None
+
+    nodes = attach_nodes(rdzv, wait_for(running, 60, "pinned pods running"))
+    ranks = dict(zip((n.pod for n in nodes), join_all(nodes), strict=True))
+    # zone-a (kwok-node-0), zone-b (kwok-node-1), zone-c (kwok-node-2)
+    assert sorted(ranks, key=lambda pod: ranks[pod][0]) == ["p-2", "p-3", "p-1"]
+
+
+def test_annotated_job_permissions_suffice_and_bind_only_the_worker_role(
+    chart_operator: ChartOperator,
+    control_plane: ControlPlane,
+    make_namespace: Callable[[], str],
+) -> None:
+    """What annotated-Job support will do, done with the operator's own token."""
+    kubeconfig = json.loads(Path(chart_operator.kubeconfig).read_text())
+    api = control_plane.client_for_token(kubeconfig["users"][0]["user"]["token"])
+    team = make_namespace()
+    kubernetes.client.BatchV1Api(api).list_job_for_all_namespaces(limit=1)
+    kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        team,
+        state.PLURAL,
+        {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": "job-train"},
+            "spec": {"minNodes": 1, "maxNodes": 1, "runId": "job-train"},
+        },
+    )
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+
+    def binding(role: str) -> dict[str, object]:
+        return {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": f"bind-{role}"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": role,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": team}],
+        }
+
+    rbac.create_namespaced_role_binding(team, binding(WORKER_ROLE))  # type: ignore[arg-type]
+    with pytest.raises(ApiException) as error:
+        rbac.create_namespaced_role_binding(team, binding("edit"))  # type: ignore[arg-type]
+    assert error.value.status == 403
+    assert "is attempting to grant RBAC permissions not currently held" in str(error.value.body)
