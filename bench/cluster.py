@@ -1,0 +1,541 @@
+"""The system under test: the real control plane (tests/cluster), the CRD and roles, the
+operator as its own process (as a Deployment runs it: no ``--verbose``), namespaces,
+pods on kwok nodes with pod-bound tokens, the API server's /metrics and per-process
+CPU/RSS sampling with psutil."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import psutil
+from kubernetes.client.exceptions import ApiException
+from tests.cluster.controlplane import ControlPlane, build_binaries, read_object
+
+from k8s_rendezvous import state
+
+REPO = Path(__file__).resolve().parents[1]
+CRD = REPO / "manifests" / "crds"
+RBAC = REPO / "manifests" / "rbac"
+WORKER_ROLE = "k8s-rendezvous-worker"
+
+Log = Callable[[str], None]
+
+
+def wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until truthy; bounded by ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            value = predicate()
+        except ApiException as error:
+            value, last = None, error
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} within {timeout:.0f} s (last: {last!r})")
+        time.sleep(interval)
+
+
+class Operator:
+    """``python -m k8s_rendezvous_operator`` cluster-wide with the admin kubeconfig."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness="],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def stop(self) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+@dataclasses.dataclass
+class Pod:
+    name: str
+    uid: str
+    token: str = ""
+
+
+class Cluster:
+    def __init__(self, workdir: Path, log: Log) -> None:
+        self.workdir = workdir
+        self.log = log
+        self.plane: ControlPlane | None = None
+        self.operator: Operator | None = None
+        self._admin: kubernetes.client.ApiClient | None = None
+        self._metrics_context: ssl.SSLContext | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        started = time.monotonic()
+        binaries = build_binaries()
+        self.plane = ControlPlane(binaries)
+        self.plane.start()
+        self.log(f"control plane up in {time.monotonic() - started:.1f} s at {self.plane.server}")
+        self.plane.kubectl("apply", "--server-side", "-f", str(CRD))
+        self.plane.kubectl(
+            "wait",
+            "--for=condition=established",
+            "crd/rendezvous.k8s-rendezvous.dev",
+            "--timeout=60s",
+        )
+        self.plane.kubectl("apply", "--server-side", "-f", str(RBAC))
+        self._admin = self.plane.api_client()
+        self._admin.configuration.connection_pool_maxsize = 64
+        self.operator = Operator(self.plane.kubeconfig, self.workdir / "operator.log")
+        self.operator.start()
+        probe = self.new_namespace("probe")
+        self.create_rendezvous(probe, "probe", 1, 1)
+        wait(
+            lambda: (self.rendezvous(probe, "probe").get("status") or {}).get("roundKey"),
+            120,
+            "operator initialises a Rendezvous status",
+            interval=0.1,
+        )
+        self.delete_namespace(probe)
+        self.log(f"operator ready (pid {self.operator.pid})")
+
+    def stop(self) -> None:
+        if self.operator is not None:
+            self.operator.stop()
+        if self._admin is not None:
+            self._admin.close()  # type: ignore[no-untyped-call]
+        if self.plane is not None:
+            self.plane.stop()
+
+    @property
+    def admin(self) -> kubernetes.client.ApiClient:
+        assert self._admin is not None
+        return self._admin
+
+    @property
+    def server(self) -> str:
+        assert self.plane is not None
+        return self.plane.server
+
+    @property
+    def ca_file(self) -> str:
+        assert self.plane is not None
+        return str(self.plane.ca_file)
+
+    def pids(self) -> dict[str, int]:
+        assert self.plane is not None and self.operator is not None
+        pids = {
+            "kube-apiserver": self.plane.pids["kube-apiserver"],
+            "etcd": self.plane.pids["etcd"],
+            "operator": self.operator.pid,
+        }
+        return pids
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def new_namespace(self, prefix: str) -> str:
+        core = kubernetes.client.CoreV1Api(self.admin)
+        name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
+
+        def default_sa() -> bool:
+            try:
+                core.read_namespaced_service_account("default", name)
+            except ApiException as error:
+                if error.status == 404:
+                    return False
+                raise
+            return True
+
+        wait(default_sa, 60, f"ServiceAccount {name}/default", interval=0.1)
+        kubernetes.client.RbacAuthorizationV1Api(self.admin).create_namespaced_role_binding(
+            name,
+            {  # type: ignore[arg-type]
+                "metadata": {"name": WORKER_ROLE},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": WORKER_ROLE,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": name}],
+            },
+        )
+        return name
+
+    def delete_namespace(self, name: str, timeout: float = 300) -> None:
+        """Delete and wait until it is gone, so its teardown does not overlap what follows.
+        Rendezvous go first: the operator then forgets them instead of reporting every pod
+        of the namespace as a lost member."""
+        core = kubernetes.client.CoreV1Api(self.admin)
+        with contextlib.suppress(ApiException):
+            kubernetes.client.CustomObjectsApi(
+                self.admin
+            ).delete_collection_namespaced_custom_object(
+                state.GROUP, state.VERSION, name, state.PLURAL
+            )
+        with contextlib.suppress(ApiException):
+            core.delete_namespace(name)
+
+        def gone() -> bool:
+            try:
+                core.read_namespace(name)
+            except ApiException as error:
+                if error.status == 404:
+                    return True
+                raise
+            return False
+
+        try:
+            wait(gone, timeout, f"namespace {name} deleted", interval=0.25)
+        except TimeoutError as error:
+            self.log(f"warning: {error}")
+
+    def create_pods(self, namespace: str, names: list[str], timeout: float = 600) -> list[Pod]:
+        """Bare pods scheduled onto kwok nodes, Running, each with a pod-bound token."""
+        core = kubernetes.client.CoreV1Api(self.admin)
+
+        def create(name: str) -> None:
+            body = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name},
+                "spec": {
+                    "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 0,
+                },
+            }
+            for attempt in range(5):
+                try:
+                    core.create_namespaced_pod(namespace, body)  # type: ignore[arg-type]
+                    return
+                except ApiException as error:
+                    if error.status == 409:
+                        return
+                    if error.status not in (429, 500, 503) or attempt == 4:
+                        raise
+                    time.sleep(0.5 * (attempt + 1))
+
+        with ThreadPoolExecutor(max_workers=8) as executor:
+            list(executor.map(create, names))
+        wanted = set(names)
+
+        def running() -> dict[str, str] | None:
+            found = read_object(core.list_namespaced_pod, namespace)["items"]
+            ready = {
+                p["metadata"]["name"]: p["metadata"]["uid"]
+                for p in found
+                if (p.get("status") or {}).get("phase") == "Running"
+                and (p.get("status") or {}).get("podIP")
+            }
+            return ready if wanted <= set(ready) else None
+
+        uids: dict[str, str] = wait(running, timeout, f"{len(names)} pods Running", interval=0.5)
+        pods = [Pod(name, uids[name]) for name in names]
+
+        def token(pod: Pod) -> None:
+            request = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "audiences": [],
+                    "expirationSeconds": 7200,
+                    "boundObjectRef": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": pod.name,
+                        "uid": pod.uid,
+                    },
+                },
+            }
+            answer = read_object(
+                core.create_namespaced_service_account_token,
+                "default",
+                namespace,
+                request,
+            )
+            pod.token = answer["status"]["token"]
+
+        with ThreadPoolExecutor(max_workers=8) as executor:
+            list(executor.map(token, pods))
+        return pods
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        kubernetes.client.CoreV1Api(self.admin).delete_namespaced_pod(
+            name, namespace, grace_period_seconds=0
+        )
+
+    def create_rendezvous(
+        self, namespace: str, name: str, min_nodes: int, max_nodes: int, **spec: Any
+    ) -> None:
+        body = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "runId": name, **spec},
+        }
+        kubernetes.client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, namespace, state.PLURAL, body
+        )
+
+    def rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
+        found = kubernetes.client.CustomObjectsApi(self.admin).get_namespaced_custom_object(
+            state.GROUP, state.VERSION, namespace, state.PLURAL, name
+        )
+        return dict(found)
+
+    def wait_initialised(self, namespace: str, names: Iterable[str], timeout: float = 60) -> None:
+        """The operator has written the first status (roundKey) of each Rendezvous."""
+        for name in names:
+            wait(
+                lambda name=name: (self.rendezvous(namespace, name).get("status") or {}).get(
+                    "roundKey"
+                ),
+                timeout,
+                f"{namespace}/{name} initialised by the operator",
+            )
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def metrics(self) -> Metrics:
+        """Scrape the API server's /metrics as admin (client certificate)."""
+        assert self.plane is not None
+        if self._metrics_context is None:
+            context = ssl.create_default_context(cafile=self.ca_file)
+            admin = self.plane.pki.clients["admin"]
+            context.load_cert_chain(str(admin.cert), str(admin.key))
+            self._metrics_context = context
+        with urllib.request.urlopen(
+            f"{self.server}/metrics", timeout=30, context=self._metrics_context
+        ) as answer:
+            return Metrics.parse(answer.read().decode())
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_WANTED = (
+    "apiserver_request_total",
+    "etcd_requests_total",
+    "apiserver_request_duration_seconds_sum",
+    "apiserver_request_duration_seconds_count",
+    "apiserver_watch_events_total",
+    "apiserver_watch_events_sizes_sum",
+    "apiserver_watch_events_sizes_count",
+    "apiserver_longrunning_requests",
+)
+
+
+@dataclasses.dataclass
+class Metrics:
+    """The API server counters the cost section needs (Prometheus text, parsed)."""
+
+    samples: list[tuple[str, dict[str, str], float]]
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        samples = []
+        for line in text.splitlines():
+            if not line.startswith(_WANTED):
+                continue
+            if line.startswith(("etcd_", "apiserver_request_duration")) and (
+                'resource="rendezvous"' not in line
+            ):
+                continue
+            match = _SAMPLE.match(line)
+            if not match:
+                continue
+            labels = dict(_LABEL.findall(match.group(3) or ""))
+            with contextlib.suppress(ValueError):
+                samples.append((match.group(1), labels, float(match.group(4))))
+        return cls(samples)
+
+    def requests(self) -> dict[str, float]:
+        """apiserver_request_total summed by ``VERB resource[/subresource]``."""
+        totals: dict[str, float] = {}
+        for name, labels, value in self.samples:
+            if name != "apiserver_request_total":
+                continue
+            resource = labels.get("resource", "")
+            if labels.get("subresource"):
+                resource += "/" + labels["subresource"]
+            key = f"{labels.get('verb', '?')} {resource or labels.get('path', '?')}"
+            totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def writes(self) -> tuple[float, float, float]:
+        """(PATCH requests, their summed seconds, etcd update attempts) on rendezvous."""
+        patches = seconds = attempts = 0.0
+        for name, labels, value in self.samples:
+            if labels.get("resource") != "rendezvous":
+                continue
+            if name == "etcd_requests_total" and labels.get("operation") == "update":
+                attempts += value
+            elif labels.get("verb") == "PATCH":
+                if name == "apiserver_request_duration_seconds_count":
+                    patches += value
+                elif name == "apiserver_request_duration_seconds_sum":
+                    seconds += value
+        return patches, seconds, attempts
+
+    def watch(self, resource: str) -> tuple[float, float]:
+        """(events, bytes) sent to watchers of ``resource``."""
+        events = size = 0.0
+        for name, labels, value in self.samples:
+            if resource not in (labels.get("resource"), labels.get("kind", "").lower()):
+                continue
+            if name == "apiserver_watch_events_total":
+                events += value
+            elif name == "apiserver_watch_events_sizes_sum":
+                size += value
+        return events, size
+
+
+def metrics_delta(before: Metrics, after: Metrics) -> dict[str, Any]:
+    """What happened between two scrapes, restricted to what rendezvous cause."""
+    b, a = before.requests(), after.requests()
+    by = {k: a[k] - b.get(k, 0.0) for k in a if a[k] - b.get(k, 0.0) > 0}
+    events_before, bytes_before = before.watch("rendezvous")
+    events_after, bytes_after = after.watch("rendezvous")
+    lease_events = after.watch("leases")[0] - before.watch("leases")[0]
+    ours = {
+        k: v
+        for k, v in by.items()
+        if k.split(" ", 1)[1].split("/")[0] in ("rendezvous", "leases")
+        or k in ("PATCH pods", "POST events")
+    }
+    patches_b, seconds_b, attempts_b = before.writes()
+    patches_a, seconds_a, attempts_a = after.writes()
+    patches = patches_a - patches_b
+    return {
+        # Optimistic-concurrency retries inside the API server: each PATCH of the one
+        # Rendezvous object is applied in a read-modify-write loop against etcd.
+        "rendezvous_patches": patches,
+        "storage_update_attempts": attempts_a - attempts_b,
+        "attempts_per_patch": (attempts_a - attempts_b) / patches if patches else None,
+        "patch_mean_seconds": (seconds_a - seconds_b) / patches if patches else None,
+        "requests_by": dict(sorted(by.items())),
+        "requests_total": sum(by.values()),
+        "requests_rendezvous": sum(ours.values()),
+        "requests_rendezvous_by": dict(sorted(ours.items())),
+        "watch_events": events_after - events_before,
+        "watch_bytes": bytes_after - bytes_before,
+        "lease_watch_events": lease_events,
+    }
+
+
+# -- psutil sampling -----------------------------------------------------------------------
+
+
+class Sampler:
+    """CPU and RSS of named process groups every ``interval`` seconds, in a thread."""
+
+    def __init__(self, groups: dict[str, list[int]], interval: float = 0.25) -> None:
+        self._groups = {
+            name: [psutil.Process(pid) for pid in pids] for name, pids in groups.items()
+        }
+        self._interval = interval
+        self._stop = threading.Event()
+        self._series: dict[str, list[tuple[float, float, float]]] = {n: [] for n in groups}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start_cpu: dict[str, float] = {}
+        self._started = 0.0
+
+    def _cpu_rss(self, name: str) -> tuple[float, float]:
+        cpu = rss = 0.0
+        for process in self._groups[name]:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                cpu += times.user + times.system + times.children_user + times.children_system
+                rss += process.memory_info().rss
+        return cpu, rss
+
+    def __enter__(self) -> Sampler:
+        self._started = time.monotonic()
+        for name in self._groups:
+            self._start_cpu[name] = self._cpu_rss(name)[0]
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        previous = {name: (self._started, self._start_cpu[name]) for name in self._groups}
+        for _ in range(100_000):  # bounded: ~7 h at 0.25 s
+            if self._stop.wait(self._interval):
+                break
+            now = time.monotonic()
+            for name in self._groups:
+                cpu, rss = self._cpu_rss(name)
+                then, cpu_then = previous[name]
+                percent = 100.0 * (cpu - cpu_then) / max(1e-6, now - then)
+                self._series[name].append((now - self._started, percent, rss / 2**20))
+                previous[name] = (now, cpu)
+
+    def summary(self) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        elapsed = max(1e-6, time.monotonic() - self._started)
+        for name in self._groups:
+            cpu, _rss = self._cpu_rss(name)
+            series = self._series[name]
+            used = cpu - self._start_cpu[name]
+            result[name] = {
+                "cpu_seconds": round(used, 3),
+                "mean_cpu_percent": round(100.0 * used / elapsed, 1),
+                "peak_cpu_percent": round(max((s[1] for s in series), default=0.0), 1),
+                "peak_rss_mb": round(max((s[2] for s in series), default=0.0), 1),
+                "series": [[round(t, 2), round(p, 1), round(r, 1)] for t, p, r in series],
+            }
+        return result
+
+
+def rss_mb(pid: int) -> float:
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
+
+
+def dump(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

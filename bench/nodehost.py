@@ -1,0 +1,358 @@
+"""A worker process hosting many simulated nodes, each a real rendezvous handler in threads.
+
+Started by :mod:`bench.pool` as ``python -m bench.nodehost``; it reads one JSON command
+per line on stdin and answers one JSON line on the original stdout (everything else the
+process prints goes to stderr, i.e. the worker's log file). Long operations (joins,
+polling ``num_nodes_waiting()``) run in threads and are collected by a later command, so
+the parent can, meanwhile, kill another worker or delete a pod.
+
+Backends:
+
+* ``ours``: :class:`k8s_rendezvous.handler.KubernetesRendezvousHandler` with its own API
+  client authenticated by the pod's bound token (what a pod does).
+* ``c10d`` / ``etcd-v2``: torch's ``DynamicRendezvousHandler``, built through
+  ``rendezvous_handler_registry.create_handler(RendezvousParameters(...))`` with string
+  conf values, as torchrun builds it.
+
+Every time is ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for all processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import IO, Any
+
+Json = dict[str, Any]
+
+
+@dataclasses.dataclass
+class Slot:
+    """One simulated node."""
+
+    id: int
+    handler: Any
+    call: float | None = None
+    ret: float | None = None
+    call_wall: float | None = None  # time.time(), to compare with the operator's timestamps
+    ret_wall: float | None = None
+    written_wall: float | None = None  # ours: when the join's write returned
+    seen_wall: float | None = None  # ours: when the watcher last took a new status
+    rank: int | None = None
+    world: int | None = None
+    master: str | None = None
+    error: str | None = None
+    first_waiting: float | None = None
+    info: Any = None  # keeps the round's store (and its connections) alive
+    thread: threading.Thread | None = None
+    joins: int = 0
+
+    def record(self) -> Json:
+        return {
+            "id": self.id,
+            "call": self.call,
+            "ret": self.ret,
+            "call_wall": self.call_wall,
+            "ret_wall": self.ret_wall,
+            "written_wall": self.written_wall,
+            "seen_wall": self.seen_wall,
+            "rank": self.rank,
+            "world": self.world,
+            "master": self.master,
+            "error": self.error,
+            "first_waiting": self.first_waiting,
+            "joins": self.joins,
+        }
+
+
+def _build_ours(spec: Json, common: Json) -> Any:
+    import kubernetes.client
+
+    from k8s_rendezvous import kube
+    from k8s_rendezvous.handler import KubernetesRendezvousHandler
+
+    configuration = kubernetes.client.Configuration(host=common["server"])
+    configuration.ssl_ca_cert = common["ca_file"]
+    configuration.verify_ssl = True
+    configuration.api_key = {"BearerToken": spec["token"]}
+    configuration.api_key_prefix = {"BearerToken": "Bearer"}
+    api = kubernetes.client.ApiClient(configuration)
+    read_timeout = int(common.get("read_timeout", 60))
+    client = kube.RendezvousClient(
+        api, spec["namespace"], spec["rendezvous"], retry_seconds=read_timeout
+    )
+    return KubernetesRendezvousHandler(
+        client,
+        run_id=spec["rendezvous"],
+        node=spec["pod"],
+        addr=spec["addr"],
+        min_nodes=int(spec["min_nodes"]),
+        max_nodes=int(spec["max_nodes"]),
+        read_timeout=read_timeout,
+    )
+
+
+def _build_torch(spec: Json, common: Json) -> Any:
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+
+    conf = {key: str(value) for key, value in (spec.get("conf") or {}).items()}
+    params = RendezvousParameters(
+        backend=common["backend"],
+        endpoint=spec["endpoint"],
+        run_id=spec["run_id"],
+        min_nodes=int(spec["min_nodes"]),
+        max_nodes=int(spec["max_nodes"]),
+        local_addr=spec["addr"],
+        **conf,
+    )
+    return rendezvous_handler_registry.create_handler(params)
+
+
+def _time_join_writes(slot: Slot) -> None:
+    """Record when the node's own entry was written and when its watcher took a new round
+    key (for the latency breakdown; private attributes, read only)."""
+    client = slot.handler._client
+    write = client.write_entry
+
+    def timed(node: str, entry: Any) -> Any:
+        answer = write(node, entry)
+        slot.written_wall = time.time()
+        return answer
+
+    client.write_entry = timed
+    watcher = slot.handler._watcher
+    offer = watcher.offer
+
+    def seen(obj: Any) -> None:
+        key = watcher._raw_round_key
+        offer(obj)
+        if watcher._raw_round_key != key:
+            slot.seen_wall = time.time()
+
+    watcher.offer = seen
+
+
+class Host:
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._slots: dict[int, Slot] = {}
+        self._pollers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    # -- commands --------------------------------------------------------------------------
+
+    def add_nodes(self, nodes: list[Json], common: Json) -> Json:
+        backend = common["backend"]
+        build: Callable[[Json, Json], Any] = _build_ours if backend == "ours" else _build_torch
+        started = time.monotonic()
+        for spec in nodes:
+            slot = Slot(int(spec["id"]), build(spec, common))
+            if backend == "ours":
+                _time_join_writes(slot)
+            self._slots[slot.id] = slot
+        return {"added": len(nodes), "seconds": time.monotonic() - started}
+
+    def join(self, ids: list[int], go_at: float) -> Json:
+        """Each node's ``next_rendezvous()`` in its own thread, all released at ``go_at``."""
+        for node in ids:
+            slot = self._slots[node]
+            slot.thread = threading.Thread(
+                target=self._join_one, args=(slot, go_at), name=f"join-{node}", daemon=True
+            )
+            slot.thread.start()
+        return {"started": len(ids)}
+
+    def rejoin_when_waiting(self, ids: list[int], interval: float, within: float) -> Json:
+        """What an agent does: poll ``num_nodes_waiting()`` and, once it is > 0, call
+        ``next_rendezvous()`` at once (``first_waiting`` records when it turned > 0)."""
+        for node in ids:
+            slot = self._slots[node]
+            slot.thread = threading.Thread(
+                target=self._rejoin_one,
+                args=(slot, interval, time.monotonic() + within),
+                name=f"rejoin-{node}",
+                daemon=True,
+            )
+            slot.thread.start()
+        return {"started": len(ids)}
+
+    def watch_waiting(self, ids: list[int], interval: float, within: float) -> Json:
+        """Poll ``num_nodes_waiting()`` of ``ids`` until each has been > 0 once."""
+        for node in ids:
+            self._slots[node].first_waiting = None
+        deadline = time.monotonic() + within
+        thread = threading.Thread(
+            target=self._poll_waiting, args=(ids, interval, deadline), daemon=True
+        )
+        thread.start()
+        self._pollers.append(thread)
+        return {"started": len(ids)}
+
+    def collect(self, ids: list[int], within: float) -> Json:
+        """The records of ``ids`` once their threads ended (or ``within`` seconds passed)."""
+        deadline = time.monotonic() + within
+        for node in ids:
+            thread = self._slots[node].thread
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        for poller in self._pollers:
+            poller.join(max(0.0, deadline - time.monotonic()))
+        self._pollers = [p for p in self._pollers if p.is_alive()]
+        records = []
+        for node in ids:
+            slot = self._slots[node]
+            record = slot.record()
+            record["pending"] = slot.thread is not None and slot.thread.is_alive()
+            records.append(record)
+        return {"records": records}
+
+    def shutdown(self, ids: list[int], within: float) -> Json:
+        results: dict[int, Any] = {}
+
+        def one(slot: Slot) -> None:
+            try:
+                results[slot.id] = bool(slot.handler.shutdown())
+            except Exception as error:
+                results[slot.id] = repr(error)
+
+        threads = [threading.Thread(target=one, args=(self._slots[i],), daemon=True) for i in ids]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + within
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return {"shutdown": sum(1 for v in results.values() if v is True), "of": len(ids)}
+
+    def stats(self) -> Json:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "pid": os.getpid(),
+            "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "max_rss_mb": usage.ru_maxrss / 1024,
+            "threads": threading.active_count(),
+            "fds": len(os.listdir("/proc/self/fd")),
+        }
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _join_one(self, slot: Slot, go_at: float) -> None:
+        delay = go_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        self._next(slot)
+
+    def _next(self, slot: Slot) -> None:
+        slot.call_wall = time.time()
+        slot.call = time.monotonic()
+        slot.ret = slot.ret_wall = None
+        slot.error = None
+        slot.joins += 1
+        try:
+            info = slot.handler.next_rendezvous()
+            slot.ret = time.monotonic()
+            slot.ret_wall = time.time()
+            slot.info = info
+            slot.rank = int(info.rank)
+            slot.world = int(info.world_size)
+            store_info = info.bootstrap_store_info
+            if store_info is not None:
+                slot.master = f"{store_info.master_addr}:{store_info.master_port}"
+        except Exception as error:
+            slot.ret = None
+            slot.error = f"{type(error).__name__}: {error}"[:500]
+
+    def _rejoin_one(self, slot: Slot, interval: float, deadline: float) -> None:
+        slot.first_waiting = None
+        while time.monotonic() < deadline:
+            try:
+                waiting = slot.handler.num_nodes_waiting()
+            except Exception as error:
+                slot.error = f"num_nodes_waiting: {type(error).__name__}: {error}"[:500]
+                return
+            if waiting > 0:
+                slot.first_waiting = time.monotonic()
+                self._next(slot)
+                return
+            time.sleep(interval)
+        slot.error = "num_nodes_waiting() stayed 0"
+
+    def _poll_waiting(self, ids: list[int], interval: float, deadline: float) -> None:
+        pending = list(ids)
+        while pending and time.monotonic() < deadline:
+            still = []
+            for node in pending:
+                slot = self._slots[node]
+                try:
+                    if slot.handler.num_nodes_waiting() > 0:
+                        slot.first_waiting = time.monotonic()
+                        continue
+                except Exception as error:
+                    slot.error = f"num_nodes_waiting: {type(error).__name__}: {error}"[:500]
+                    continue
+                still.append(node)
+            pending = still
+            if pending:
+                time.sleep(interval)
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def serve(self, lines: IO[str]) -> None:
+        for line in lines:
+            if not line.strip():
+                continue
+            request = json.loads(line)
+            op = request.pop("op")
+            if op == "exit":
+                self._send({"ok": True})
+                return
+            try:
+                if op == "ping":
+                    reply: Json = {"pid": os.getpid()}
+                elif op == "prepare":
+                    reply = self.prepare(request.get("backend", ""))
+                else:
+                    reply = getattr(self, op)(**request)
+                reply["ok"] = True
+            except Exception as error:
+                reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc(file=sys.stderr)
+            self._send(reply)
+
+    def prepare(self, backend: str) -> Json:
+        """Import what the backend needs before anything is timed."""
+        started = time.monotonic()
+        import torch.distributed.elastic.rendezvous
+
+        if backend == "ours":
+            import k8s_rendezvous.handler  # noqa: F401
+        elif backend == "etcd-v2":
+            import torch.distributed.elastic.rendezvous.etcd_rendezvous_backend  # noqa: F401
+        return {"seconds": time.monotonic() - started}
+
+    def _send(self, reply: Json) -> None:
+        with self._lock:
+            self._out.write(json.dumps(reply) + "\n")
+            self._out.flush()
+
+
+def main() -> None:
+    # The protocol owns the real stdout; anything printed goes to stderr (the log file).
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    Host(protocol).serve(sys.stdin)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""Targets, the cost fit, the markdown table and the plots from a results dict."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+Json = dict[str, Any]
+
+BACKEND_STYLE = {
+    "ours": ("tab:blue", "o", "k8s-rendezvous (ours)"),
+    "c10d": ("tab:red", "s", "torch c10d"),
+    "etcd-v2": ("tab:green", "^", "torch etcd-v2"),
+}
+
+
+def fit_slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log(y) against log(N): 1 means O(N), 2 means O(N^2)."""
+    points = [(x, y) for x, y in points if x > 0 and y > 0]
+    if len(points) < 2:
+        return None
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def cost_table(results: Json) -> list[Json]:
+    """Per N: median API requests and watch bytes per round (ours), with ratios."""
+    rows = []
+    per_n: dict[int, list[Json]] = {int(n): list(c) for n, c in (results.get("cost") or {}).items()}
+    scale = results.get("scale") or {}
+    scale_costs = [r["cost"] for r in scale.get("runs", []) if r.get("cost")]
+    if scale_costs:
+        per_n.setdefault(int(scale["nodes"]), []).extend(scale_costs)
+    for count in sorted(per_n):
+        costs = per_n[count]
+        if not costs:
+            continue
+        requests = _median([c["requests_rendezvous"] for c in costs])
+        events = _median([c["watch_events"] for c in costs])
+        size = _median([c["watch_bytes"] for c in costs])
+        by: dict[str, float] = {}
+        for key in {k for c in costs for k in c["requests_rendezvous_by"]}:
+            by[key] = _median([c["requests_rendezvous_by"].get(key, 0.0) for c in costs])
+        rows.append(
+            {
+                "nodes": count,
+                "requests": requests,
+                "requests_per_node": requests / count,
+                "requests_by": dict(sorted(by.items())),
+                "watch_events": events,
+                "watch_bytes": size,
+                "watch_bytes_per_node": size / count,
+                "watch_bytes_per_node_squared": size / count**2,
+                "all_requests": _median([c["requests_total"] for c in costs]),
+            }
+        )
+    return rows
+
+
+def finish(results: Json) -> None:
+    """Add the cost analysis and the target verdicts."""
+    rows = cost_table(results)
+    results["cost_analysis"] = {
+        "rows": rows,
+        "requests_slope": fit_slope([(r["nodes"], r["requests"]) for r in rows]),
+        "watch_bytes_slope": fit_slope([(r["nodes"], r["watch_bytes"]) for r in rows]),
+        "watch_events_slope": fit_slope([(r["nodes"], r["watch_events"]) for r in rows]),
+    }
+    results["targets"] = targets(results, rows)
+
+
+def _verdict(target: Json) -> Json:
+    value, limit = target.get("value"), target.get("limit")
+    if value is None or limit is None:
+        target["met"] = None
+        target["verdict"] = f"not measured ({target.get('note', 'no data')})"
+    else:
+        target["met"] = bool(value <= limit)
+        target["verdict"] = (
+            f"{'met' if target['met'] else 'MISSED'}: {value:.4g} {target['unit']} "
+            f"(limit {limit:.4g} {target['unit']})"
+            + (f"; {target['note']}" if target.get("note") else "")
+        )
+    return target
+
+
+def targets(results: Json, rows: list[Json]) -> list[Json]:
+    found: list[Json] = []
+    seal = results.get("seal_latency") or {}
+    for count in ("8", "32"):
+        ours = (seal.get("ours") or {}).get(count, {}).get("median")
+        c10d = (seal.get("c10d") or {}).get(count, {}).get("median")
+        found.append(
+            {
+                "name": f"seal latency N={count} <= 1/10 of c10d",
+                "value": ours,
+                "limit": c10d / 10 if c10d else None,
+                "unit": "s",
+                "note": f"c10d median {c10d:.3f} s" if c10d else "N not run in this mode",
+            }
+        )
+    failure = (results.get("failure_to_new_world") or {}).get("ours") or {}
+    found.append(
+        {
+            "name": "failure to new world <= 2 s after the pod deletion",
+            "value": (failure.get("from_pod_deletion") or {}).get("median"),
+            "limit": 2.0,
+            "unit": "s",
+            "note": f"max {(failure.get('from_pod_deletion') or {}).get('max')}",
+        }
+    )
+    scaleup = (results.get("scaleup_notice") or {}).get("ours") or {}
+    found.append(
+        {
+            "name": "scale-up notice <= 0.3 s",
+            "value": scaleup.get("median"),
+            "limit": 0.3,
+            "unit": "s",
+            "note": f"max {scaleup.get('max')}",
+        }
+    )
+    scale = results.get("scale") or {}
+    nodes = scale.get("nodes")
+    found.append(
+        {
+            "name": f"{nodes} nodes sealed and released <= 10 s",
+            "value": (scale.get("seal") or {}).get("median"),
+            "limit": 10.0,
+            "unit": "s",
+            "note": "" if nodes == 1000 else "quick mode: fewer than 1000 nodes",
+        }
+    )
+    if rows:
+        worst = max(rows, key=lambda r: r["requests_per_node"])
+        found.append(
+            {
+                "name": "API requests per round <= 3N",
+                "value": worst["requests_per_node"],
+                "limit": 3.0,
+                "unit": "x N",
+                "note": f"worst at N={worst['nodes']}",
+            }
+        )
+    footprint = results.get("footprint") or {}
+    found.append(
+        {
+            "name": f"operator RSS with {footprint.get('live_rendezvous')} live rendezvous "
+            "<= 150 MB",
+            "value": footprint.get("operator_rss_live_mb"),
+            "limit": 150.0,
+            "unit": "MB",
+            "note": "" if footprint.get("live_rendezvous") == 200 else "quick mode: fewer than 200",
+        }
+    )
+    plugin = ((results.get("import") or {}).get("plugin_load_ms") or {}).get("median")
+    found.append(
+        {
+            "name": "plugin adds <= 50 ms to importing torch's rendezvous",
+            "value": plugin,
+            "limit": 50.0,
+            "unit": "ms",
+            "note": "A/B wall-clock difference "
+            f"{results.get('import', {}).get('ab_difference_ms')} ms",
+        }
+    )
+    return [_verdict(t) for t in found]
+
+
+# -- markdown -------------------------------------------------------------------------------
+
+
+def _cell(stats: Json | None, digits: int = 3) -> str:
+    if not stats:
+        return "-"
+    if stats.get("skipped"):
+        return "skipped"
+    if stats.get("median") is None:
+        return f"failed ({stats.get('failures', '?')})"
+    text = f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}-{stats['max']:.{digits}f})"
+    if stats.get("failures"):
+        text += f", {stats['failures']} failed"
+    return text
+
+
+def markdown(results: Json) -> str:
+    meta = results["meta"]
+    lines = [
+        f"# Benchmark results ({meta['mode']} mode)",
+        "",
+        f"`{meta['command']}` on {meta['machine']['cpus']} CPUs, started {meta['started']}, "
+        f"took {meta.get('duration_s', 0) / 60:.1f} min. Medians with (min-max) over "
+        "repetitions, in seconds unless stated. See bench/README.md for the method.",
+        "",
+        "## Targets",
+        "",
+        "| target | verdict |",
+        "|---|---|",
+    ]
+    lines += [f"| {t['name']} | {t['verdict']} |" for t in results.get("targets", [])]
+    seal = results.get("seal_latency") or {}
+    backends = [b for b in ("ours", "c10d", "etcd-v2") if b in seal]
+    sizes = sorted({int(n) for b in backends for n in seal[b]})
+    lines += [
+        "",
+        "## 1. Seal latency (min = max = N; last call to last return)",
+        "",
+        "| N | " + " | ".join(BACKEND_STYLE[b][2] for b in backends) + " | c10d / ours |",
+        "|---|" + "---|" * (len(backends) + 1),
+    ]
+    for count in sizes:
+        cells = [_cell(seal[b].get(str(count))) for b in backends]
+        ours = (seal.get("ours", {}).get(str(count)) or {}).get("median")
+        c10d = (seal.get("c10d", {}).get(str(count)) or {}).get("median")
+        ratio = f"{c10d / ours:.1f}x" if ours and c10d else "-"
+        lines.append(f"| {count} | " + " | ".join(cells) + f" | {ratio} |")
+    failure = results.get("failure_to_new_world") or {}
+    lines += [
+        "",
+        "## 2. Failure to new world (8 nodes, min 7; one killed)",
+        "",
+        "| configuration | from the kill | notes |",
+        "|---|---|---|",
+    ]
+    for name, stats in failure.items():
+        note = ""
+        if name == "ours" and stats.get("from_pod_deletion"):
+            note = (
+                f"from pod deletion {_cell(stats['from_pod_deletion'])}; all survivors "
+                f"noticed after {_cell(stats.get('notice'))}"
+            )
+        lines.append(f"| {name} | {_cell(stats)} | {note} |")
+    scaleup = results.get("scaleup_notice") or {}
+    lines += [
+        "",
+        "## 3. Scale-up notice (4 running, maxNodes 5; a fifth calls next_rendezvous())",
+        "",
+        "| backend | every running node sees num_nodes_waiting() > 0 | first node |",
+        "|---|---|---|",
+    ]
+    for backend, stats in scaleup.items():
+        lines.append(
+            f"| {BACKEND_STYLE[backend][2]} | {_cell(stats)} | {_cell(stats.get('first_node'))} |"
+        )
+    analysis = results.get("cost_analysis") or {}
+    lines += [
+        "",
+        "## 4. Cost per round (ours, API server /metrics)",
+        "",
+        "| N | requests | per N | watch events | watch bytes | bytes / N | bytes / N^2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in analysis.get("rows", []):
+        lines.append(
+            f"| {row['nodes']} | {row['requests']:.0f} | {row['requests_per_node']:.2f} | "
+            f"{row['watch_events']:.0f} | {row['watch_bytes']:.0f} | "
+            f"{row['watch_bytes_per_node']:.0f} | {row['watch_bytes_per_node_squared']:.1f} |"
+        )
+
+    def slope(key: str) -> str:
+        value = analysis.get(key)
+        return f"{value:.2f}" if isinstance(value, float) else "-"
+
+    lines += [
+        "",
+        f"Log-log slopes against N: requests {slope('requests_slope')}, watch events "
+        f"{slope('watch_events_slope')}, watch bytes {slope('watch_bytes_slope')} "
+        "(1 = O(N), 2 = O(N^2)).",
+    ]
+    rows = analysis.get("rows") or []
+    if rows:
+        last = rows[-1]
+        by = ", ".join(f"{k} {v:.0f}" for k, v in last["requests_by"].items())
+        lines += ["", f"Requests at N={last['nodes']} by verb and resource: {by}."]
+    scale = results.get("scale") or {}
+    if scale:
+        lines += [
+            "",
+            f"## 5. Scale: {scale['nodes']} nodes, min = max = {scale['nodes']}",
+            "",
+            f"Sealed and released (last call to last return): {_cell(scale.get('seal'))}; "
+            f"first call to last return: {_cell(scale.get('first_call_to_last_return'))}.",
+            "",
+            "| process | CPU seconds | mean CPU % | peak CPU % | peak RSS MB |",
+            "|---|---|---|---|---|",
+        ]
+        runs = scale.get("runs") or []
+        if runs and runs[0].get("processes"):
+            for name, usage in runs[0]["processes"].items():
+                lines.append(
+                    f"| {name} | {usage['cpu_seconds']} | {usage['mean_cpu_percent']} | "
+                    f"{usage['peak_cpu_percent']} | {usage['peak_rss_mb']} |"
+                )
+        together = scale.get("concurrent") or {}
+        lines += [
+            "",
+            f"{together.get('rendezvous')} concurrent rendezvous of {together.get('nodes_each')} "
+            "nodes: per-rendezvous seal latency median "
+            f"{_cell(together.get('per_rendezvous_median'))}, "
+            f"worst {_cell(together.get('per_rendezvous_max'))}; all sealed "
+            f"{_cell(together.get('all_sealed'))}.",
+        ]
+    footprint = results.get("footprint") or {}
+    plugin = results.get("import") or {}
+    lines += [
+        "",
+        "## 6. Footprint",
+        "",
+        f"- Operator RSS idle: {footprint.get('operator_rss_idle_mb')} MB; with "
+        f"{footprint.get('live_rendezvous')} live rendezvous of {footprint.get('live_nodes_each')} "
+        f"nodes: {footprint.get('operator_rss_live_mb')} MB; at the end of the run: "
+        f"{footprint.get('operator_rss_end_mb')} MB.",
+        f"- Plugin load (cold, what torch does for our entry point): "
+        f"{(plugin.get('plugin_load_ms') or {}).get('median')} ms median "
+        f"({(plugin.get('plugin_load_ms') or {}).get('min')}-"
+        f"{(plugin.get('plugin_load_ms') or {}).get('max')}); `import "
+        f"torch.distributed.elastic.rendezvous` {plugin.get('import_rendezvous_ms_with_plugin')} "
+        f"ms with it, {plugin.get('import_rendezvous_ms_without_plugin')} ms without (A/B "
+        f"medians, {plugin.get('repetitions')} runs each; the difference, "
+        f"{plugin.get('ab_difference_ms')} ms, is dominated by noise).",
+    ]
+    for backend, why in (results.get("absent") or {}).items():
+        lines += ["", f"**{backend} absent:** {why}"]
+    lines += ["", "Plots: seal_latency.png, failure_scaleup.png, cost.png, scale.png.", ""]
+    return "\n".join(lines)
+
+
+# -- plots ------------------------------------------------------------------------------------
+
+
+def plots(results: Json, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seal = results.get("seal_latency") or {}
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for backend, per_size in seal.items():
+        color, marker, label = BACKEND_STYLE[backend]
+        points = sorted((int(n), s) for n, s in per_size.items() if s.get("median") is not None)
+        if not points:
+            continue
+        xs = [n for n, _ in points]
+        ys = [s["median"] for _, s in points]
+        low = [s["median"] - s["min"] for _, s in points]
+        high = [s["max"] - s["median"] for _, s in points]
+        axis.errorbar(xs, ys, yerr=[low, high], color=color, marker=marker, label=label, capsize=3)
+    scale = results.get("scale") or {}
+    if (scale.get("seal") or {}).get("median") is not None:
+        stats = scale["seal"]
+        axis.errorbar(
+            [scale["nodes"]],
+            [stats["median"]],
+            yerr=[[stats["median"] - stats["min"]], [stats["max"] - stats["median"]]],
+            color="tab:blue",
+            marker="D",
+            linestyle="none",
+            capsize=3,
+            label=f"ours, {scale['nodes']} nodes (section 5)",
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("nodes N (min = max = N)")
+    axis.set_ylabel("last call to last return (s)")
+    axis.set_title("Seal latency: median, min-max")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "seal_latency.png", dpi=110)
+    plt.close(figure)
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for axis, data, title in (
+        (left, results.get("failure_to_new_world") or {}, "Failure to new world (8 nodes)"),
+        (right, results.get("scaleup_notice") or {}, "Scale-up notice (4 + 1 nodes)"),
+    ):
+        names = [n for n, s in data.items() if s.get("median") is not None]
+        medians = [data[n]["median"] for n in names]
+        errors = [
+            [data[n]["median"] - data[n]["min"] for n in names],
+            [data[n]["max"] - data[n]["median"] for n in names],
+        ]
+        colors = [BACKEND_STYLE[n.split(" ")[0]][0] for n in names]
+        axis.bar(range(len(names)), medians, yerr=errors, color=colors, capsize=4)
+        axis.set_xticks(range(len(names)))
+        axis.set_xticklabels([n.replace(" (", "\n(") for n in names], fontsize=8)
+        axis.set_yscale("log")
+        axis.set_ylabel("seconds (median, min-max)")
+        axis.set_title(title)
+        for position, value in enumerate(medians):
+            axis.annotate(f"{value:.2f} s", (position, value), ha="center", va="bottom", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "failure_scaleup.png", dpi=110)
+    plt.close(figure)
+
+    analysis = results.get("cost_analysis") or {}
+    rows = analysis.get("rows") or []
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    if rows:
+        xs = [r["nodes"] for r in rows]
+        for axis, key, reference, label, slope_key in (
+            (left, "requests", 3.0, "API requests per round", "requests_slope"),
+            (right, "watch_bytes", None, "bytes pushed to watchers per round", "watch_bytes_slope"),
+        ):
+            ys = [r[key] for r in rows]
+            slope = analysis.get(slope_key)
+            axis.plot(
+                xs,
+                ys,
+                "o-",
+                color="tab:blue",
+                label=f"ours (log-log slope {slope:.2f})" if slope else "ours",
+            )
+            if reference:
+                axis.plot(xs, [reference * x for x in xs], "--", color="gray", label="target 3N")
+            else:
+                first = rows[0]
+                axis.plot(
+                    xs,
+                    [first["watch_bytes"] * (x / first["nodes"]) ** 2 for x in xs],
+                    "--",
+                    color="gray",
+                    label="O(N^2) through the first point",
+                )
+            axis.set_xscale("log")
+            axis.set_yscale("log")
+            axis.set_xlabel("nodes N")
+            axis.set_title(label)
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "cost.png", dpi=110)
+    plt.close(figure)
+
+    runs = (results.get("scale") or {}).get("runs") or []
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    if runs and runs[0].get("processes"):
+        for name, usage in runs[0]["processes"].items():
+            series = usage["series"]
+            left.plot([s[0] for s in series], [s[1] for s in series], label=name)
+            right.plot([s[0] for s in series], [s[2] for s in series], label=name)
+    left.set_title(f"CPU during the {(results.get('scale') or {}).get('nodes')}-node round")
+    left.set_xlabel("seconds since the nodes were released")
+    left.set_ylabel("CPU % (100 = one core)")
+    right.set_title("RSS")
+    right.set_xlabel("seconds since the nodes were released")
+    right.set_ylabel("MB")
+    for axis in (left, right):
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "scale.png", dpi=110)
+    plt.close(figure)
