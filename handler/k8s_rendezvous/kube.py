@@ -292,9 +292,11 @@ class RendezvousClient:
                 )
             if status in (401, 403):
                 return KubernetesRendezvousConnectionError(
-                    f"could not {target}: the API server answered {status} ({reason}). Bind "
-                    f"the ClusterRole k8s-rendezvous-worker to the pod's ServiceAccount in "
-                    f"namespace {self.namespace} with a RoleBinding."
+                    f"could not {target}: the API server answered {status} ({reason}). If "
+                    "the pod lacks permission, bind the ClusterRole k8s-rendezvous-worker to "
+                    f"its ServiceAccount in namespace {self.namespace} with a RoleBinding; if "
+                    "the admission policy refused it, the node name (POD_NAME) must be the "
+                    "pod's own name."
                 )
             if status in (400, 422):
                 return KubernetesRendezvousStateError(

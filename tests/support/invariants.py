@@ -136,12 +136,27 @@ class Recorder:
                     obj = event["raw_object"]
                     version = obj["metadata"]["resourceVersion"]
                     if event["type"] in ("ADDED", "MODIFIED"):
-                        self.spec = obj.get("spec")
-                        with self._lock:
-                            self._versions.append((int(version), obj.get("status") or {}))
-            except Exception:  # the namespace may be going away; stop() decides
+                        self._keep(obj)
+            except Exception:
+                # The API server restarted or the version is too old (410): take the
+                # current object and go on from there.
                 if self._stopped.wait(0.2):
                     return
+                try:
+                    obj = self._api.get_namespaced_custom_object(
+                        state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+                    )
+                except Exception:
+                    continue
+                version = obj["metadata"]["resourceVersion"]
+                self._keep(obj)
+
+    def _keep(self, obj: dict[str, Any]) -> None:
+        self.spec = obj.get("spec")
+        with self._lock:
+            self._versions.append(
+                (int(obj["metadata"]["resourceVersion"]), obj.get("status") or {})
+            )
 
     def statuses(self) -> list[tuple[int, state.RendezvousStatus]]:
         """Every recorded version that decodes (a test may write nonsense on purpose)."""
