@@ -61,8 +61,12 @@ def namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[str]:
     """A fresh namespace whose `default` ServiceAccount exists; deleted afterwards."""
     core = kubernetes.client.CoreV1Api(admin_api)
     name = f"t-{uuid.uuid4().hex[:10]}"
-    core.create_namespace(to_model(kubernetes.client.V1Namespace, {
-        "metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}}))
+    core.create_namespace(
+        to_model(
+            kubernetes.client.V1Namespace,
+            {"metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}},
+        )
+    )
 
     def default_sa() -> bool:
         try:
@@ -95,7 +99,8 @@ def service_account_client(
         ns = namespace_ or namespace
         try:
             core.create_namespaced_service_account(
-                ns, to_model(kubernetes.client.V1ServiceAccount, {"metadata": {"name": name}}))
+                ns, to_model(kubernetes.client.V1ServiceAccount, {"metadata": {"name": name}})
+            )
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -109,9 +114,7 @@ def service_account_client(
 
 
 @pytest.fixture
-def pod_environment(
-    control_plane: ControlPlane, tmp_path: Path
-) -> Callable[..., dict[str, str]]:
+def pod_environment(control_plane: ControlPlane, tmp_path: Path) -> Callable[..., dict[str, str]]:
     """Factory ``(pod, pod_ip, service_account=None) -> env`` giving what a container of
     ``pod`` (a V1Pod or a dict) would see: in-cluster files with a pod-bound token in a
     temp dir, plus the environment pointing at them. The ServiceAccount defaults to the
@@ -126,7 +129,10 @@ def pod_environment(
             name, ns, uid = pod.metadata.name, pod.metadata.namespace, pod.metadata.uid
             pod_sa = pod.spec.service_account_name if pod.spec else None
         return control_plane.pod_environment(
-            namespace=ns, pod_name=name, pod_uid=uid, pod_ip=pod_ip,
+            namespace=ns,
+            pod_name=name,
+            pod_uid=uid,
+            pod_ip=pod_ip,
             directory=tmp_path / f"serviceaccount-{name}",
             service_account=service_account or pod_sa or "default",
         )

@@ -69,14 +69,18 @@ def _down(directory: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="build the binaries and print their directory")
     for name in ("up", "down"):
         command = sub.add_parser(name)
-        command.add_argument("--dir", type=Path, default=default_dir(),
-                             help="state directory (default: %(default)s)")
+        command.add_argument(
+            "--dir", type=Path, default=default_dir(), help="state directory (default: %(default)s)"
+        )
     args = parser.parse_args(argv)
     if args.command == "build":
         print(build_binaries(stream_log=True))

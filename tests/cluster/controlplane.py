@@ -134,7 +134,10 @@ def _advertise_address() -> str:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(
             ["ip", "-4", "-o", "addr", "show", "scope", "global"],
-            capture_output=True, text=True, timeout=5, check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
         ).stdout
         for line in out.splitlines():
             fields = line.split()
@@ -196,23 +199,34 @@ def set_pod_phase(
         for container in pod["spec"]["containers"]:
             old = previous.get(container["name"], {})
             started = dig(old, "state", "running", "startedAt", default=now)
-            statuses.append({
-                "name": container["name"],
-                "image": old.get("image", container.get("image", "")),
-                "imageID": old.get("imageID", ""),
-                "ready": False,
-                "restartCount": old.get("restartCount", 0),
-                "started": False,
-                "state": {"terminated": {
-                    "exitCode": code, "reason": why, "message": message,
-                    "startedAt": started, "finishedAt": now,
-                }},
-            })
+            statuses.append(
+                {
+                    "name": container["name"],
+                    "image": old.get("image", container.get("image", "")),
+                    "imageID": old.get("imageID", ""),
+                    "ready": False,
+                    "restartCount": old.get("restartCount", 0),
+                    "started": False,
+                    "state": {
+                        "terminated": {
+                            "exitCode": code,
+                            "reason": why,
+                            "message": message,
+                            "startedAt": started,
+                            "finishedAt": now,
+                        }
+                    },
+                }
+            )
         conditions = []
         for condition in dig(pod, "status", "conditions", default=[]):
             if condition["type"] in ("Ready", "ContainersReady"):
-                condition = {**condition, "status": "False", "reason": "PodCompleted",
-                             "lastTransitionTime": now}
+                condition = {
+                    **condition,
+                    "status": "False",
+                    "reason": "PodCompleted",
+                    "lastTransitionTime": now,
+                }
             conditions.append(condition)
         body = {
             "metadata": {"resourceVersion": pod["metadata"]["resourceVersion"]},
@@ -354,11 +368,13 @@ class ControlPlane:
             self._launch("kube-scheduler")
             self._launch("kwok")
             self._await_with_port_retry(
-                "kube-controller-manager", ("kube-controller-manager",),
+                "kube-controller-manager",
+                ("kube-controller-manager",),
                 lambda: self._wait_https_healthz("kube-controller-manager"),
             )
             self._await_with_port_retry(
-                "kube-scheduler", ("kube-scheduler",),
+                "kube-scheduler",
+                ("kube-scheduler",),
                 lambda: self._wait_https_healthz("kube-scheduler"),
             )
             self._wait_cluster_usable()
@@ -498,7 +514,11 @@ class ControlPlane:
                 f"--cache-dir={self.workdir / 'kubectl-cache'}",
                 *args,
             ],
-            input=input, capture_output=True, text=True, env=env, check=False,
+            input=input,
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
         )
         if check and proc.returncode != 0:
             raise subprocess.CalledProcessError(
@@ -512,8 +532,15 @@ class ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         missing = [
-            name for name in ("etcd", "kube-apiserver", "kube-controller-manager",
-                              "kube-scheduler", "kubectl", "kwok")
+            name
+            for name in (
+                "etcd",
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler",
+                "kubectl",
+                "kwok",
+            )
             if not os.access(self.binaries / name, os.X_OK)
         ]
         if missing:
@@ -524,12 +551,16 @@ class ControlPlane:
             create_pki(
                 self.pki_dir,
                 serving_ips=[HOST, "10.0.0.1"],
-                serving_dns=["localhost", "kubernetes", "kubernetes.default",
-                             "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"],
+                serving_dns=[
+                    "localhost",
+                    "kubernetes",
+                    "kubernetes.default",
+                    "kubernetes.default.svc",
+                    "kubernetes.default.svc.cluster.local",
+                ],
                 clients=CLIENT_CERTS,
             )
-        for name in ("etcd", "etcd-peer", "apiserver", "kube-controller-manager",
-                     "kube-scheduler"):
+        for name in ("etcd", "etcd-peer", "apiserver", "kube-controller-manager", "kube-scheduler"):
             if name not in self.ports:
                 self.ports[name] = self._free_port()
         self._write_kwok_config()
@@ -568,11 +599,23 @@ class ControlPlane:
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "k8s-rendezvous-test", "cluster": {
-                "server": self.server, "certificate-authority": str(self.ca_file)}}],
+            "clusters": [
+                {
+                    "name": "k8s-rendezvous-test",
+                    "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
+                }
+            ],
             "users": [{"name": "user", "user": dict(user)}],
-            "contexts": [{"name": "k8s-rendezvous-test", "context": {
-                "cluster": "k8s-rendezvous-test", "user": "user", "namespace": "default"}}],
+            "contexts": [
+                {
+                    "name": "k8s-rendezvous-test",
+                    "context": {
+                        "cluster": "k8s-rendezvous-test",
+                        "user": "user",
+                        "namespace": "default",
+                    },
+                }
+            ],
             "current-context": "k8s-rendezvous-test",
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -601,17 +644,24 @@ class ControlPlane:
             client = f"http://{HOST}:{p['etcd']}"
             peer = f"http://{HOST}:{p['etcd-peer']}"
             return [
-                str(b / "etcd"), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
-                f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=default={peer}", "--unsafe-no-fsync=true",
-                "--quota-backend-bytes=4294967296", "--log-level=warn",
+                str(b / "etcd"),
+                "--name=default",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=default={peer}",
+                "--unsafe-no-fsync=true",
+                "--quota-backend-bytes=4294967296",
+                "--log-level=warn",
             ]
         if name == "kube-apiserver":
             return [
                 str(b / "kube-apiserver"),
                 f"--etcd-servers=http://{HOST}:{p['etcd']}",
-                f"--bind-address={HOST}", f"--secure-port={p['apiserver']}",
+                f"--bind-address={HOST}",
+                f"--secure-port={p['apiserver']}",
                 f"--advertise-address={self.advertise_address}",
                 "--endpoint-reconciler-type=none",
                 f"--cert-dir={self.pki_dir}",
@@ -631,13 +681,15 @@ class ControlPlane:
             f"--kubeconfig={kubeconfig}",
             f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
-            f"--bind-address={HOST}", f"--secure-port={p.get(name, 0)}",
+            f"--bind-address={HOST}",
+            f"--secure-port={p.get(name, 0)}",
             "--leader-elect=false",
             "--profiling=false",
         ]
         if name == "kube-controller-manager":
             return [
-                str(b / name), *delegated,
+                str(b / name),
+                *delegated,
                 f"--cert-dir={self.workdir / 'kube-controller-manager-certs'}",
                 "--controllers=*",
                 "--use-service-account-credentials=true",
@@ -756,7 +808,10 @@ class ControlPlane:
         return "\n".join(text.splitlines()[-lines:])
 
     def _await(
-        self, name: str, probe: Callable[[], bool], what: str,
+        self,
+        name: str,
+        probe: Callable[[], bool],
+        what: str,
         timeout: float = START_TIMEOUT_SECONDS,
     ) -> None:
         """Poll ``probe`` until true; fail fast (with the log tail) if ``name`` exits."""
@@ -860,8 +915,10 @@ class ControlPlane:
                     "kind": "Node",
                     "metadata": {
                         "name": name,
-                        "annotations": {KWOK_NODE_ANNOTATION: "fake",
-                                        "node.alpha.kubernetes.io/ttl": "0"},
+                        "annotations": {
+                            KWOK_NODE_ANNOTATION: "fake",
+                            "node.alpha.kubernetes.io/ttl": "0",
+                        },
                         "labels": {
                             "type": "kwok",
                             "kubernetes.io/hostname": name,
@@ -897,13 +954,16 @@ class ControlPlane:
                 ready = {
                     node["metadata"]["name"]
                     for node in nodes
-                    if any(c["type"] == "Ready" and c["status"] == "True"
-                           for c in dig(node, "status", "conditions", default=[]))
+                    if any(
+                        c["type"] == "Ready" and c["status"] == "True"
+                        for c in dig(node, "status", "conditions", default=[])
+                    )
                 }
                 return set(NODE_ZONES) <= ready
 
             self._await(
-                "kube-controller-manager", default_service_account,
+                "kube-controller-manager",
+                default_service_account,
                 "creating ServiceAccount default/default",
             )
             self._await("kwok", nodes_ready, f"marking nodes {sorted(NODE_ZONES)} Ready")
@@ -918,7 +978,12 @@ class WaitTimeoutError(Exception):
 
 def _wait_gone(pid: int, executable: Path, timeout: float = STOP_GRACE_SECONDS) -> None:
     try:
-        wait_for(lambda: not _pid_runs(pid, executable), timeout, f"pid {pid} to exit",
-                 interval=0.05, max_interval=0.2)
+        wait_for(
+            lambda: not _pid_runs(pid, executable),
+            timeout,
+            f"pid {pid} to exit",
+            interval=0.05,
+            max_interval=0.2,
+        )
     except AssertionError as exc:
         raise WaitTimeoutError(str(exc)) from exc

@@ -20,17 +20,21 @@ class PKIError(RuntimeError):
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    proc = subprocess.run(
-        ["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise PKIError(f"openssl {' '.join(args)} failed: {proc.stderr.strip()}")
 
 
 def _ec_key(path: Path) -> None:
     _openssl(
-        "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
-        "-out", str(path), cwd=path.parent,
+        "genpkey",
+        "-algorithm",
+        "EC",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-out",
+        str(path),
+        cwd=path.parent,
     )
     path.chmod(0o600)
 
@@ -72,8 +76,9 @@ def _sign(directory: Path, ca: CertPair, name: str, subject: str, extensions: st
     csr = directory / f"{name}.csr"
     ext = directory / f"{name}.ext"
     _ec_key(pair.key)
-    _openssl("req", "-new", "-key", str(pair.key), "-subj", subject, "-out", str(csr),
-             cwd=directory)
+    _openssl(
+        "req", "-new", "-key", str(pair.key), "-subj", subject, "-out", str(csr), cwd=directory
+    )
     ext.write_text(
         "basicConstraints=critical,CA:FALSE\n"
         "keyUsage=critical,digitalSignature\n"
@@ -81,9 +86,23 @@ def _sign(directory: Path, ca: CertPair, name: str, subject: str, extensions: st
         "authorityKeyIdentifier=keyid\n" + extensions
     )
     _openssl(
-        "x509", "-req", "-in", str(csr), "-CA", str(ca.cert), "-CAkey", str(ca.key),
-        "-set_serial", "0x" + secrets.token_hex(16), "-days", str(VALIDITY_DAYS),
-        "-extfile", str(ext), "-out", str(pair.cert), cwd=directory,
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca.cert),
+        "-CAkey",
+        str(ca.key),
+        "-set_serial",
+        "0x" + secrets.token_hex(16),
+        "-days",
+        str(VALIDITY_DAYS),
+        "-extfile",
+        str(ext),
+        "-out",
+        str(pair.cert),
+        cwd=directory,
     )
     csr.unlink()
     ext.unlink()
@@ -104,15 +123,29 @@ def create_pki(
     ca = CertPair(directory / "ca.crt", directory / "ca.key")
     _ec_key(ca.key)
     _openssl(
-        "req", "-x509", "-new", "-key", str(ca.key), "-subj", "/CN=k8s-rendezvous-test-ca",
-        "-days", str(VALIDITY_DAYS), "-out", str(ca.cert),
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        str(ca.key),
+        "-subj",
+        "/CN=k8s-rendezvous-test-ca",
+        "-days",
+        str(VALIDITY_DAYS),
+        "-out",
+        str(ca.cert),
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
         cwd=directory,
     )
     sans = [f"IP:{ip}" for ip in serving_ips] + [f"DNS:{name}" for name in serving_dns]
     _sign(
-        directory, ca, "apiserver", "/CN=kube-apiserver",
+        directory,
+        ca,
+        "apiserver",
+        "/CN=kube-apiserver",
         f"extendedKeyUsage=serverAuth\nsubjectAltName={','.join(sans)}\n",
     )
     for stem, (user, groups) in clients.items():

@@ -47,8 +47,6 @@ def wait_for(
             last = value
         now = time.monotonic()
         if now >= deadline:
-            raise WaitTimeout(
-                f"{message} (waited {now - start:.1f}s; last result: {last!r})"
-            )
+            raise WaitTimeout(f"{message} (waited {now - start:.1f}s; last result: {last!r})")
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 1.5, max_interval)
