@@ -1,0 +1,71 @@
+"""A tiny elastic training job for ``torchrun --rdzv-backend=kubernetes``.
+
+Every worker joins the gloo process group torchrun describes in its environment, checks
+that an all-reduce of ones adds up to WORLD_SIZE, then runs ``--steps`` steps (an
+all-reduce and a short sleep each). After each step it appends one JSON line to the file
+named by ``TRAIN_PROGRESS_FILE`` (if set) saying who it is and which world it is in, so
+that tests and the demo can follow the job without guessing. When the world changes,
+torchrun restarts the workers and they start over: this script keeps no checkpoint.
+
+    torchrun --nnodes=2:4 --nproc-per-node=2 --rdzv-backend=kubernetes \\
+        --rdzv-endpoint=my-rendezvous examples/elastic_train.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def check_all_reduce(world_size: int) -> None:
+    ones = torch.ones(4)
+    dist.all_reduce(ones)
+    if not torch.equal(ones, torch.full((4,), float(world_size))):
+        raise RuntimeError(f"all-reduce of ones gave {ones.tolist()}, expected {world_size}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="training steps to run")
+    parser.add_argument("--step-seconds", type=float, default=0.2, help="sleep per step")
+    parser.add_argument("--fail", action="store_true", help="exit 1 at once (a broken node)")
+    args = parser.parse_args()
+    if args.fail:
+        print("elastic_train: failing on purpose (--fail)", file=sys.stderr)
+        return 1
+
+    started = time.time()
+    dist.init_process_group("gloo")  # MASTER_ADDR, RANK, WORLD_SIZE... come from torchrun
+    world_size = int(os.environ["WORLD_SIZE"])
+    check_all_reduce(world_size)
+    progress_file = os.environ.get("TRAIN_PROGRESS_FILE")
+    who = {
+        "pod": os.environ.get("POD_NAME") or socket.gethostname(),
+        "pid": os.getpid(),
+        "started": started,
+        "rank": int(os.environ["RANK"]),
+        "world_size": world_size,
+        "group_rank": int(os.environ["GROUP_RANK"]),
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    }
+    for step in range(args.steps):
+        check_all_reduce(world_size)
+        line = json.dumps({**who, "step": step, "time": time.time()})
+        if progress_file:
+            with open(progress_file, "a") as progress:  # one short write: lines never mix
+                progress.write(line + "\n")
+        time.sleep(args.step_seconds)
+    print(f"elastic_train: rank {who['rank']} of {world_size} finished {args.steps} steps")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

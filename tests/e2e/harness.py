@@ -1,0 +1,389 @@
+"""Local stand-ins for training pods: a Pod object on a kwok node plus a real ``torchrun``.
+
+kwok runs no containers, so each node is two halves: the Pod object (scheduled, Running,
+with a 10.244.x.x IP nobody can reach) and a local ``python -m torch.distributed.run``
+started with the environment a container of that pod would see (in-cluster credentials
+holding a real pod-bound token, ``POD_NAME``, ``POD_IP``). ``POD_IP`` is a distinct
+loopback address per node so that every node's TCPStore is reachable. The workers run
+examples/elastic_train.py, whose progress lines (one JSON object per worker and step) let
+tests follow the job without sleeping.
+
+Killing a node is what a node failure looks like to Kubernetes: the whole process tree
+dies at once (SIGKILL) and the kubelet reports the pod gone (deleted, grace period 0).
+torchrun starts its workers in sessions of their own, so they are found through
+``/proc`` and killed by PID with the agent.
+
+Used by tests/e2e and by examples/demo.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import create_pods, delete_pod
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO / "examples" / "elastic_train.py"
+PROGRESS_ENV = "TRAIN_PROGRESS_FILE"
+NPROC_PER_NODE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One progress line of examples/elastic_train.py: a worker finished a step."""
+
+    pod: str
+    pid: int
+    started: float
+    """When the worker process started (wall clock): tells worlds of equal size apart."""
+    rank: int
+    world_size: int
+    group_rank: int
+    master: str
+    """``MASTER_ADDR:MASTER_PORT`` as the worker got it."""
+    step: int
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """The workers of one world as seen in progress lines."""
+
+    steps: tuple[Step, ...]
+
+    @property
+    def first_step_at(self) -> float:
+        return min(step.time for step in self.steps)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({step.rank for step in self.steps})
+
+    @property
+    def group_ranks(self) -> dict[str, int]:
+        return {step.pod: step.group_rank for step in self.steps}
+
+    @property
+    def masters(self) -> set[str]:
+        return {step.master for step in self.steps}
+
+    @property
+    def rank0_pod(self) -> str:
+        return next(pod for pod, rank in self.group_ranks.items() if rank == 0)
+
+
+class LocalPod:
+    """One node: a Running Pod object and the local torchrun standing in for its container.
+
+    Args:
+        control_plane: Issues the pod-bound token (TokenRequest) and the in-cluster files.
+        admin_api: Admin client, used to delete the Pod object when the node is killed.
+        pod: The Pod as returned by ``create_pods`` (scheduled and Running).
+        addr: This node's reachable address (a loopback address), published as POD_IP.
+        workdir: Where its service-account files, log and progress file go.
+    """
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        admin_api: kubernetes.client.ApiClient,
+        pod: Mapping[str, Any],
+        addr: str,
+        workdir: Path,
+    ) -> None:
+        self.control_plane = control_plane
+        self.admin_api = admin_api
+        self.name: str = pod["metadata"]["name"]
+        self.namespace: str = pod["metadata"]["namespace"]
+        self.uid: str = pod["metadata"]["uid"]
+        self.addr = addr
+        self.directory: Path = workdir / self.name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.log_path: Path = self.directory / "torchrun.log"
+        self.progress_path = self.directory / "progress.jsonl"
+        self.service_account_dir = self.directory / "serviceaccount"
+        self.started_at: float | None = None
+        self.exited_at: float | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    # -- the container -------------------------------------------------------------------
+
+    def start(
+        self,
+        rendezvous: str,
+        *,
+        nnodes: str = "2:4",
+        max_restarts: int = 3,
+        script_args: Sequence[str] = (),
+    ) -> None:
+        """Start ``torchrun --rdzv-backend=kubernetes`` running examples/elastic_train.py."""
+        assert self._process is None, f"{self.name} was started already"
+        env = {
+            **os.environ,
+            **self.control_plane.pod_environment(
+                namespace=self.namespace,
+                pod_name=self.name,
+                pod_uid=self.uid,
+                pod_ip=self.addr,
+                directory=self.service_account_dir,
+            ),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "LOGLEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+            PROGRESS_ENV: str(self.progress_path),
+        }
+        env.pop("KUBECONFIG", None)  # a container has none: in-cluster credentials only
+        args = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={NPROC_PER_NODE}",
+            "--rdzv-backend=kubernetes",
+            f"--rdzv-endpoint={rendezvous}",
+            f"--rdzv-id={rendezvous}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
+            str(TRAIN_SCRIPT),
+            *script_args,
+        ]
+        with self.log_path.open("ab") as log:
+            self.started_at = time.time()
+            self._process = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        if self._process is None:
+            return None
+        code = self._process.poll()
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.time()
+        return code
+
+    def running(self) -> bool:
+        return self._process is not None and self.returncode is None
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for torchrun to exit; its exit code. Fails with the log's tail on timeout."""
+        assert self._process is not None, f"{self.name} was never started"
+        code = wait_for(
+            lambda: (self.returncode,) if self.returncode is not None else None,
+            timeout,
+            f"torchrun of {self.name} to exit\n--- log tail ---\n{self.log_tail()}",
+            interval=0.05,
+            max_interval=0.5,
+        )[0]
+        assert code is not None
+        return code
+
+    def kill(self) -> None:
+        """Node failure: SIGKILL the agent and its workers, then delete the Pod (grace 0)."""
+        self.stop()
+        delete_pod(self.admin_api, self.namespace, self.name)
+
+    def stop(self) -> None:
+        """SIGKILL everything this node's torchrun started, by PID. Idempotent."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            self.returncode  # noqa: B018  (records exited_at)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGSTOP)  # freeze the agent: it spawns no more
+        for pid in _descendants(process.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # workers lead sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        self.returncode  # noqa: B018
+
+    # -- what it produced -----------------------------------------------------------------
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def progress(self) -> list[Step]:
+        try:
+            text = self.progress_path.read_text()
+        except FileNotFoundError:
+            return []
+        # A line being appended may be incomplete; it is whole on the next read.
+        return [Step(**json.loads(line)) for line in text.splitlines() if line.endswith("}")]
+
+    def api_client(self) -> kubernetes.client.ApiClient:
+        """A client with this pod's own credentials (its bound token), as its container has."""
+        token = (self.service_account_dir / "token").read_text()
+        return self.control_plane.client_for_token(token)
+
+    def __repr__(self) -> str:
+        return f"LocalPod({self.name}, {self.addr}, pid={self.pid}, rc={self.returncode})"
+
+
+class LocalPods:
+    """Creates and starts nodes in one namespace; ``stop_all()`` stops every one by PID."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        admin_api: kubernetes.client.ApiClient,
+        namespace: str,
+        workdir: Path,
+    ) -> None:
+        self.control_plane = control_plane
+        self.admin_api = admin_api
+        self.namespace = namespace
+        self.workdir = workdir
+        self.all: list[LocalPod] = []
+
+    def start(
+        self,
+        rendezvous: str,
+        addresses: Mapping[str, str],
+        **options: Any,
+    ) -> list[LocalPod]:
+        """Create pods ``{name: loopback address}``, wait until Running, start their torchrun
+        (``options`` go to :meth:`LocalPod.start`)."""
+        created = create_pods(self.admin_api, self.namespace, list(addresses))
+        pods = [
+            LocalPod(
+                self.control_plane,
+                self.admin_api,
+                pod,
+                addresses[pod["metadata"]["name"]],
+                self.workdir,
+            )
+            for pod in created
+        ]
+        self.all.extend(pods)
+        for pod in pods:
+            pod.start(rendezvous, **options)
+        return pods
+
+    def stop_all(self) -> None:
+        for pod in self.all:
+            pod.stop()
+
+
+# -- following progress ------------------------------------------------------------------
+
+
+def wait_world(
+    pods: Iterable[LocalPod],
+    world_size: int,
+    *,
+    after: float,
+    timeout: float,
+    min_step: int = 0,
+) -> World:
+    """Wait until every one of ``pods`` trains in a world of ``world_size`` ranks whose
+    workers started after ``after`` (wall clock) and all ranks reached ``min_step``.
+    Fails naming the pods' last progress and log tails."""
+    pods = list(pods)
+
+    def world() -> World | None:
+        exited = [pod for pod in pods if not pod.running()]  # before reading: no race
+        steps = [
+            step
+            for pod in pods
+            for step in pod.progress()
+            if step.world_size == world_size and step.started > after
+        ]
+        reached = {step.rank for step in steps if step.step >= min_step}
+        if reached == set(range(world_size)) and {s.pod for s in steps} == {p.name for p in pods}:
+            return World(tuple(steps))
+        if exited:
+            raise AssertionError(
+                f"{[p.name for p in pods]} will not form a world of {world_size} ranks: "
+                f"{', '.join(f'{p.name} exited with {p.returncode}' for p in exited)}"
+            )
+        return None
+
+    try:
+        return wait_for(
+            world,
+            timeout,
+            f"{[p.name for p in pods]} in a new world of {world_size} ranks",
+            interval=0.05,
+            max_interval=0.25,
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{describe(pods)}") from None
+
+
+def wait_all_exit(pods: Iterable[LocalPod], timeout: float) -> dict[str, int]:
+    """Exit codes of every pod's torchrun, waiting at most ``timeout`` in total."""
+    deadline = time.monotonic() + timeout
+    return {pod.name: pod.wait_exit(max(0.1, deadline - time.monotonic())) for pod in pods}
+
+
+def describe(pods: Iterable[LocalPod], lines: int = 25) -> str:
+    """Each pod's exit code, last progress line and log tail: for failure messages."""
+    parts = []
+    for pod in pods:
+        progress = pod.progress()
+        parts.append(
+            f"=== {pod!r}; last progress: {progress[-1] if progress else None}\n"
+            f"{pod.log_tail(lines)}"
+        )
+    return "\n".join(parts)
+
+
+def timing(label: str, seconds: float, sink: Callable[[str], None] = print) -> float:
+    """Print a measured duration in a greppable form (``pytest -s`` shows it)."""
+    sink(f"TIMING {label}: {seconds:.2f} s")
+    return seconds
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc (children before grandchildren)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
