@@ -1,10 +1,10 @@
 """``KubernetesRendezvousHandler``: torchrun's ``--rdzv-backend=kubernetes``.
 
 A node joins by writing its own entry in the Rendezvous' status and waits, on a watch
-filtered by the API server, for the operator to seal a round that includes it. Every agent
-hosts a TCPStore from its first join on and reports its port; when it is rank 0 of a
-round, that store serves the round (prefixed per round) and the workers (MASTER_ADDR and
-MASTER_PORT come from the resource, per round, never from a cache).
+filtered by the API server, for the operator to seal a round that includes it. Each join
+offers a fresh TCPStore and reports its port; the one of the round's rank 0 serves the
+round (the agents' keys prefixed per round) and its workers, who expect a new store every
+round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never from a cache.
 """
 
 from __future__ import annotations
@@ -258,8 +258,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._joined: _Joined | None = None
         self._watcher = RoundWatcher(client)
         self._heartbeat = Heartbeat(client, node, self._instance)
-        self._store_server: TCPStore | None = None
-        self._store_clients: dict[tuple[str, int], Store] = {}
+        # torch's workers expect a new store every round (they write their keys unprefixed):
+        # each join offers a fresh server, kept only if this node becomes the round's rank 0.
+        self._serving: TCPStore | None = None
+        """The store of the round this node is rank 0 of."""
+        self._retired: TCPStore | None = None
+        """The previous one, kept one more round for agents still finishing with it."""
+        self._entry_port = 0
         self._spec_checked = False
         self._closed_locally = False
 
@@ -309,10 +314,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
-        store_port = self._ensure_store_server()
+        offered = self._new_store_server()
         self._watcher.start()
         self._attempt += 1
-        entry = state.NodeEntry(self._instance, self._attempt, self._addr, store_port)
+        self._entry_port = int(offered.port)
+        entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
         started = time.monotonic()
         try:
             obj = self._client.write_entry(self._node, entry)
@@ -348,10 +354,18 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             status.master.endpoint,
             time.monotonic() - started,
         )
-        store = PrefixStore(
-            f"torch.rendezvous.{self._run_id}.{status.round}",
-            self._round_store(status.master, rank),
-        )
+        if rank == 0:
+            self._retired, self._serving = self._serving, offered
+            round_store: Store = offered
+        else:
+            self._retired, self._serving = self._serving, None
+            round_store = TCPStore(
+                host_name=status.master.addr,
+                port=status.master.port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self._read_timeout),
+            )
+        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
         return RendezvousInfo(
             store,
             rank,
@@ -390,44 +404,25 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             log.warning("node %s could not record leaving: %s", self._node, error)
             return False
         finally:
-            self._store_clients.clear()
-            self._store_server = None
+            self._serving = self._retired = None
 
     # -- internals ------------------------------------------------------------------------
 
-    def _ensure_store_server(self) -> int:
-        if self._store_server is None:
-            self._store_server = TCPStore(
-                host_name=self._addr,
-                port=0,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self._read_timeout),
-            )
-        return int(self._store_server.port)
-
-    def _round_store(self, master: state.Master, rank: int) -> Store:
-        if rank == 0:
-            assert self._store_server is not None
-            return self._store_server
-        endpoint = (master.addr, master.port)
-        if endpoint not in self._store_clients:
-            self._store_clients[endpoint] = TCPStore(
-                host_name=master.addr,
-                port=master.port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=self._read_timeout),
-            )
-        return self._store_clients[endpoint]
+    def _new_store_server(self) -> TCPStore:
+        return TCPStore(
+            host_name=self._addr,
+            port=0,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self._read_timeout),
+        )
 
     def _write_intent(self, intent: state.NodeIntent) -> None:
-        port = (
-            self._ensure_store_server()
-            if self._store_server is None
-            else int(self._store_server.port)
+        # The store port only matters to a Join; Leave and Close repeat the last one.
+        entry = state.NodeEntry(
+            self._instance, max(self._attempt, 1), self._addr, self._entry_port or 1, intent
         )
-        entry = state.NodeEntry(self._instance, max(self._attempt, 1), self._addr, port, intent)
         self._watcher.offer(self._client.write_entry(self._node, entry))
 
     def _create_rendezvous(self) -> bool:

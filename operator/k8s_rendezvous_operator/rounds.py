@@ -13,7 +13,7 @@ The rules, in the order :func:`decide` applies them:
    every node we know of has joined (after a stale round: all survivors are back), or the
    last call (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed.
 5. Ranks are stable: previous members keep their relative order (rank 0 stays while its
-   node lives, so its store survives); newcomers follow in natural order of pod name.
+   node lives); newcomers follow, grouped by topology if asked, in natural order of name.
 """
 
 from __future__ import annotations

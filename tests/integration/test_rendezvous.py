@@ -21,6 +21,9 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod
 from tests.support.operator import OperatorProcess
+
+# Exported at run time, missing from torch's type stubs.
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -95,7 +98,7 @@ def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
     assert {world for _, world, *_ in results} == {3}
     rank0 = next(node for node, (rank, *_) in zip(nodes, results, strict=True) if rank == 0)
     assert {(addr, port) for *_, addr, port in results} == {
-        (rank0.addr, rank0.handler._store_server.port)  # type: ignore[union-attr]
+        (rank0.addr, rank0.handler._serving.port)  # type: ignore[union-attr]
     }
     status = rdzv.status()
     assert (status.state, status.round, status.world_size) == (state.RoundState.SEALED, 1, 3)
@@ -104,19 +107,24 @@ def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
     assert any(reason == "RoundSealed" for _, reason, _ in rdzv.events())
 
 
-def test_stores_of_the_round_are_shared_and_prefixed_per_round(
+def test_each_round_gets_a_fresh_store_shared_by_its_nodes(
     make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
 ) -> None:
     rdzv = make_rendezvous(2, 2)
     nodes = make_nodes(rdzv, 2)
-    infos = [j.wait() for j in [n.join_in_background() for n in nodes]]
-    infos[0].store.set("key", b"from-" + str(infos[0].rank).encode())
-    assert infos[1].store.get("key") == b"from-" + str(infos[0].rank).encode()
+    first = [j.wait() for j in [n.join_in_background() for n in nodes]]
+    first[0].store.set("agent-key", b"round-1")
+    assert first[1].store.get("agent-key") == b"round-1", "the round's nodes share its store"
+    master1 = first[0].bootstrap_store_info
+    workers1 = TCPStore(master1.master_addr, master1.master_port, is_master=False)
+    workers1.set("worker-key", b"stale")  # workers write unprefixed, as torch's do
     again = [j.wait() for j in [n.join_in_background() for n in nodes]]
-    assert again[0].world_size == 2
-    again[1].store.set("key", b"round-2")
-    assert again[0].store.get("key") == b"round-2"
-    assert infos[0].store.get("key") != b"round-2", "rounds must not share keys"
+    master2 = again[0].bootstrap_store_info
+    assert {i.rank for i in again} == {0, 1}
+    assert master2.master_port != master1.master_port, "a new store every round"
+    workers2 = TCPStore(master2.master_addr, master2.master_port, is_master=False)
+    assert not workers2.check(["worker-key"]), "no key of the last round's workers"
+    assert not again[0].store.check(["agent-key"])
 
 
 def test_32_nodes_joining_at_once_get_32_distinct_ranks(
@@ -198,7 +206,7 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
     new_rank0 = next(n for n, r in zip(survivors, results, strict=True) if r[0] == 0)
     assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
     assert {(addr, port) for *_, addr, port in results} == {
-        (new_rank0.addr, new_rank0.handler._store_server.port)  # type: ignore[union-attr]
+        (new_rank0.addr, new_rank0.handler._serving.port)  # type: ignore[union-attr]
     }
 
 
