@@ -33,6 +33,7 @@ from k8s_rendezvous import state
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "manifests" / "crds"
 RBAC = REPO / "manifests" / "rbac"
+POLICY = REPO / "manifests" / "policy"  # what a production install adds (CEL admission)
 WORKER_ROLE = "k8s-rendezvous-worker"
 
 Log = Callable[[str], None]
@@ -126,6 +127,8 @@ class Cluster:
             "--timeout=60s",
         )
         self.plane.kubectl("apply", "--server-side", "-f", str(RBAC))
+        if POLICY.is_dir():
+            self.plane.kubectl("apply", "--server-side", "-f", str(POLICY))
         self._admin = self.plane.api_client()
         self._admin.configuration.connection_pool_maxsize = 64
         self.operator = Operator(self.plane.kubeconfig, self.workdir / "operator.log")

@@ -55,9 +55,13 @@ def cost_table(results: Json) -> list[Json]:
         by: dict[str, float] = {}
         for key in {k for c in costs for k in c["requests_rendezvous_by"]}:
             by[key] = _median([c["requests_rendezvous_by"].get(key, 0.0) for c in costs])
+        attempts = [c["attempts_per_patch"] for c in costs if c.get("attempts_per_patch")]
+        patch_seconds = [c["patch_mean_seconds"] for c in costs if c.get("patch_mean_seconds")]
         rows.append(
             {
                 "nodes": count,
+                "attempts_per_patch": _median(attempts) if attempts else None,
+                "patch_mean_seconds": _median(patch_seconds) if patch_seconds else None,
                 "requests": requests,
                 "requests_per_node": requests / count,
                 "requests_by": dict(sorted(by.items())),
@@ -260,14 +264,21 @@ def markdown(results: Json) -> str:
         "",
         "## 4. Cost per round (ours, API server /metrics)",
         "",
-        "| N | requests | per N | watch events | watch bytes | bytes / N | bytes / N^2 |",
-        "|---|---|---|---|---|---|---|",
+        "| N | requests | per N | watch events | watch bytes | bytes / N | bytes / N^2 "
+        "| etcd attempts per PATCH | mean PATCH s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def number(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for row in analysis.get("rows", []):
         lines.append(
             f"| {row['nodes']} | {row['requests']:.0f} | {row['requests_per_node']:.2f} | "
             f"{row['watch_events']:.0f} | {row['watch_bytes']:.0f} | "
-            f"{row['watch_bytes_per_node']:.0f} | {row['watch_bytes_per_node_squared']:.1f} |"
+            f"{row['watch_bytes_per_node']:.0f} | {row['watch_bytes_per_node_squared']:.1f} | "
+            f"{number(row.get('attempts_per_patch'), 2)} | "
+            f"{number(row.get('patch_mean_seconds'), 3)} |"
         )
 
     def slope(key: str) -> str:
@@ -332,6 +343,17 @@ def markdown(results: Json) -> str:
         f"medians, {plugin.get('repetitions')} runs each; the difference, "
         f"{plugin.get('ab_difference_ms')} ms, is dominated by noise).",
     ]
+    probe = results.get("tcpstore_connect") or []
+    if probe:
+        shown = "; ".join(
+            f"{p['clients']} clients: median {p.get('median')} s, max {p.get('max')} s"
+            for p in probe
+        )
+        lines += [
+            "",
+            "Probe, no Kubernetes involved: TCPStore clients connecting at once to one "
+            f"TCPStore server (what ours does in every round): {shown}.",
+        ]
     for backend, why in (results.get("absent") or {}).items():
         lines += ["", f"**{backend} absent:** {why}"]
     lines += ["", "Plots: seal_latency.png, failure_scaleup.png, cost.png, scale.png.", ""]
@@ -454,10 +476,10 @@ def plots(results: Json, out: Path) -> None:
             left.plot([s[0] for s in series], [s[1] for s in series], label=name)
             right.plot([s[0] for s in series], [s[2] for s in series], label=name)
     left.set_title(f"CPU during the {(results.get('scale') or {}).get('nodes')}-node round")
-    left.set_xlabel("seconds since the nodes were released")
+    left.set_xlabel("s since sampling began (nodes released ~0.5 s in)")
     left.set_ylabel("CPU % (100 = one core)")
     right.set_title("RSS")
-    right.set_xlabel("seconds since the nodes were released")
+    right.set_xlabel("s since sampling began (nodes released ~0.5 s in)")
     right.set_ylabel("MB")
     for axis in (left, right):
         axis.grid(True, alpha=0.3)
@@ -465,3 +487,16 @@ def plots(results: Json, out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out / "scale.png", dpi=110)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    # python -m bench.report DIR: redo the analysis, results.md and plots of a run's JSON.
+    directory = Path(sys.argv[1])
+    data = json.loads((directory / "results.json").read_text())
+    finish(data)
+    (directory / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    (directory / "results.md").write_text(markdown(data))
+    plots(data, directory)

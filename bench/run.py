@@ -80,7 +80,7 @@ PLANS = {
         failure_c10d_defaults_reps=3,
         scaleup_reps=5,
         scale_nodes=1000,
-        scale_reps=3,
+        scale_reps=2,
         concurrent=(100, 8),
         concurrent_reps=2,
         live=(200, 4),
@@ -144,7 +144,7 @@ class Runner:
     # -- sections ------------------------------------------------------------------------
 
     def run(self) -> Json:
-        from bench import etcdv2, importcost
+        from bench import etcdv2, importcost, probes
 
         cluster = Cluster(self.work, self.log)
         etcd: etcdv2.EtcdV2 | None = None
@@ -152,6 +152,8 @@ class Runner:
             if "import" in self.sections:
                 self.log("import cost of the torchrun plugin")
                 self.results["import"] = importcost.measure(self.plan.import_reps)
+                self.log("probe: concurrent TCPStore client connects")
+                self.results["tcpstore_connect"] = probes.tcpstore_connect()
             cluster.start()
             env = self.env = Env(cluster, self.work, self.log, self.plan.max_workers)
             time.sleep(3.0)
@@ -230,7 +232,7 @@ class Runner:
                         ),
                     )
                     raw[backend].setdefault(count, []).append(result)
-                    if backend != OURS and result.get("latency") is None:
+                    if result.get("latency") is None:
                         dead.add(backend)  # larger N would only take longer
                         self.log(f"{backend} did not survive N={count}; larger N skipped")
         section: Json = {}
