@@ -72,10 +72,38 @@ build_kwok() {
   rm -rf "$out/kwok-stages"; cp -r "$src" "$out/kwok-stages"; chmod -R u+w "$out/kwok-stages"
 }
 
+# helm's own Makefile sets the Kubernetes version it assumes without a cluster (helm
+# template, helm lint; default 1.20, below the chart's kubeVersion) through these variables;
+# here they name the pinned control plane's version. The stamp beside the binary records the
+# flags, so that a cached helm built without them (or with another version) is rebuilt.
+helm_ldflags() {
+  local minor pkg flags="-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION"
+  minor=$(cut -d. -f2 <<<"$KUBERNETES_VERSION")
+  for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+    flags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$minor"
+  done
+  echo "$flags"
+}
+
+have_helm() {  # a prebuilt helm is taken as it is; a cached build only with today's flags
+  local dir
+  if [ -f "$out/helm" ] && [ ! -L "$out/helm" ] \
+    && [ "$(cat "$out/helm.ldflags" 2>/dev/null)" != "$(helm_ldflags)" ]; then
+    for dir in "${K8S_RDZV_BINARIES:-}" "${KUBEBUILDER_ASSETS:-}"; do
+      if [ -n "$dir" ] && [ -x "$dir/helm" ]; then
+        ln -sf "$dir/helm" "$out/helm"; rm -f "$out/helm.ldflags"; return 0
+      fi
+    done
+    return 1
+  fi
+  have helm
+}
+
 build_helm() {
-  GOBIN="$out" go install -trimpath \
-    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" \
-    "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
+  local dir; dir=$(wrapper helm)
+  GOBIN="$dir" go install -trimpath -ldflags "$(helm_ldflags)" "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
+  mv -f "$dir/helm" "$out/helm"  # a rename: a helm running meanwhile is not disturbed
+  helm_ldflags >"$out/helm.ldflags"
 }
 
 start=$(date +%s)
@@ -84,7 +112,7 @@ if ! { have kube-apiserver && have kube-controller-manager && have kube-schedule
 fi
 have etcd || { log "building etcd v$ETCD_VERSION"; (build_etcd); }
 { have kwok && [ -d "$out/kwok-stages" ]; } || { log "building kwok v$KWOK_VERSION"; (build_kwok); }
-have helm || { log "building helm v$HELM_VERSION"; (build_helm); }
+have_helm || { log "building helm v$HELM_VERSION for Kubernetes $KUBERNETES_VERSION"; (build_helm); }
 rm -rf "$out/.work"
 log "binaries ready in $out ($(( $(date +%s) - start )) s)"
 echo "$out"
