@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -16,6 +17,9 @@ class OperatorProcess:
         kubeconfig: Credentials the operator runs with (admin, or a ServiceAccount token).
         log_path: Where its output goes (read it when a test fails).
         namespaces: Watch only these namespaces; all when empty.
+        extra_args: More flags, after the defaults (``--liveness=``, ``--verbose``,
+            ``--metrics-port=0``); a repeated flag wins over its default.
+        env: More environment variables (e.g. a pod's POD_NAME and POD_NAMESPACE).
     """
 
     def __init__(
@@ -24,11 +28,13 @@ class OperatorProcess:
         log_path: Path,
         namespaces: tuple[str, ...] = (),
         extra_args: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.namespaces = namespaces
         self.extra_args = extra_args
+        self.env = dict(env or {})
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -37,7 +43,7 @@ class OperatorProcess:
 
     def start(self) -> None:
         assert self._process is None or self._process.poll() is not None, "already running"
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness=", "--verbose"]
         for namespace in self.namespaces:
@@ -62,6 +68,12 @@ class OperatorProcess:
             process.kill()
             process.wait()
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting (see :meth:`returncode`)."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL: a crash, for fault tests."""
         process = self._process
@@ -69,8 +81,15 @@ class OperatorProcess:
             process.kill()
             process.wait()
 
-    def log_tail(self, lines: int = 60) -> str:
+    def returncode(self) -> int | None:
+        """None while it runs (or was never started)."""
+        return None if self._process is None else self._process.poll()
+
+    def log(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
