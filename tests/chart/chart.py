@@ -1,26 +1,23 @@
 """The chart against the test control plane: helm, the release, the operator's identity.
 
 helm runs with its own HOME-like directories (nothing is written under ~) and the admin
-kubeconfig; every render passes the control plane's Kubernetes version (this helm build
-would otherwise assume 1.20, below the chart's kubeVersion).
+kubeconfig. Renders pass no --kube-version: tests/cluster/build.sh builds helm for the
+pinned Kubernetes version (a release build of helm assumes that of its client-go).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import kubernetes.client
 import yaml
-from tests.cluster.controlplane import ControlPlane, dig, read_object, read_versions
+from tests.cluster.controlplane import ControlPlane, dig, read_object
 from tests.cluster.waiting import wait_for
 from tests.support.operator import OperatorProcess
 
@@ -31,8 +28,13 @@ NAMESPACE = "k8s-rendezvous-system"
 OPERATOR = "k8s-rendezvous-operator"
 """The Deployment, its ServiceAccount, ClusterRole(Binding) and leader-election Lease."""
 WORKER_ROLE = "k8s-rendezvous-worker"
+CREATOR_ROLE = "k8s-rendezvous-creator"
+SHARED_ROLES = (WORKER_ROLE, CREATOR_ROLE)
+"""ClusterRoles of fixed names, also in manifests/rbac/ (which the integration fixtures apply)."""
+WEBHOOK_SERVICE = "k8s-rendezvous-webhook"
+WEBHOOK_CONFIG = "k8s-rendezvous.k8s-rendezvous.dev"
+"""The Mutating- and ValidatingWebhookConfiguration the operator may patch."""
 CRD_NAME = "rendezvous.k8s-rendezvous.dev"
-KUBE_VERSION = read_versions()["KUBERNETES_VERSION"]
 
 
 class Helm:
@@ -68,16 +70,7 @@ class Helm:
         return proc
 
     def template(self, *args: str, release: str = RELEASE) -> str:
-        return self.run(
-            "template",
-            release,
-            str(CHART),
-            "--namespace",
-            NAMESPACE,
-            "--kube-version",
-            KUBE_VERSION,
-            *args,
-        ).stdout
+        return self.run("template", release, str(CHART), "--namespace", NAMESPACE, *args).stdout
 
     def template_objects(self, *args: str) -> list[dict[str, Any]]:
         return [doc for doc in yaml.safe_load_all(self.template(*args)) if doc]
@@ -98,30 +91,30 @@ def kinds(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {(o["kind"], o["metadata"]["name"]) for o in objects}
 
 
-def adopt_worker_role(control_plane: ControlPlane) -> bool:
-    """Make room for the release's worker ClusterRole: a copy applied with kubectl (the
-    integration fixtures do) cannot be adopted by Helm. True if one was removed; put it
-    back with :func:`restore_worker_role` after the release is gone."""
-    found = control_plane.kubectl(
-        "get",
-        "clusterrole",
-        WORKER_ROLE,
-        "--ignore-not-found",
-        "-o",
-        "jsonpath={.metadata.annotations.meta\\.helm\\.sh/release-name}|{.metadata.name}",
-    ).stdout
-    if not found or not found.endswith(f"|{WORKER_ROLE}"):
-        return False
-    if found.startswith(f"{RELEASE}|"):
-        return False
-    control_plane.kubectl("delete", "clusterrole", WORKER_ROLE, "--wait")
-    return True
+def adopt_shared_roles(control_plane: ControlPlane) -> bool:
+    """Make room for the release's worker and creator ClusterRoles: copies applied with
+    kubectl (the integration fixtures apply manifests/rbac/) cannot be adopted by Helm. True
+    if any was removed; put them back with :func:`restore_shared_roles` after the release
+    is gone."""
+    removed = False
+    for role in SHARED_ROLES:
+        found = control_plane.kubectl(
+            "get",
+            "clusterrole",
+            role,
+            "--ignore-not-found",
+            "-o",
+            "jsonpath={.metadata.annotations.meta\\.helm\\.sh/release-name}|{.metadata.name}",
+        ).stdout
+        if not found or not found.endswith(f"|{role}") or found.startswith(f"{RELEASE}|"):
+            continue
+        control_plane.kubectl("delete", "clusterrole", role, "--wait")
+        removed = True
+    return removed
 
 
-def restore_worker_role(control_plane: ControlPlane) -> None:
-    control_plane.kubectl(
-        "apply", "--server-side", "-f", str(REPO / "manifests" / "rbac" / "worker-clusterrole.yaml")
-    )
+def restore_shared_roles(control_plane: ControlPlane) -> None:
+    control_plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "rbac"))
 
 
 def ensure_namespace(control_plane: ControlPlane, name: str = NAMESPACE) -> None:
@@ -166,19 +159,9 @@ class Release:
         return self.control_plane.write_kubeconfig_for_token(token, path)
 
 
-@functools.cache
-def operator_help() -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "k8s_rendezvous_operator", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-
-
 class ChartOperator(OperatorProcess):
-    """The operator as the chart's Deployment runs it: its flags, and the pod's name and
-    namespace in the environment (leader-election identity)."""
+    """The operator as the chart's Deployment runs it: its flags (``args``), and the pod's
+    name and namespace in the environment (the leader-election identity)."""
 
     def __init__(
         self,
@@ -189,49 +172,17 @@ class ChartOperator(OperatorProcess):
         args: tuple[str, ...] = (),
         liveness: str = "",
     ) -> None:
-        super().__init__(kubeconfig, log_path)
+        super().__init__(
+            kubeconfig,
+            log_path,
+            extra_args=(f"--liveness={liveness}", *args),
+            env={"POD_NAME": pod, "POD_NAMESPACE": NAMESPACE},
+        )
         self.pod = pod
-        self.args = args
         self.liveness = liveness
-        self.started_at = 0.0
-
-    def start(self) -> None:
-        assert self._process is None or self._process.poll() is not None, "already running"
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "POD_NAME": self.pod,
-            "POD_NAMESPACE": NAMESPACE,
-        }
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        command = [sys.executable, "-m", "k8s_rendezvous_operator", f"--liveness={self.liveness}"]
-        if "--metrics-port" in operator_help():
-            command.append("--metrics-port=0")  # several operators on one host would clash
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [*command, *self.args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
 
     def health(self) -> Any:
         """The JSON its liveness endpoint answers (200 or an error)."""
         with urllib.request.urlopen(self.liveness, timeout=5) as response:
             assert response.status == 200
             return json.loads(response.read())
-
-    def returncode(self) -> int | None:
-        return None if self._process is None else self._process.poll()
-
-    def terminate(self) -> None:
-        """SIGTERM without waiting."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""

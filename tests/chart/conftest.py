@@ -38,8 +38,8 @@ def chart_release(
 ) -> Iterator[chart.Release]:
     """The chart installed with its defaults but 2 replicas (two pods whose identities the
     tests' operator processes borrow); uninstalled after the module, leaving the session
-    as the other fixtures expect it (CRD, worker role from manifests/)."""
-    removed = chart.adopt_worker_role(control_plane)
+    as the other fixtures expect it (CRD, worker and creator roles from manifests/)."""
+    removed = chart.adopt_shared_roles(control_plane)
     chart.ensure_namespace(control_plane)
     cluster_helm.run(
         "install",
@@ -62,7 +62,7 @@ def chart_release(
         cluster_helm.run("uninstall", chart.RELEASE, "--namespace", chart.NAMESPACE, "--wait")
         control_plane.kubectl("-n", chart.NAMESPACE, "delete", "leases", "--all")
         if removed:
-            chart.restore_worker_role(control_plane)
+            chart.restore_shared_roles(control_plane)
 
 
 @pytest.fixture

@@ -11,16 +11,19 @@ import yaml
 from tests.chart.chart import (
     CHART,
     CRD_NAME,
+    CREATOR_ROLE,
     NAMESPACE,
     OPERATOR,
     RELEASE,
     REPO,
+    WEBHOOK_CONFIG,
+    WEBHOOK_SERVICE,
     WORKER_ROLE,
     Helm,
-    adopt_worker_role,
+    adopt_shared_roles,
     ensure_namespace,
     kinds,
-    restore_worker_role,
+    restore_shared_roles,
     sets,
 )
 from tests.cluster.controlplane import ControlPlane
@@ -34,13 +37,15 @@ NON_DEFAULT = sets(
         "leaderElection.leaseName": "rdzv-lock",
         "resources.limits.memory": "1Gi",
         "metrics.service.enabled": "true",
+        "webhook.port": 10443,
     }
 )
 INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 CLUSTER_KINDS = (
-    "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings"
+    "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,"
+    "mutatingwebhookconfigurations,validatingwebhookconfigurations"
 )
-NAMESPACED_KINDS = "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases"
+NAMESPACED_KINDS = "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases,services"
 
 
 def dry_run(control_plane: ControlPlane, manifests: str) -> list[str]:
@@ -72,7 +77,10 @@ def test_plain_manifests_pass_a_server_side_dry_run(control_plane: ControlPlane)
     for expected in (
         f"customresourcedefinition.apiextensions.k8s.io/{CRD_NAME}",
         f"clusterrole.rbac.authorization.k8s.io/{WORKER_ROLE}",
+        f"clusterrole.rbac.authorization.k8s.io/{CREATOR_ROLE}",
         f"deployment.apps/{OPERATOR}",
+        f"service/{WEBHOOK_SERVICE}",
+        f"mutatingwebhookconfiguration.admissionregistration.k8s.io/{WEBHOOK_CONFIG}",
         "validatingadmissionpolicy.admissionregistration.k8s.io/k8s-rendezvous-pod-status",
     ):
         assert expected in text
@@ -107,7 +115,7 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
     cluster_helm: Helm, control_plane: ControlPlane
 ) -> None:
     # From a cluster without any of it, the CRD included, to see helm create each object.
-    removed = adopt_worker_role(control_plane)
+    removed = adopt_shared_roles(control_plane)
     control_plane.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait")
     assert not crd_exists(control_plane)
     ensure_namespace(control_plane)
@@ -121,6 +129,7 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         assert "kubectl -n team create rolebinding k8s-rendezvous-worker" in notes
         assert f"--clusterrole={WORKER_ROLE} --serviceaccount=team:default" in notes
         assert "kind: Rendezvous" in notes, "NOTES: the next steps"
+        assert f"MutatingWebhookConfiguration {WEBHOOK_CONFIG}" in notes
         assert crd_exists(control_plane), "helm installs the CRD from crds/"
         control_plane.kubectl(
             "wait", "--for=condition=established", f"crd/{CRD_NAME}", "--timeout=60s"
@@ -134,7 +143,11 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("Role", f"{OPERATOR}-leader-election"),
             ("RoleBinding", f"{OPERATOR}-leader-election"),
             ("ClusterRole", WORKER_ROLE),
+            ("ClusterRole", CREATOR_ROLE),
             ("Deployment", OPERATOR),
+            ("Service", WEBHOOK_SERVICE),
+            ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
+            ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-status"),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
@@ -158,7 +171,7 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         if installed:
             cluster_helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)
         if removed:
-            restore_worker_role(control_plane)
+            restore_shared_roles(control_plane)
 
 
 def describe(obj: dict[str, Any]) -> str:

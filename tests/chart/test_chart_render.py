@@ -7,22 +7,33 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from tests.chart.chart import (
     CHART,
-    KUBE_VERSION,
+    CREATOR_ROLE,
     NAMESPACE,
     OPERATOR,
     REPO,
+    WEBHOOK_CONFIG,
+    WEBHOOK_SERVICE,
     WORKER_ROLE,
     Helm,
     find,
     kinds,
     sets,
 )
+from tests.cluster.controlplane import read_versions
+
+WEBHOOK_ARGS = [
+    "--webhook",
+    f"--webhook-host={WEBHOOK_SERVICE}.{NAMESPACE}.svc",
+    "--webhook-port=9443",
+    f"--webhook-config-name={WEBHOOK_CONFIG}",
+]
 
 
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -32,8 +43,29 @@ def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_lint_strict_passes(helm: Helm) -> None:
-    result = helm.run("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION)
+    result = helm.run("lint", "--strict", str(CHART))
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout, result.stdout
+
+
+def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None:
+    """No --kube-version anywhere: tests/cluster/build.sh builds helm for the pinned version
+    (a helm built without its Makefile's ldflags assumes 1.20, below the chart's kubeVersion;
+    a release build, that of its client-go)."""
+    chart = helm.home / "capabilities"
+    (chart / "templates").mkdir(parents=True, exist_ok=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: capabilities\nversion: 0.1.0\n")
+    (chart / "templates" / "version.yaml").write_text(
+        "version: {{ .Capabilities.KubeVersion.Version }}\n"
+    )
+    version = yaml.safe_load(helm.run("template", str(chart)).stdout)["version"]
+    major, minor, _ = version.removeprefix("v").split(".")
+    required = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    least = required.removeprefix(">=").split(".")
+    assert (int(major), int(minor)) >= (int(least[0]), int(least[1])), (version, required)
+    if not helm.binary.is_symlink() and Path(f"{helm.binary}.ldflags").exists():
+        # built by tests/cluster/build.sh (a prebuilt helm is a link to it)
+        pinned = read_versions()["KUBERNETES_VERSION"].split(".")
+        assert (major, minor) == (pinned[0], pinned[1]), version
 
 
 def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> None:
@@ -45,7 +77,11 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("Role", f"{OPERATOR}-leader-election"),
         ("RoleBinding", f"{OPERATOR}-leader-election"),
         ("ClusterRole", WORKER_ROLE),
+        ("ClusterRole", CREATOR_ROLE),
         ("Deployment", OPERATOR),
+        ("Service", WEBHOOK_SERVICE),
+        ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
+        ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status"),
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-status"),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
@@ -54,7 +90,12 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
     deployment = find(objects, "Deployment", OPERATOR)
     spec = deployment["spec"]
     assert spec["replicas"] == 1
-    assert spec["strategy"]["type"] == "RollingUpdate"  # safe: the Lease decides who acts
+    # Safe: the Lease decides who acts. All old pods go at once: only the leader is Ready,
+    # so a rollout that waited for a new pod to be Ready would never end.
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "100%"},
+    }
     pod = spec["template"]["spec"]
     assert pod["serviceAccountName"] == OPERATOR
     assert pod["securityContext"] == {
@@ -76,13 +117,16 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         "--leader-elect",
         f"--leader-election-namespace={NAMESPACE}",
         f"--leader-election-id={OPERATOR}",
+        *WEBHOOK_ARGS,
     ]
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert operator["ports"] == [
         {"name": "health", "containerPort": 8080, "protocol": "TCP"},
         {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+        {"name": "webhook", "containerPort": 9443, "protocol": "TCP"},
     ]
-    assert "readinessProbe" not in operator
+    # Ready = serving the webhook: the leader only (a standby does not open the port).
+    assert operator["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
     assert set(operator["resources"]) == {"requests", "limits"}
     assert {"name": "tmp", "mountPath": "/tmp"} in operator["volumeMounts"]
     assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
@@ -92,7 +136,7 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
     }
     assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
     for obj in objects:
-        if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding", "Deployment"):
+        if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"):
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
 
 
@@ -107,6 +151,8 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
                 "serviceAccount.create": "false",
                 "serviceAccount.name": "existing",
                 "workerRole.create": "false",
+                "creatorRole.create": "false",
+                "webhook.enabled": "false",
                 "admissionPolicy.enabled": "false",
                 "image.repository": "registry.example/rdzv",
                 "image.tag": "9.9.9",
@@ -126,6 +172,7 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
     }
     deployment = find(objects, "Deployment", OPERATOR)
     assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "existing"
     assert pod["nodeSelector"] == {"pool": "system"}
@@ -142,6 +189,15 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
         "--namespace=team-b",
         "--verbose",
     ]
+    assert "readinessProbe" not in operator, "without the webhook an operator serves no traffic"
+    assert [p["name"] for p in operator["ports"]] == ["health"]
+    cluster_role = find(objects, "ClusterRole", OPERATOR)
+    assert not [
+        r for r in cluster_role["rules"] if "admissionregistration.k8s.io" in r["apiGroups"]
+    ]
+    assert {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"]} not in (
+        cluster_role["rules"]
+    )
     role = find(objects, "Role", f"{OPERATOR}-leader-election")
     assert {
         "apiGroups": ["coordination.k8s.io"],
@@ -163,13 +219,12 @@ def test_without_leader_election_one_replica_is_recreated_never_overlapped(helm:
     assert container(objects)["args"] == [
         "--liveness=http://0.0.0.0:8080/healthz",
         "--metrics-port=8081",
+        *WEBHOOK_ARGS,
     ]
     refused = helm.run(
         "template",
         "x",
         str(CHART),
-        "--kube-version",
-        KUBE_VERSION,
         "--set",
         "replicas=2",
         "--set",
@@ -232,6 +287,16 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
             "- at '/leaderElection/enabled': got string, want boolean",
         ),
         (["--set", "watchNamespaces=team"], "- at '/watchNamespaces': got string, want array"),
+        (
+            ["--set", "webhook.timeoutSeconds=10"],
+            "- at '/webhook': additional properties 'timeoutSeconds' not allowed",
+        ),
+        (["--set", "webhook.port=443"], "- at '/webhook/port': minimum: got 443, want 1,024"),
+        (["--set", "webhook.enabled=on"], "- at '/webhook/enabled': got string, want boolean"),
+        (
+            ["--set", "creatorRole.enabled=true"],
+            "- at '/creatorRole': additional properties 'enabled' not allowed",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -240,12 +305,14 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
         "replicas-string",
         "bool-string",
         "list-string",
+        "webhook-unknown-key",
+        "webhook-privileged-port",
+        "webhook-bool-string",
+        "creator-unknown-key",
     ],
 )
 def test_values_schema_refuses(helm: Helm, flags: list[str], error: str) -> None:
-    refused = helm.run(
-        "template", "x", str(CHART), "--kube-version", KUBE_VERSION, *flags, check=False
-    )
+    refused = helm.run("template", "x", str(CHART), *flags, check=False)
     assert refused.returncode != 0
     assert "values don't meet the specifications of the schema(s)" in refused.stderr
     assert error in refused.stderr, refused.stderr

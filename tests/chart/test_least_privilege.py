@@ -1,22 +1,30 @@
 """Least privilege, proven: the operator runs as a local process with a real token of the
 chart's ServiceAccount (bound to one of the Deployment's pods, as the kubelet would mount
-it; its flags as in the Deployment, leader election included) through the core scenarios.
-Its ClusterRole is compared with an explicit minimal list, and the API server is asked what
-it may not do."""
+it; its flags as in the Deployment, leader election and the admission webhook included,
+the webhook served on 127.0.0.1) through the core scenarios. Its ClusterRole is compared
+with an explicit minimal list, and the API server is asked what it may not do."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.chart.chart import NAMESPACE, OPERATOR, WORKER_ROLE, ChartOperator, Release
-from tests.cluster.controlplane import ControlPlane
+from tests.chart.chart import (
+    NAMESPACE,
+    OPERATOR,
+    WEBHOOK_CONFIG,
+    WORKER_ROLE,
+    ChartOperator,
+    Release,
+)
+from tests.cluster.controlplane import ControlPlane, read_object
 from tests.cluster.waiting import wait_for
-from tests.support.fixtures import Node, Rendezvous, delete_pod
+from tests.support.fixtures import Node, Rendezvous, delete_pod, free_port
 
 from k8s_rendezvous import state
 
@@ -52,6 +60,16 @@ ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
     ("rbac.authorization.k8s.io", "rolebindings", "create", ""),
     ("rbac.authorization.k8s.io", "clusterroles", "bind", WORKER_ROLE),
 }
+WEBHOOK: set[Rule] = {  # webhook.enabled (the default)
+    # kopf POSTs its managed configurations at start (a 409: the chart made them; create
+    # cannot be narrowed by name), a validating one always beside the mutating one...
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "create", ""),
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "create", ""),
+    # ...then merge-patches their webhooks, by name.
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch", WEBHOOK_CONFIG),
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch", WEBHOOK_CONFIG),
+    ("batch", "jobs", "get", ""),  # a pod's Job, when its watch event has not arrived yet
+}
 LEADER_ELECTION: set[Rule] = {  # a Role in the release namespace
     ("coordination.k8s.io", "leases", "create", ""),
     ("coordination.k8s.io", "leases", "get", OPERATOR),
@@ -74,9 +92,12 @@ def flatten(role: dict[str, object]) -> set[Rule]:
 def chart_operator(
     chart_release: Release, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ChartOperator]:
-    """The operator with the chart's identity and flags, watching the whole cluster."""
+    """The operator with the chart's identity and flags, watching the whole cluster; its
+    webhook on 127.0.0.1 (the API server runs here, not in the cluster), registered in the
+    chart's MutatingWebhookConfiguration."""
     directory = tmp_path_factory.mktemp("chart-operator")
     pod = chart_release.operator_pods()[0]
+    port = free_port()
     process = ChartOperator(
         chart_release.operator_kubeconfig(pod, directory / "kubeconfig"),
         directory / "operator.log",
@@ -85,11 +106,23 @@ def chart_operator(
             "--leader-elect",
             f"--leader-election-namespace={NAMESPACE}",
             f"--leader-election-id={OPERATOR}",
+            "--webhook",
+            "--webhook-host=127.0.0.1",
+            "--webhook-addr=127.0.0.1",
+            f"--webhook-port={port}",
+            f"--webhook-config-name={WEBHOOK_CONFIG}",
         ),
     )
     process.start()
     try:
         wait_for(lambda: "this replica leads" in process.log(), 30, "the operator leads")
+        wait_for(
+            lambda: registered_url(chart_release.control_plane).startswith(
+                f"https://127.0.0.1:{port}/"
+            ),
+            30,
+            f"the operator registered its webhook in {WEBHOOK_CONFIG}",
+        )
         yield process
     finally:
         process.stop()
@@ -111,6 +144,17 @@ def operator_log(chart_operator: ChartOperator) -> Iterator[Callable[[], str]]:
     assert not refused, "RBAC refused the operator:\n" + "\n".join(refused[:20])
 
 
+def registered_url(control_plane: ControlPlane) -> str:
+    """The URL of the first webhook in the chart's MutatingWebhookConfiguration ('' if none)."""
+    return control_plane.kubectl(
+        "get",
+        "mutatingwebhookconfiguration",
+        WEBHOOK_CONFIG,
+        "-o",
+        "jsonpath={.webhooks[0].clientConfig.url}",
+    ).stdout
+
+
 def join_all(nodes: list[Node]) -> list[tuple[int, int]]:
     """All nodes call next_rendezvous() at once; (rank, world size) each."""
     infos = [joining.wait() for joining in [node.join_in_background() for node in nodes]]
@@ -119,7 +163,7 @@ def join_all(nodes: list[Node]) -> list[tuple[int, int]]:
 
 def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -> None:
     role = json.loads(control_plane.kubectl("get", "clusterrole", OPERATOR, "-o", "json").stdout)
-    assert flatten(role) == TODAY | ANNOTATED_JOBS
+    assert flatten(role) == TODAY | ANNOTATED_JOBS | WEBHOOK
     election = json.loads(
         control_plane.kubectl(
             "-n", NAMESPACE, "get", "role", f"{OPERATOR}-leader-election", "-o", "json"
@@ -137,6 +181,12 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("create", "events", "-A", True),
         ("watch", "leases.coordination.k8s.io", "-A", True),
         ("update", "leases.coordination.k8s.io/k8s-rendezvous-operator", NAMESPACE, True),
+        ("get", "jobs.batch", "-A", True),
+        ("patch", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", True),
+        ("patch", f"validatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", True),
+        # kopf creates a validating configuration beside the mutating one, always.
+        ("create", "mutatingwebhookconfigurations", "", True),
+        ("create", "validatingwebhookconfigurations", "", True),
         # Denied: everything else.
         ("list", "secrets", "-A", False),
         ("get", "secrets", NAMESPACE, False),
@@ -155,9 +205,19 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("patch", "events", "-A", False),
         ("list", "nodes", "", False),
         ("patch", "nodes", "", False),
-        ("get", "jobs.batch", "-A", False),
         ("patch", "jobs.batch", "-A", False),
+        # Webhook configurations: only its own, only patched; never read, never deleted.
+        ("patch", "mutatingwebhookconfigurations/someone-elses", "", False),
+        ("patch", "validatingwebhookconfigurations/someone-elses", "", False),
+        ("update", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
+        ("delete", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
+        ("delete", f"validatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
+        ("delete", "mutatingwebhookconfigurations", "", False),
+        ("get", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
         ("list", "mutatingwebhookconfigurations", "", False),
+        ("watch", "validatingwebhookconfigurations", "", False),
+        ("create", "validatingadmissionpolicies", "", False),
+        ("patch", "validatingadmissionpolicies/k8s-rendezvous-pod-status", "", False),
         ("list", "namespaces", "", False),
         ("list", "customresourcedefinitions", "", False),
         ("create", "jobs.batch", "-A", False),
@@ -383,3 +443,94 @@ def test_annotated_job_permissions_suffice_and_bind_only_the_worker_role(
         rbac.create_namespaced_role_binding(team, binding("edit"))  # type: ignore[arg-type]
     assert error.value.status == 403
     assert "is attempting to grant RBAC permissions not currently held" in str(error.value.body)
+
+
+def make_job(
+    api: kubernetes.client.ApiClient, namespace: str, name: str, annotations: dict[str, str]
+) -> None:
+    kubernetes.client.BatchV1Api(api).create_namespaced_job(
+        namespace,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": {
+                "parallelism": 1,
+                "template": {
+                    "spec": {
+                        "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
+                        "restartPolicy": "Never",
+                    }
+                },
+            },
+        },
+    )
+
+
+def job_pod(api: kubernetes.client.ApiClient, namespace: str, job: str) -> dict[str, Any]:
+    """The Job's first pod, as admitted (the webhook runs when the Job controller creates it)."""
+    core = kubernetes.client.CoreV1Api(api)
+
+    def created() -> dict[str, Any] | None:
+        pods = read_object(
+            core.list_namespaced_pod,
+            namespace,
+            label_selector=f"batch.kubernetes.io/job-name={job}",
+        )["items"]
+        return pods[0] if pods else None
+
+    return wait_for(created, 60, f"a pod of Job {namespace}/{job}")
+
+
+def test_the_webhook_gives_only_annotated_job_pods_torchruns_environment(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    """The webhook with exactly the chart's RBAC: kopf created (409: the chart made them)
+    and patched its configurations with the operator's token, and serves the pods the Job
+    controller creates."""
+    annotations = {"k8s-rendezvous.dev/nodes": "1:2", "k8s-rendezvous.dev/run-id": "exp-7"}
+    make_job(admin_api, workers_namespace, "zero-flag", annotations)
+    make_job(admin_api, workers_namespace, "plain", {})
+
+    injected = job_pod(admin_api, workers_namespace, "zero-flag")
+    env = {e["name"]: e for e in injected["spec"]["containers"][0].get("env") or []}
+    assert env["PET_RDZV_BACKEND"]["value"] == "kubernetes"
+    assert env["PET_RDZV_ENDPOINT"]["value"] == "zero-flag"
+    assert env["PET_NNODES"]["value"] == "1:2"
+    assert env["PET_RDZV_ID"]["value"] == "exp-7"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert injected["metadata"]["labels"][state.NODE_LABEL] == "zero-flag"
+    plain = job_pod(admin_api, workers_namespace, "plain")
+    assert not plain["spec"]["containers"][0].get("env"), "a pod of an unannotated Job"
+    assert state.NODE_LABEL not in plain["metadata"]["labels"]
+
+    # The configurations as kopf left them: the mutating one served on 127.0.0.1 with
+    # failurePolicy Ignore and the job-name objectSelector; the validating one empty.
+    mutating = json.loads(
+        control_plane.kubectl(
+            "get", "mutatingwebhookconfiguration", WEBHOOK_CONFIG, "-o", "json"
+        ).stdout
+    )
+    (webhook,) = mutating["webhooks"]
+    assert webhook["failurePolicy"] == "Ignore"
+    assert webhook["objectSelector"] == {
+        "matchExpressions": [{"key": "batch.kubernetes.io/job-name", "operator": "Exists"}]
+    }
+    validating = json.loads(
+        control_plane.kubectl(
+            "get", "validatingwebhookconfiguration", WEBHOOK_CONFIG, "-o", "json"
+        ).stdout
+    )
+    assert not validating.get("webhooks")
+
+    # What the webhook does when a Job's watch event is late (reads the Job), done with
+    # the operator's own token; and the operator is still running (a 403 would stop kopf).
+    kubeconfig = json.loads(Path(chart_operator.kubeconfig).read_text())
+    api = control_plane.client_for_token(kubeconfig["users"][0]["user"]["token"])
+    job = kubernetes.client.BatchV1Api(api).read_namespaced_job("zero-flag", workers_namespace)
+    assert job.metadata.annotations["k8s-rendezvous.dev/nodes"] == "1:2"
+    assert chart_operator.returncode() is None

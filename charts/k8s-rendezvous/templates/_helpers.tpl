@@ -52,3 +52,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "k8s-rendezvous.workerRole" -}}
 k8s-rendezvous-worker
 {{- end -}}
+
+{{/* Fixed: the README and the ClusterRole's own comment name it. */}}
+{{- define "k8s-rendezvous.creatorRole" -}}
+k8s-rendezvous-creator
+{{- end -}}
+
+{{/* The Service in front of the admission webhook (the leader only: see values.yaml). */}}
+{{- define "k8s-rendezvous.webhookService" -}}
+{{- printf "%s-webhook" (include "k8s-rendezvous.fullname" .) -}}
+{{- end -}}
+
+{{/* The Mutating- (and Validating-) WebhookConfiguration kopf keeps up to date; the
+operator may patch only objects of this name. */}}
+{{- define "k8s-rendezvous.webhookConfig" -}}
+{{- printf "%s.k8s-rendezvous.dev" (include "k8s-rendezvous.fullname" .) -}}
+{{- end -}}
