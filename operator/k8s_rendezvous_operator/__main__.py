@@ -54,6 +54,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="",
         help="host name the API server reaches the webhook at (its Service's DNS name)",
     )
+    admission.add_argument(
+        "--webhook-service",
+        default="",
+        help="NAMESPACE/NAME of the Service in front of the webhook: registered by Service "
+        "reference (its port = --webhook-port) instead of by URL; what a cluster needs",
+    )
     admission.add_argument("--webhook-addr", default="", help="listen address (default: all)")
     admission.add_argument("--webhook-port", type=int, default=9443, help="(default: %(default)s)")
     admission.add_argument(
@@ -123,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             worker_role=args.worker_role,
             webhook={
                 "host": args.webhook_host,
+                "service": args.webhook_service,
                 "addr": args.webhook_addr,
                 "port": args.webhook_port,
                 "cert_dir": args.webhook_cert_dir,

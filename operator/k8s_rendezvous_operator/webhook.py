@@ -20,6 +20,28 @@ from k8s_rendezvous_operator.reconciler import Reconciler
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 
+class ServiceWebhookServer(kopf.WebhookServer):
+    """Registers the webhook by Service reference: kube-apiserver reaches Services through
+    its own service resolution, but usually cannot resolve their DNS names in a URL."""
+
+    def __init__(self, *, service: str, service_port: int, **options: Any) -> None:
+        super().__init__(**options)
+        self._namespace, _, self._name = service.rpartition("/")
+        self._service_port = service_port
+
+    async def __call__(self, fn: Any) -> Any:
+        async for config in super().__call__(fn):
+            yield {
+                **({"caBundle": config["caBundle"]} if config.get("caBundle") else {}),
+                "service": {
+                    "namespace": self._namespace,
+                    "name": self._name,
+                    "port": self._service_port,
+                    "path": "",
+                },
+            }
+
+
 @kopf.on.startup()
 async def configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = memo["webhook"]
@@ -31,13 +53,20 @@ async def configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **
         ca, cert, key = certificates.write_self_signed(
             directory, [options["host"], *([options["addr"]] if options["addr"] else [])]
         )
-    settings.admission.server = kopf.WebhookServer(
-        addr=options["addr"] or None,
-        port=options["port"],
-        host=options["host"],
-        cafile=str(ca),
-        certfile=str(cert),
-        pkeyfile=str(key),
+    server_options: dict[str, Any] = {
+        "addr": options["addr"] or None,
+        "port": options["port"],
+        "host": options["host"],
+        "cafile": str(ca),
+        "certfile": str(cert),
+        "pkeyfile": str(key),
+    }
+    settings.admission.server = (
+        ServiceWebhookServer(
+            service=options["service"], service_port=options["port"], **server_options
+        )
+        if options["service"]
+        else kopf.WebhookServer(**server_options)
     )
     settings.admission.managed = options["config_name"]
 

@@ -31,6 +31,8 @@ from tests.cluster.controlplane import read_versions
 WEBHOOK_ARGS = [
     "--webhook",
     f"--webhook-host={WEBHOOK_SERVICE}.{NAMESPACE}.svc",
+    # by Service reference: kube-apiserver does not resolve cluster DNS names in URLs
+    f"--webhook-service={NAMESPACE}/{WEBHOOK_SERVICE}",
     "--webhook-port=9443",
     f"--webhook-config-name={WEBHOOK_CONFIG}",
 ]
