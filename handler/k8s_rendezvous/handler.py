@@ -92,6 +92,8 @@ class RoundWatcher:
         self._decode_error: state.DecodeError | None = None
         self._raw_round_key: str | None = None
         self._version = -1
+        self._version_text: str | None = None
+        """The resourceVersion of what we hold, to watch from; None: read the object."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -118,6 +120,7 @@ class RoundWatcher:
             if version <= self._version:
                 return
             self._version = version
+            self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
             self._raw_round_key = raw_status.get("roundKey") or ""
             try:
                 self._status = state.RendezvousStatus.from_dict(obj.get("status"))
@@ -149,26 +152,42 @@ class RoundWatcher:
         while not self._stopped.is_set():
             try:
                 with self._changed:
-                    key = self._raw_round_key
-                obj, version = self._client.list_unless(key)
-                if obj is not None:
-                    self.offer(obj)
-                    continue
+                    key, version = self._raw_round_key, self._version_text
+                if version is None:  # nothing known, or lost track: read the object once
+                    obj, version = self._client.list_unless(key)
+                    if obj is not None:
+                        self.offer(obj)
+                        continue
+                # A watch from a known version misses nothing after it: no LIST per round.
                 for kind, obj in self._client.watch_unless(key, version, timeout_seconds=60):
                     if self._stopped.is_set():
                         return
                     if kind in ("ADDED", "MODIFIED"):
                         self.offer(obj)
                         break  # re-arm the filter with the new round key
-                    if kind == "DELETED":
+                    if kind == "BOOKMARK":
+                        self._bookmark(obj)
+                    elif kind == "DELETED":
+                        self._lose_track()
                         break
                 backoff = 0.1
             except Exception as error:  # keep serving the last status; the agent polls us
                 if self._stopped.is_set():
                     return
+                self._lose_track()
                 log.warning("watching %s failed, retrying: %s", self._client.reference, error)
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _bookmark(self, obj: Mapping[str, Any]) -> None:
+        """Nothing of ours changed up to this version: resume from it next time."""
+        with self._changed:
+            if _version_number(obj) > self._version:
+                self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
+
+    def _lose_track(self) -> None:
+        with self._changed:
+            self._version_text = None
 
 
 def _version_number(obj: Mapping[str, Any]) -> int:
@@ -315,7 +334,6 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         offered = self._new_store_server()
-        self._watcher.start()
         self._attempt += 1
         self._entry_port = int(offered.port)
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
@@ -327,6 +345,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 raise
             obj = self._client.write_entry(self._node, entry)
         self._watcher.offer(obj)
+        self._watcher.start()  # after the offer: it watches on from the join's version
         spec = self._check_spec(obj)
         self._heartbeat.start(spec)
         log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)

@@ -94,6 +94,7 @@ class RendezvousClient:
         self.retry_seconds = retry_seconds
         self._api = client.CustomObjectsApi(api_client)
         self._leases = client.CoordinationV1Api(api_client)
+        self._leases_made: set[str] = set()
         self._server = api_client.configuration.host
 
     @property
@@ -191,7 +192,23 @@ class RendezvousClient:
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
 
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": spec,
+        }
+
         def renew() -> None:
+            if name not in self._leases_made:  # one request for the first beat, not 404+POST
+                try:
+                    self._leases.create_namespaced_lease(self.namespace, lease)  # type: ignore[arg-type]
+                    self._leases_made.add(name)
+                    return
+                except ApiException as error:
+                    if error.status != 409:
+                        raise
+                self._leases_made.add(name)
             try:
                 self._leases.patch_namespaced_lease(
                     name,
@@ -202,15 +219,8 @@ class RendezvousClient:
             except ApiException as error:
                 if error.status != 404:
                     raise
-                self._leases.create_namespaced_lease(
-                    self.namespace,
-                    {  # type: ignore[arg-type]  # plain dicts are sent as they are
-                        "apiVersion": "coordination.k8s.io/v1",
-                        "kind": "Lease",
-                        "metadata": metadata,
-                        "spec": spec,
-                    },
-                )
+                self._leases_made.discard(name)  # deleted meanwhile: create it next beat
+                raise
 
         self._call(f"renew the heartbeat Lease {name} of", renew)
 
