@@ -130,6 +130,26 @@ class LocalPod:
         script_args: Sequence[str] = (),
     ) -> None:
         """Start ``torchrun --rdzv-backend=kubernetes`` running examples/elastic_train.py."""
+        self._launch(
+            {},
+            [
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={NPROC_PER_NODE}",
+                "--rdzv-backend=kubernetes",
+                f"--rdzv-endpoint={rendezvous}",
+                f"--rdzv-id={rendezvous}",
+                f"--max-restarts={max_restarts}",
+                "--monitor-interval=0.1",
+            ],
+            script_args,
+        )
+
+    def _launch(
+        self,
+        container_env: Mapping[str, str],
+        torchrun_args: Sequence[str],
+        script_args: Sequence[str],
+    ) -> None:
         assert self._process is None, f"{self.name} was started already"
         env = {
             **os.environ,
@@ -140,6 +160,7 @@ class LocalPod:
                 pod_ip=self.addr,
                 directory=self.service_account_dir,
             ),
+            **container_env,
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
             "LOGLEVEL": "INFO",
@@ -151,13 +172,7 @@ class LocalPod:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            f"--nnodes={nnodes}",
-            f"--nproc-per-node={NPROC_PER_NODE}",
-            "--rdzv-backend=kubernetes",
-            f"--rdzv-endpoint={rendezvous}",
-            f"--rdzv-id={rendezvous}",
-            f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.1",
+            *torchrun_args,
             str(TRAIN_SCRIPT),
             *script_args,
         ]
@@ -172,6 +187,34 @@ class LocalPod:
                 env=env,
                 start_new_session=True,
             )
+
+    def start_container(
+        self, pod: Mapping[str, Any], *, max_restarts: int = 3, script_args: Sequence[str] = ()
+    ) -> None:
+        """Start plain ``torchrun train.py`` with the container's own env, as a kubelet
+        would resolve it (values, and fieldRefs from the pod; status.podIP is this node's
+        loopback stand-in): the rendezvous settings come only from what the webhook put
+        there."""
+        resolved = {
+            "metadata.name": self.name,
+            "metadata.namespace": self.namespace,
+            "status.podIP": self.addr,
+        }
+        container_env: dict[str, str] = {}
+        for variable in pod["spec"]["containers"][0].get("env") or []:
+            if "value" in variable:
+                container_env[variable["name"]] = variable["value"]
+            elif path := (variable.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath"):
+                container_env[variable["name"]] = resolved[path]
+        self._launch(
+            container_env,
+            [
+                f"--nproc-per-node={NPROC_PER_NODE}",
+                f"--max-restarts={max_restarts}",
+                "--monitor-interval=0.1",
+            ],
+            script_args,
+        )
 
     @property
     def pid(self) -> int | None:

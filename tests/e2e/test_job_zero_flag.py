@@ -1,0 +1,169 @@
+"""A real annotated Job whose pods run plain ``torchrun train.py``: no rendezvous flag
+anywhere, only what the operator's webhook injected. The harness stands in for the
+kubelet: for each Running pod of the Job it runs the container's command, plain
+``torchrun`` on examples/elastic_train.py, with the container's env (fieldRefs resolved;
+the pod IP replaced by a reachable loopback address), and when the Job controller deletes
+a pod, it kills that pod's processes.
+
+Aspects: the world forms from the Job's pods alone; lowering parallelism shrinks it and
+raising it grows it again, and the job trains on through both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.cluster.controlplane import ControlPlane, read_object
+from tests.cluster.waiting import wait_for
+from tests.e2e.harness import LocalPod, describe, timing, wait_world
+
+pytestmark = [pytest.mark.usefixtures("operator_process"), pytest.mark.webhook]
+
+JOB = "zero-flag"
+FORM_TIMEOUT = 150
+
+
+class JobPods:
+    """Plays the kubelet for the pods of one Job (processes stopped by PID at the end)."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        api: kubernetes.client.ApiClient,
+        namespace: str,
+        workdir: Path,
+    ) -> None:
+        self.control_plane = control_plane
+        self.api = api
+        self.namespace = namespace
+        self.workdir = workdir
+        self.nodes: dict[str, LocalPod] = {}
+        self._addresses = (f"127.0.0.{n}" for n in itertools.count(21))
+
+    def pods(self) -> list[dict[str, Any]]:
+        found = read_object(
+            kubernetes.client.CoreV1Api(self.api).list_namespaced_pod,
+            self.namespace,
+            label_selector=f"batch.kubernetes.io/job-name={JOB}",
+        )
+        return [
+            p
+            for p in found["items"]
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def sync(self, count: int) -> list[LocalPod]:
+        """Wait for ``count`` running pods; start new ones, kill the deleted ones' processes."""
+        pods = wait_for(
+            lambda: p if len(p := self.pods()) == count else None, 60, f"{count} pods of {JOB}"
+        )
+        live = {p["metadata"]["name"] for p in pods}
+        for name, node in self.nodes.items():
+            if name not in live:
+                node.stop()  # the kubelet kills a deleted pod's containers
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            if name not in self.nodes:
+                node = LocalPod(
+                    self.control_plane, self.api, pod, next(self._addresses), self.workdir
+                )
+                node.start_container(pod, script_args=["--steps", "400"])
+                self.nodes[name] = node
+        return [self.nodes[p["metadata"]["name"]] for p in pods]
+
+    def stop_all(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+
+@pytest.fixture
+def job_pods(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    tmp_path: Path,
+) -> Iterator[JobPods]:
+    group = JobPods(control_plane, admin_api, workers_namespace, tmp_path / "pods")
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def test_plain_torchrun_in_a_job_survives_scale_down_and_up(
+    job_pods: JobPods,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    control_plane: ControlPlane,
+) -> None:
+    wait_for(
+        lambda: (
+            workers_namespace
+            in control_plane.kubectl("get", "mutatingwebhookconfigurations", "-o", "name").stdout
+        ),
+        30,
+        "webhook registered",
+    )
+    batch = kubernetes.client.BatchV1Api(admin_api)
+    batch.create_namespaced_job(
+        workers_namespace,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": JOB,
+                "annotations": {
+                    "k8s-rendezvous.dev/nodes": "2:3",
+                    "k8s-rendezvous.dev/last-call-timeout": "5",
+                },
+            },
+            "spec": {
+                "parallelism": 3,
+                "backoffLimit": 10,
+                "template": {
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [
+                            {
+                                "name": "trainer",
+                                "image": "example.invalid/trainer",
+                                "command": ["torchrun", "train.py"],
+                            }
+                        ],
+                    }
+                },
+            },
+        },
+    )
+    started = time.time()
+    nodes = job_pods.sync(3)
+    env = {e["name"] for e in job_pods.pods()[0]["spec"]["containers"][0]["env"]}
+    assert {"PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_NNODES", "PET_RDZV_ID"} <= env
+    wait_world(nodes, 6, after=started, timeout=FORM_TIMEOUT, min_step=1)
+
+    def scale(parallelism: int) -> float:
+        batch.patch_namespaced_job(
+            JOB,
+            workers_namespace,
+            {"spec": {"parallelism": parallelism}},
+            _content_type="application/merge-patch+json",
+        )
+        return time.time()
+
+    lowered = scale(2)
+    survivors = job_pods.sync(2)
+    shrunk = wait_world(survivors, 4, after=lowered, timeout=FORM_TIMEOUT, min_step=1)
+    timing("Job parallelism 3 -> 2 -> first step in world 4", shrunk.first_step_at - lowered)
+
+    raised = scale(3)
+    grown_nodes = job_pods.sync(3)
+    grown = wait_world(grown_nodes, 6, after=raised, timeout=FORM_TIMEOUT, min_step=1)
+    timing("Job parallelism 2 -> 3 -> first step in world 6", grown.first_step_at - raised)
+    assert grown.ranks == list(range(6))
+    assert all(node.running() for node in grown_nodes), describe(grown_nodes)
