@@ -37,6 +37,9 @@ DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceacco
 
 _MERGE_PATCH: Final = "application/merge-patch+json"
 _TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
+_REQUEST_TIMEOUT: Final = (5, 30)
+"""Connect and read timeouts of every request but watches: a request caught by an API
+server restart must fail and be retried, not hang the join forever."""
 _T = TypeVar("_T")
 
 
@@ -105,7 +108,12 @@ class RendezvousClient:
         return self._call_for_object(
             "read",
             lambda: self._api.get_namespaced_custom_object(
-                state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+                state.GROUP,
+                state.VERSION,
+                self.namespace,
+                state.PLURAL,
+                self.name,
+                _request_timeout=_REQUEST_TIMEOUT,
             ),
         )
 
@@ -126,6 +134,7 @@ class RendezvousClient:
                 self.name,
                 body,
                 _content_type=_MERGE_PATCH,
+                _request_timeout=_REQUEST_TIMEOUT,
             ),
         )
 
@@ -134,7 +143,7 @@ class RendezvousClient:
         if it has none or this service account may not read pods."""
         core = client.CoreV1Api(self._api.api_client)
         try:
-            found = core.read_namespaced_pod(pod, self.namespace)
+            found = core.read_namespaced_pod(pod, self.namespace, _request_timeout=_REQUEST_TIMEOUT)
         except ApiException as error:
             if error.status in (403, 404):
                 log.info("cannot read pod %s (%s): the Rendezvous gets no owner", pod, error.status)
@@ -165,7 +174,12 @@ class RendezvousClient:
         def create() -> bool:
             try:
                 self._api.create_namespaced_custom_object(
-                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, body
+                    state.GROUP,
+                    state.VERSION,
+                    self.namespace,
+                    state.PLURAL,
+                    body,
+                    _request_timeout=_REQUEST_TIMEOUT,
                 )
             except ApiException as error:
                 if error.status == 409:
@@ -202,7 +216,11 @@ class RendezvousClient:
         def renew() -> None:
             if name not in self._leases_made:  # one request for the first beat, not 404+POST
                 try:
-                    self._leases.create_namespaced_lease(self.namespace, lease)  # type: ignore[arg-type]
+                    self._leases.create_namespaced_lease(
+                        self.namespace,
+                        lease,  # type: ignore[arg-type]
+                        _request_timeout=_REQUEST_TIMEOUT,
+                    )
                     self._leases_made.add(name)
                     return
                 except ApiException as error:
@@ -215,6 +233,7 @@ class RendezvousClient:
                     self.namespace,
                     {"metadata": metadata, "spec": spec},
                     _content_type=_MERGE_PATCH,
+                    _request_timeout=_REQUEST_TIMEOUT,
                 )
             except ApiException as error:
                 if error.status != 404:
@@ -234,6 +253,7 @@ class RendezvousClient:
                 self.namespace,
                 state.PLURAL,
                 field_selector=self._selector(round_key),
+                _request_timeout=_REQUEST_TIMEOUT,
             ),
         )
         items = result.get("items") or []

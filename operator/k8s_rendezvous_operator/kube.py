@@ -32,7 +32,22 @@ def load_api_client() -> client.ApiClient:
         config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     # Many rendezvous may reconcile at once; do not queue them behind a tiny pool.
     configuration.connection_pool_maxsize = 32
-    return client.ApiClient(configuration)
+    api = client.ApiClient(configuration)
+    _with_timeouts(api)
+    return api
+
+
+def _with_timeouts(api: client.ApiClient) -> None:
+    """Give every request connect and read timeouts: one caught by an API server restart
+    must fail (and the reconcile be retried), not block its rendezvous forever."""
+    call = api.call_api
+
+    def call_with_timeout(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("_request_timeout") is None:
+            kwargs["_request_timeout"] = (5, 30)
+        return call(*args, **kwargs)
+
+    api.call_api = call_with_timeout  # type: ignore[method-assign]
 
 
 class OperatorApi:
