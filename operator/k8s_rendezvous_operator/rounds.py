@@ -12,7 +12,9 @@ The rules, in the order :func:`decide` applies them:
 4. A round forming seals when at least ``minNodes`` join and either ``maxNodes`` joined,
    every node we know of has joined (after a stale round: all survivors are back), or the
    last call (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed.
-5. Ranks are stable: previous members keep their relative order (rank 0 stays while its
+5. A join request admitted to a round is spent: a member lost from it (or left behind by
+   the next round) counts as waiting again only once its agent asks anew.
+6. Ranks are stable: previous members keep their relative order (rank 0 stays while its
    node lives); newcomers follow, grouped by topology if asked, in natural order of name.
 """
 
@@ -393,6 +395,19 @@ def _form(
 ) -> Decision:
     lost_nodes = {loss.node for loss in losses}
     pending = [m for m in status.members if m.node not in lost_nodes and m.node not in joiners]
+    # A lost member's join request was spent on the round it is lost from. Its entry may
+    # still hold it (a hung agent, a restarted container): unless its agent asks again (a
+    # new attempt), it must not count as waiting, or the next round would go stale at once
+    # and seal with a node that is not there.
+    spent = [
+        m
+        for m in status.members
+        if m.node in lost_nodes
+        and (entry := status.nodes.get(m.node)) is not None
+        and entry.intent is NodeIntent.JOIN
+        and m.admits(entry)
+        and not (pods.get(m.node) or PodObservation()).gone_reason  # as the filter in decide()
+    ]
     deadline = status.last_call_deadline
     forming_since = status.forming_since or (now if joiners else None)
     enough = len(joiners) >= spec.min_nodes
@@ -432,7 +447,7 @@ def _form(
             forming_since=None,
             last_call_deadline=None,
             sealed_at=now,
-            left_behind=(*status.left_behind, *pending),
+            left_behind=(*status.left_behind, *pending, *spent),
         )
         return Decision(
             _with_conditions(sealed, now, generation),

@@ -331,6 +331,55 @@ def test_heartbeat_of_a_previous_agent_instance_does_not_count() -> None:
     assert [loss.reason for loss in world.decide().losses] == [rounds.LOST_HEARTBEAT_EXPIRED]
 
 
+def test_a_member_dropped_for_its_heartbeat_is_not_readmitted_on_its_spent_join() -> None:
+    """Its entry still holds the join request round 1 was sealed with; until its agent
+    asks again (a new attempt) it must not count as waiting, or the survivors' round goes
+    stale at once and the next one seals with a node that is not there."""
+    world = World(spec(2, 3, heartbeat=9), liveness=rounds.Liveness({}, since=T0))
+    for node in ("a", "b", "c"):
+        world.join(node)
+    assert world.decide().sealed
+    alive = {
+        node: rounds.Heartbeat(
+            world.status.nodes[node].instance, T0 + datetime.timedelta(seconds=8)
+        )
+        for node in ("b", "c")
+    }
+    world.liveness = rounds.Liveness(alive, since=T0)
+    world.tick(9)  # a's agent froze: its Lease is no longer renewed
+    assert [loss.node for loss in world.decide().losses] == ["a"]
+    world.join("b")
+    world.join("c")
+    assert world.decide().sealed
+    assert world.ranks() == ["b", "c"]
+    for _ in range(2):  # decided again (any event, a timer): the round stands
+        world.tick(1)
+        world.decide()
+        assert (world.status.state, world.status.round) == (RoundState.SEALED, 2)
+        assert world.status.nodes_waiting == 0
+    world.join("a")  # back, its agent asks anew: now it counts
+    world.decide()
+    assert world.status.state is RoundState.REFORMING
+    world.join("b")
+    world.join("c")
+    assert world.decide().sealed
+    assert world.ranks() == ["b", "c", "a"]
+
+
+def test_a_member_whose_container_restarted_is_not_readmitted_on_its_old_join() -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    world.join("b")
+    assert world.decide().sealed
+    world.pods["b"] = rounds.PodObservation(restarts=1)  # its agent is starting afresh
+    world.decide()
+    world.join("a")
+    assert world.decide().sealed
+    assert world.ranks() == ["a"], "b's old request died with its container"
+    world.decide()
+    assert world.status.state is RoundState.SEALED
+
+
 def test_operator_restart_gives_members_a_full_heartbeat_period() -> None:
     world = World(spec(1, 1, heartbeat=9))
     world.join("a")
