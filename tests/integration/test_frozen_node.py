@@ -1,0 +1,125 @@
+"""A node whose process is frozen (SIGSTOP, as when its network is cut or its host
+stalls) and later thawed (SIGCONT), against the real control plane.
+
+Aspects: the frozen node runs our real handler in its own OS process, authenticated with
+its pod's bound token; the operator drops it once its heartbeat expires (Lease not
+renewed for heartbeatTimeoutSeconds) and the survivors form a new round without it, with
+a new master; back from SIGCONT, its agent is told to re-rendezvous and joins a later round
+with a fresh rank, never disturbing the round formed without it. Every handler's result,
+the frozen one's included, is checked against the invariants at teardown.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.cluster.waiting import wait_for
+from tests.support import invariants
+from tests.support.fixtures import Node, Rendezvous, create_pods
+from tests.support.node_process import NodeProcess
+
+from k8s_rendezvous import state
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+HEARTBEAT_TIMEOUT = 3  # the CRD's minimum: nodes renew every second
+
+
+def record(rdzv: Rendezvous, pod: str, answer: dict[str, Any]) -> None:
+    """Add what the node process returned to the history checked at teardown."""
+    assert rdzv.recorder is not None
+    if "error" in answer:
+        rdzv.recorder.outcomes.append(invariants.Outcome(pod, error=answer["error"]))
+        return
+    rdzv.recorder.outcomes.append(
+        invariants.Outcome(
+            pod,
+            round=answer["round"],
+            rank=answer["rank"],
+            world_size=answer["world_size"],
+            master=(answer["master"][0], answer["master"][1]),
+        )
+    )
+
+
+def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    pod_environment: Callable[..., dict[str, str]],
+    tmp_path: Path,
+) -> None:
+    rdzv = make_rendezvous(
+        2, 3, heartbeatTimeoutSeconds=HEARTBEAT_TIMEOUT, lastCallTimeoutSeconds=30
+    )
+    # "frozen-0" sorts before "node-*": it is rank 0, the round's master, when frozen.
+    (pod,) = create_pods(admin_api, workers_namespace, ["frozen-0"])
+    survivors = make_nodes(rdzv, 2)
+    env = pod_environment(pod, "127.0.0.50")
+    with NodeProcess(env, rdzv.name, "2:3", tmp_path / "frozen-0.log") as frozen:
+        assert frozen.answer(60)["ready"] == frozen.pid
+        frozen.send("next")
+        first_joins = [node.join_in_background() for node in survivors]
+        first = frozen.answer(60)
+        record(rdzv, "frozen-0", first)
+        assert (first["round"], first["rank"], first["world_size"]) == (1, 0, 3), first
+        assert sorted(j.wait(60).rank for j in first_joins) == [1, 2]
+
+        frozen.freeze()
+        frozen_at = time.monotonic()
+        wait_for(
+            lambda: all(node.handler.num_nodes_waiting() > 0 for node in survivors),
+            HEARTBEAT_TIMEOUT + 30,
+            "the survivors are told to re-rendezvous",
+            interval=0.05,
+        )
+        detected = time.monotonic() - frozen_at
+        lost = [m for _, reason, m in rdzv.events() if reason == "MemberLost"]
+        assert any("frozen-0" in m and "HeartbeatExpired" in m for m in lost), lost
+
+        second_joins = [node.join_in_background() for node in survivors]
+        second = sorted(j.wait(60).rank for j in second_joins)
+        reformed = time.monotonic() - frozen_at
+        assert second == [0, 1]
+        sealed = rdzv.status()
+        assert sealed.round == 2 and [m.node for m in sealed.members] == [
+            n.pod for n in survivors
+        ], "survivors keep their order; the frozen node is out"
+        assert sealed.master is not None and sealed.master.addr == survivors[0].addr
+
+        frozen.thaw()
+        # Back, its agent reads its own round as stale (no API call: the watched status)...
+        wait_for(
+            lambda: frozen.ask("waiting", 30)["waiting"] > 0,
+            30,
+            "the thawed node sees its round is no longer current",
+        )
+        assert rdzv.status().round == 2 and rdzv.status().state is state.RoundState.SEALED, (
+            "being back changes nothing until it asks to join"
+        )
+        # ...and re-rendezvouses: a later round, a fresh rank after the survivors.
+        frozen.send("next")
+        wait_for(
+            lambda: all(node.handler.num_nodes_waiting() > 0 for node in survivors),
+            30,
+            "the survivors are told a node waits",
+            interval=0.05,
+        )
+        third_joins = [node.join_in_background() for node in survivors]
+        back = frozen.answer(60)
+        record(rdzv, "frozen-0", back)
+        assert sorted(j.wait(60).rank for j in third_joins) == [0, 1]
+        assert (back["round"], back["rank"], back["world_size"]) == (3, 2, 3), back
+        third = rdzv.status()
+        assert [m.node for m in third.members] == [*(n.pod for n in survivors), "frozen-0"]
+        assert third.master is not None and third.master.addr == survivors[0].addr
+        print(
+            f"frozen rank 0: survivors told after {detected:.2f} s, new round sealed "
+            f"{reformed:.2f} s after SIGSTOP (heartbeatTimeoutSeconds={HEARTBEAT_TIMEOUT})"
+        )
