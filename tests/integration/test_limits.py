@@ -1,0 +1,171 @@
+"""Names and entries at the limits, against the real API server.
+
+Aspects: a Rendezvous name of 63 characters (the most a label value holds) works with a pod
+named with 253 characters (the most a Kubernetes name holds), whose heartbeat Lease name is
+shortened with a hash; one more character in the Rendezvous name is refused with the CRD
+rule's message; member entries the schema refuses (the API server's messages asserted) and
+one it accepts although it is oversized.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes.client
+import pytest
+from kubernetes.client.exceptions import ApiException
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import Node, Rendezvous, create_pods
+
+from k8s_rendezvous import state
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+MERGE = "application/merge-patch+json"
+
+
+def body(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": state.API_VERSION,
+        "kind": state.KIND,
+        "metadata": {"name": name},
+        "spec": {"minNodes": 2, "maxNodes": 2, "runId": name, **spec},
+    }
+
+
+def long_name(length: int, prefix: str) -> str:
+    """A valid DNS subdomain of exactly ``length`` characters."""
+    return (prefix + "-" + "x" * length)[: length - 1] + "z"
+
+
+def test_a_63_character_rendezvous_seals_with_a_253_character_pod_and_keeps_its_heartbeat(
+    recorded: Callable[[str], Rendezvous],
+    attach_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    name = long_name(63, "rdzv")
+    rdzv = recorded(name)
+    kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        body(name, heartbeatTimeoutSeconds=3),
+    )
+    longest = long_name(253, "a")  # sorts first: rank 0
+    pods = create_pods(admin_api, workers_namespace, [longest, "short"])
+    nodes = attach_nodes(rdzv, pods, min_nodes=2, max_nodes=2)
+    joins = [node.join_in_background() for node in nodes]
+    assert [j.wait(60).rank for j in joins] == [0, 1]
+    sealed = rdzv.status()
+    assert [m.node for m in sealed.members] == [longest, "short"]
+    assert sealed.master is not None and sealed.master.addr == nodes[0].addr
+
+    lease_name = state.lease_name(name, longest)
+    assert len(lease_name) == 253 and lease_name != f"{name}.{longest}", "shortened"
+    leases = kubernetes.client.CoordinationV1Api(admin_api)
+    lease = leases.read_namespaced_lease(lease_name, workers_namespace)
+    assert lease.spec.holder_identity == longest
+    assert lease.metadata.labels == {state.NODE_LABEL: name}
+    pod = kubernetes.client.CoreV1Api(admin_api).read_namespaced_pod(longest, workers_namespace)
+    assert pod.metadata.labels[state.NODE_LABEL] == name, "labelled for the operator's watch"
+
+    # The operator finds the member's heartbeat under the shortened name: renewed past the
+    # timeout, the round stands.
+    assert sealed.sealed_at is not None
+    expiry = sealed.sealed_at.timestamp() + 3
+
+    def renewed_past_expiry() -> bool:
+        renewed = leases.read_namespaced_lease(lease_name, workers_namespace).spec.renew_time
+        return bool(renewed.timestamp() > expiry + 1)
+
+    wait_for(renewed_past_expiry, 30, "the long pod's Lease renewed past the first expiry")
+    assert rdzv.status().round_key == "1-Sealed"
+    lost = [m for _, reason, m in rdzv.events() if reason == "MemberLost"]
+    assert lost == [], "no member expired"
+
+
+def test_a_64_character_rendezvous_name_is_refused_with_the_rules_message(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    with pytest.raises(ApiException) as error:
+        kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body(long_name(64, "r"))
+        )
+    assert error.value.status == 422
+    assert "a Rendezvous name has at most 63 characters (it is used as a label value)" in str(
+        json.loads(error.value.body)["message"]
+    )
+
+
+def write_members(
+    admin_api: kubernetes.client.ApiClient, rdzv: Rendezvous, status: dict[str, Any]
+) -> dict[str, Any]:
+    """A hand edit of the status (an admin's, not a pod's: only the operator writes it)."""
+    return kubernetes.client.CustomObjectsApi(  # type: ignore[no-any-return]
+        admin_api
+    ).patch_namespaced_custom_object_status(
+        state.GROUP,
+        state.VERSION,
+        rdzv.namespace,
+        state.PLURAL,
+        rdzv.name,
+        {"status": status},
+        _content_type=MERGE,
+    )
+
+
+MEMBER = {"rank": 0, "node": "pod-a", "instance": "i", "attempt": 1, "addr": "10.0.0.1"}
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        pytest.param(
+            {"members": [{**MEMBER, "attempt": 0}]},
+            "status.members[0].attempt: Invalid value: 0: members[0].attempt in body "
+            "should be greater than or equal to 1",
+            id="attempt-0",
+        ),
+        pytest.param(
+            {"members": [{k: v for k, v in MEMBER.items() if k != "instance"}]},
+            "status.members[0].instance: Required value",
+            id="no-instance",
+        ),
+        pytest.param(
+            {"master": {"addr": "a" * 254, "port": 29500}},
+            "status.master.addr: Too long: may not be more than 253 bytes",
+            id="master-addr-254",
+        ),
+        pytest.param(
+            {"members": [MEMBER] * 2, "conditions": [{"type": "Ready", "status": "Yes"}]},
+            'status.conditions[0].status: Unsupported value: "Yes"',
+            id="condition-status",
+        ),
+    ],
+)
+def test_the_schema_refuses_a_malformed_or_oversized_entry_naming_the_field(
+    make_rendezvous: Callable[..., Rendezvous],
+    admin_api: kubernetes.client.ApiClient,
+    status: dict[str, Any],
+    message: str,
+) -> None:
+    rdzv = make_rendezvous(1, 1)
+    with pytest.raises(ApiException) as error:
+        write_members(admin_api, rdzv, status)
+    assert error.value.status == 422
+    assert message in json.loads(error.value.body)["message"]
+
+
+def test_an_oversized_member_entry_is_accepted_by_the_schema(
+    make_rendezvous: Callable[..., Rendezvous], admin_api: kubernetes.client.ApiClient
+) -> None:
+    """Members have no length limits, unlike the node entries they are copied from
+    (instance 64, addr 253 characters): a hand edit can store one of 100 kB."""
+    rdzv = make_rendezvous(1, 1)
+    huge = {**MEMBER, "node": "n" * 100_000, "instance": "i" * 100_000}
+    written = write_members(admin_api, rdzv, {"members": [huge]})
+    assert len(written["status"]["members"][0]["node"]) == 100_000
