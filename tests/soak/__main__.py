@@ -120,8 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=defaults.seconds)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--out", type=Path, default=Path("tests/soak/results"))
+    parser.add_argument(
+        "--no-operator-kills", action="store_true", help="leave the operator running throughout"
+    )
     args = parser.parse_args(argv)
-    config = Config(rounds=args.rounds, seconds=args.seconds, seed=args.seed)
+    config = Config(
+        rounds=args.rounds,
+        seconds=args.seconds,
+        seed=args.seed,
+        operator_kills=not args.no_operator_kills,
+    )
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     log_to(args.out / f"soak-{started}.log")

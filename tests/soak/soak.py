@@ -72,6 +72,8 @@ class Config:
     times it) rather than striking again at once."""
     settle_timeout: float = 90
     """A world not whole again after this long is reported as a stall."""
+    operator_kills: bool = True
+    """Include SIGKILLs of the operator among the faults."""
     check_every: int = 25
     """Check the invariants on the history so far every this many faults."""
     join_timeout: int = 180
@@ -336,6 +338,8 @@ class Soak:
 
     def _strike(self) -> str:
         weights = dict(ACTIONS)
+        if not self.config.operator_kills:
+            del weights["operator-killed"]
         while weights:
             action = self._random.choices(list(weights), list(weights.values()))[0]
             log.info("fault: %s", action)
@@ -349,6 +353,9 @@ class Soak:
 
     def _training(self) -> list[Pod]:
         return [p for p in self._pods.values() if p.alive and p.agent and p.agent.training]
+
+    def _running_count(self) -> int:
+        return sum(1 for p in self._live() if p.agent is not None and p.agent.running)
 
     def _live(self) -> list[Pod]:
         return [p for p in self._pods.values() if p.alive]
@@ -478,7 +485,11 @@ class Soak:
 
     def _settle(self, action: str, since: float) -> None:
         # Agents that ended (left, or a named error) are not waited for: "rejoin" starts
-        # new ones in their pods.
+        # new ones in their pods. Fewer than minNodes running can never be whole: like a
+        # Job keeping its parallelism, start agents (in idle pods, else in new ones).
+        while self._running_count() < self.config.min_nodes:
+            if not self._rejoin():
+                self._add_pods(1)
         try:
             wait_for(self._whole, self.config.settle_timeout, "the world whole again")
         except WaitTimeout:
