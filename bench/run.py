@@ -173,6 +173,8 @@ class Runner:
             ):
                 if name in self.sections:
                     section()
+                    # A long run stopped later still leaves what it measured.
+                    dump(self.out / "results.partial.json", self.results)
             self.results["footprint"]["operator_rss_end_mb"] = round(
                 rss_mb(cluster.pids()["operator"]), 1
             )

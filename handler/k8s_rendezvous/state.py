@@ -8,10 +8,13 @@ patch the status could otherwise make every pod run code of their choosing.
 This module imports only the standard library: the operator image has no torch and the
 pod side must stay cheap to import.
 
-Ownership of the status (one writer per field):
+One writer per object and field:
 
-* ``status.nodes[<pod name>]`` -- a :class:`NodeEntry`, written only by that pod;
-* everything else -- written only by the operator, which alone seals rounds.
+* a node's Lease ``<rendezvous>.<pod>`` -- its heartbeat and its :class:`NodeEntry`
+  (annotation ``k8s-rendezvous.dev/entry``), written only by that pod. Every node writes
+  its own object, so joins never contend for one resource's optimistic write;
+* the Rendezvous status -- written only by the operator, which alone seals rounds;
+  ``status.nodes`` mirrors the entries it read from the Leases.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import datetime
 import enum
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -47,6 +51,8 @@ NODE_LABEL: Final = f"{GROUP}/rendezvous"
 """On a node's pod (set by the operator) and Lease (set by the node): the Rendezvous name."""
 INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
 """On a node's Lease: the agent instance that renews it."""
+ENTRY_ANNOTATION: Final = f"{GROUP}/entry"
+"""On a node's Lease: its :class:`NodeEntry` as JSON, the node's request to the operator."""
 
 
 def lease_name(rendezvous: str, node: str) -> str:
@@ -114,21 +120,38 @@ def _mapping(value: object, field: str) -> Mapping[str, Any]:
     return value
 
 
-def _str(data: Mapping[str, Any], key: str, field: str, *, default: str | None = None) -> str:
+def _str(
+    data: Mapping[str, Any],
+    key: str,
+    field: str,
+    *,
+    default: str | None = None,
+    max_length: int | None = None,
+) -> str:
     value = data.get(key, default)
     if not isinstance(value, str):
         raise DecodeError(f"{field}.{key}: expected a string, got {value!r}")
+    if max_length is not None and not 0 < len(value) <= max_length:
+        raise DecodeError(f"{field}.{key}: must be 1 to {max_length} characters, got {len(value)}")
     return value
 
 
 def _int(
-    data: Mapping[str, Any], key: str, field: str, *, default: int | None = None, minimum: int = 0
+    data: Mapping[str, Any],
+    key: str,
+    field: str,
+    *,
+    default: int | None = None,
+    minimum: int = 0,
+    maximum: int | None = None,
 ) -> int:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise DecodeError(f"{field}.{key}: expected an integer, got {value!r}")
     if value < minimum:
         raise DecodeError(f"{field}.{key}: must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise DecodeError(f"{field}.{key}: must be at most {maximum}, got {value}")
     return value
 
 
@@ -227,7 +250,8 @@ class RendezvousSpec:
 
 @dataclasses.dataclass(frozen=True)
 class NodeEntry:
-    """``status.nodes[<pod name>]``: a node's own request, written by that pod alone."""
+    """A node's own request, written by that pod alone in its Lease (see
+    :data:`ENTRY_ANNOTATION`) and mirrored by the operator in ``status.nodes[<pod name>]``."""
 
     instance: str
     """Identifies one agent process; a restarted agent is a new instance."""
@@ -250,14 +274,27 @@ class NodeEntry:
 
     @classmethod
     def from_dict(cls, value: object, field: str) -> NodeEntry:
+        # The limits of the CRD's status.nodes schema: an entry read from a Lease that
+        # broke them would make every status write of the operator fail.
         data = _mapping(value, field)
         return cls(
-            instance=_str(data, "instance", field),
+            instance=_str(data, "instance", field, max_length=64),
             attempt=_int(data, "attempt", field, minimum=1),
-            addr=_str(data, "addr", field),
-            store_port=_int(data, "storePort", field, minimum=1),
+            addr=_str(data, "addr", field, max_length=253),
+            store_port=_int(data, "storePort", field, minimum=1, maximum=65535),
             intent=_enum(NodeIntent, data, "intent", field),
         )
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_annotation(cls, text: str, field: str) -> NodeEntry:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise DecodeError(f"{field}: not JSON ({error})") from None
+        return cls.from_dict(data, field)
 
 
 @dataclasses.dataclass(frozen=True)

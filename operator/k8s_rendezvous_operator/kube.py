@@ -5,7 +5,9 @@ Calls are blocking (the official client); the reconciler runs them in worker thr
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from typing import Any, Final, cast
 
 from kubernetes import client, config
@@ -50,12 +52,23 @@ def _with_timeouts(api: client.ApiClient) -> None:
     api.call_api = call_with_timeout  # type: ignore[method-assign]
 
 
+def _plain(api: client.ApiClient, model: object) -> dict[str, Any]:
+    """A typed client model as the JSON dict a watch event would carry."""
+    return cast(dict[str, Any], api.sanitize_for_serialization(model))  # type: ignore[no-untyped-call]
+
+
+def _items(response: Any) -> list[dict[str, Any]]:
+    """The items of a list read raw (no typed models: less memory, the watch's format)."""
+    return cast(list[dict[str, Any]], json.loads(response.data)["items"])
+
+
 class OperatorApi:
     def __init__(self, api_client: client.ApiClient) -> None:
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
         self._rbac = client.RbacAuthorizationV1Api(api_client)
         self._batch = client.BatchV1Api(api_client)
+        self._coordination = client.CoordinationV1Api(api_client)
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         try:
@@ -92,6 +105,24 @@ class OperatorApi:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             raise
         return cast(dict[str, Any], written)
+
+    def list_node_leases(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+        """Every node's Lease, in ``namespaces`` (all if empty), as plain JSON."""
+        if not namespaces:
+            return _items(
+                self._coordination.list_lease_for_all_namespaces(
+                    label_selector=state.NODE_LABEL, _preload_content=False
+                )
+            )
+        return [
+            lease
+            for namespace in namespaces
+            for lease in _items(
+                self._coordination.list_namespaced_lease(
+                    namespace, label_selector=state.NODE_LABEL, _preload_content=False
+                )
+            )
+        ]
 
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> None:
         """Label a node's pod so the operator's server-side filtered pod watch sees it."""
@@ -171,7 +202,7 @@ class OperatorApi:
             if error.status == 404:
                 return None
             raise
-        return cast(dict[str, Any], self._batch.api_client.sanitize_for_serialization(job))
+        return _plain(self._batch.api_client, job)
 
     def pod_node_name(self, namespace: str, pod: str) -> str | None:
         try:

@@ -1,4 +1,4 @@
-"""kopf wiring: watch Rendezvous objects and their pods, decide, write, report.
+"""kopf wiring: watch Rendezvous objects, their nodes' Leases and pods, decide, write, report.
 
 Only kopf's low-level event handlers are used: they run on every watch event at once,
 without the wait for the operator's own patches that kopf's create/update handlers make,
@@ -66,14 +66,17 @@ class Reconciler:
         self._again: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._heartbeats: dict[Key, rounds.Heartbeat] = {}
+        self._entries: dict[Key, dict[str, state.NodeEntry]] = {}
+        """Per rendezvous: each node's request, as its Lease says."""
+        self._lease_problems: dict[Key, str] = {}
         self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
 
     def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         if deleted:
-            last = self._bodies.pop(key, None) or body
-            for node in (last.get("status") or {}).get("nodes") or {}:
+            self._bodies.pop(key, None)
+            for node in self._entries.pop(key, {}):
                 pod = (key[0], node)
                 for memory in (self._pods, self._heartbeats, self._pod_nodes):
                     memory.pop(pod, None)
@@ -201,13 +204,42 @@ class Reconciler:
             return None
         return owner["name"], job.spec
 
-    def heartbeat_seen(self, key: Key, instance: str | None, deleted: bool) -> None:
-        """A node's Lease changed. Only remembered: expiries are checked by the timer the
-        last decision set, so a renewal costs no reconcile."""
-        if deleted or not instance:
-            self._heartbeats.pop(key, None)
+    def lease_seen(
+        self,
+        namespace: str,
+        lease: observe.LeaseObservation,
+        body: Mapping[str, Any],
+        deleted: bool,
+    ) -> None:
+        """A node's Lease changed. A renewal is only remembered (expiries are checked by
+        the timer the last decision set); a new request reconciles its rendezvous."""
+        pod, key = (namespace, lease.node), (namespace, lease.rendezvous)
+        if deleted or not lease.instance:
+            self._heartbeats.pop(pod, None)
         else:
-            self._heartbeats[key] = rounds.Heartbeat(instance, self._clock())
+            self._heartbeats[pod] = rounds.Heartbeat(lease.instance, self._clock())
+        if lease.problem and not deleted and self._lease_problems.get(pod) != lease.problem:
+            message = (
+                f"pod {lease.node} wrote a request this operator cannot read, so it is not "
+                f"counted: {lease.problem}. Run the same k8s-rendezvous version in the pods "
+                "as in the operator."
+            )
+            log.warning("Rendezvous %s/%s: %s", *key, message)
+            target = self._bodies.get(key) or body
+            kopf.warn(kopf.Body(cast(kopf.RawBody, target)), reason="InvalidEntry", message=message)
+        if lease.problem and not deleted:
+            self._lease_problems[pod] = lease.problem
+        else:
+            self._lease_problems.pop(pod, None)
+        entries = self._entries.setdefault(key, {})
+        entry = None if deleted else lease.entry
+        if entries.get(lease.node) == entry:
+            return
+        if entry is None:
+            entries.pop(lease.node, None)
+        else:
+            entries[lease.node] = entry
+        self.request(key)
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
         known = self._bodies.get(key)
@@ -259,13 +291,15 @@ class Reconciler:
                 return
             try:
                 spec = state.RendezvousSpec.from_dict(body.get("spec"))
-                current = state.RendezvousStatus.from_dict(body.get("status"))
+                written = state.RendezvousStatus.from_dict(body.get("status"))
             except state.DecodeError as error:
                 if self._unreadable.get(key) != str(error):
                     self._unreadable[key] = str(error)
                     await self._refuse(key, body, error)
                 return
             self._unreadable.pop(key, None)
+            entries = self._entries.get(key, {})
+            current = dataclasses.replace(written, nodes=dict(entries))
             self._label_pods(namespace, name, current)
             pods = {
                 node: observation
@@ -297,9 +331,13 @@ class Reconciler:
                 generation=int(body["metadata"].get("generation", 0)),
             )
             fields = decision.status.operator_fields()
+            if written.nodes != entries:
+                fields["nodes"] = {name: entry.to_dict() for name, entry in entries.items()} | {
+                    name: None for name in written.nodes if name not in entries
+                }
             if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
                 try:
-                    written = await asyncio.to_thread(
+                    response = await asyncio.to_thread(
                         self._api.write_status,
                         namespace,
                         name,
@@ -314,8 +352,8 @@ class Reconciler:
                 except kube.NotFound:
                     self._bodies.pop(key, None)
                     return
-                self._remember(key, written)
-                self._report(written, current, decision, now)
+                self._remember(key, response)
+                self._report(response, current, decision, now)
                 self._count(key, current, decision, now)
             self._wake_at(key, decision.wake_at)
             return
@@ -501,9 +539,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # Jobs can require a label as well, filtered by the API server.
     if memo.get("job_label_selector"):
         settings.watching.label_selectors["jobs"] = memo["job_label_selector"]
-    memo["reconciler"] = Reconciler(
-        kube.OperatorApi(kube.load_api_client()), worker_role=memo.get("worker_role") or None
-    )
+    api = kube.OperatorApi(kube.load_api_client())
+    reconciler = Reconciler(api, worker_role=memo.get("worker_role") or None)
+    # Know every node's request before the first reconcile: a member whose Lease had not
+    # been seen yet would otherwise count as gone.
+    for body in await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ()):
+        if (lease := observe.observe_lease(body)) is not None:
+            reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
+    memo["reconciler"] = reconciler
 
 
 @kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
@@ -548,19 +591,13 @@ async def lease_event(
     event: kopf.RawEvent,
     body: kopf.Body,
     namespace: str | None,
-    annotations: Mapping[str, str],
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
-    node = (body.get("spec") or {}).get("holderIdentity")
-    if node:
-        reconciler.heartbeat_seen(
-            (namespace, node),
-            annotations.get(state.INSTANCE_ANNOTATION),
-            deleted=event.get("type") == "DELETED",
-        )
+    if (lease := observe.observe_lease(body)) is not None:
+        reconciler.lease_seen(namespace, lease, dict(body), deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.event("batch", "v1", "jobs")

@@ -217,7 +217,7 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("list", "mutatingwebhookconfigurations", "", False),
         ("watch", "validatingwebhookconfigurations", "", False),
         ("create", "validatingadmissionpolicies", "", False),
-        ("patch", "validatingadmissionpolicies/k8s-rendezvous-pod-status", "", False),
+        ("patch", "validatingadmissionpolicies/k8s-rendezvous-pod-leases", "", False),
         ("list", "namespaces", "", False),
         ("list", "customresourcedefinitions", "", False),
         ("create", "jobs.batch", "-A", False),

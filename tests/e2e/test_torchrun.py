@@ -13,6 +13,7 @@ while nodes join.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -211,7 +212,7 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
 
 
 def test_closed_rendezvous_turns_joiners_away_and_lets_running_nodes_finish(
-    pods: LocalPods, make_rendezvous: MakeRendezvous
+    pods: LocalPods, make_rendezvous: MakeRendezvous, admin_api: kubernetes.client.ApiClient
 ) -> None:
     rdzv = rendezvous(make_rendezvous)
     started = time.time()
@@ -220,14 +221,16 @@ def test_closed_rendezvous_turns_joiners_away_and_lets_running_nodes_finish(
     workers = {step.pid for step in world.steps}
 
     closer = nodes[1]
+    lease = state.lease_name(rdzv.name, closer.name)
+    leases = kubernetes.client.CoordinationV1Api(admin_api)
+    annotations = leases.read_namespaced_lease(lease, rdzv.namespace).metadata.annotations
+    joined = state.NodeEntry.from_annotation(annotations[state.ENTRY_ANNOTATION], lease)
+    close = dataclasses.replace(joined, intent=state.NodeIntent.CLOSE).to_annotation()
     with closer.api_client() as api:  # what set_closed() writes, with the pod's own token
-        kubernetes.client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+        kubernetes.client.CoordinationV1Api(api).patch_namespaced_lease(
+            lease,
             rdzv.namespace,
-            state.PLURAL,
-            rdzv.name,
-            {"status": {"nodes": {closer.name: {"intent": state.NodeIntent.CLOSE.value}}}},
+            {"metadata": {"annotations": {state.ENTRY_ANNOTATION: close}}},
             _content_type="application/merge-patch+json",
         )
     closed_at = time.time()

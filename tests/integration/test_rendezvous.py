@@ -287,11 +287,13 @@ def test_join_timeout_names_what_is_missing_and_withdraws(
 ) -> None:
     rdzv = make_rendezvous(2, 2, joinTimeoutSeconds=2)
     node = make_nodes(rdzv, 1)[0]
+    wait_for(lambda: "state" in (rdzv.body().get("status") or {}), 30, "operator initialised")
     with pytest.raises(RendezvousTimeoutError) as error:
         node.handler.next_rendezvous()
     message = str(error.value)
     assert rdzv.name in message and "1 of minNodes=2" in message and node.pod in message
-    assert rdzv.status().nodes[node.pod].intent is state.NodeIntent.LEAVE
+    assert rdzv.requests()[node.pod].intent is state.NodeIntent.LEAVE
+    rdzv.wait(lambda s: s.nodes[node.pod].intent is state.NodeIntent.LEAVE, "withdrawal mirrored")
 
 
 def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
@@ -302,8 +304,8 @@ def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
     wait_for(lambda: "state" in (rdzv.body().get("status") or {}), 30, "operator initialised")
     operator_process.kill()
     joins = [node.join_in_background() for node in nodes]
-    rdzv.wait(lambda s: len(s.nodes) == 3, "all joined while the operator is down")
-    assert rdzv.status().round == 0
+    wait_for(lambda: len(rdzv.requests()) == 3, 30, "all joined while the operator is down")
+    assert rdzv.status().round == 0 and not rdzv.status().nodes, "nobody wrote the status"
     operator_process.start()
     results = [joining.wait() for joining in joins]
     assert sorted(info.rank for info in results) == [0, 1, 2]

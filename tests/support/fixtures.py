@@ -133,6 +133,19 @@ class Rendezvous:
 
         return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
 
+    def requests(self) -> dict[str, state.NodeEntry]:
+        """Each node's request as its own Lease holds it (``status.nodes`` mirrors these once
+        the operator has read them)."""
+        coordination = kubernetes.client.CoordinationV1Api(self._custom.api_client)
+        found = coordination.list_namespaced_lease(
+            self.namespace, label_selector=f"{state.NODE_LABEL}={self.name}"
+        )
+        return {
+            lease.spec.holder_identity: state.NodeEntry.from_annotation(raw, lease.metadata.name)
+            for lease in found.items
+            if (raw := (lease.metadata.annotations or {}).get(state.ENTRY_ANNOTATION))
+        }
+
     def events(self) -> list[tuple[str, str, str]]:
         core = kubernetes.client.CoreV1Api(self._custom.api_client)
         found = core.list_namespaced_event(
