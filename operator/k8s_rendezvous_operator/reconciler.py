@@ -231,8 +231,12 @@ class Reconciler:
             self._lease_problems[pod] = lease.problem
         else:
             self._lease_problems.pop(pod, None)
-        entries = self._entries.setdefault(key, {})
         entry = None if deleted else lease.entry
+        entries = self._entries.get(key)
+        if entries is None:
+            if entry is None:
+                return  # e.g. garbage collected after its Rendezvous
+            entries = self._entries[key] = {}
         if entries.get(lease.node) == entry:
             return
         if entry is None:

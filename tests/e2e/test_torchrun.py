@@ -21,6 +21,7 @@ from pathlib import Path
 import kubernetes.client
 import pytest
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
 from tests.e2e.harness import (
     LocalPod,
     LocalPods,
@@ -261,9 +262,10 @@ def test_operator_killed_while_nodes_join_then_restarted(
     nodes = pods.start(
         rdzv.name, {"n1": "127.0.0.11", "n2": "127.0.0.12", "n3": "127.0.0.13"}, script_args=STEPS
     )
-    waiting = rdzv.wait(
-        lambda s: len(s.nodes) == 3, "all joined while the operator is down", timeout=FORM_TIMEOUT
+    wait_for(
+        lambda: len(rdzv.requests()) == 3, FORM_TIMEOUT, "all joined while the operator is down"
     )
+    waiting = rdzv.status()
     assert (waiting.round, waiting.state) == (0, state.RoundState.FORMING)
     assert all(node.running() and not node.progress() for node in nodes)
 
