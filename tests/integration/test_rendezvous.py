@@ -19,6 +19,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
+from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod
 from tests.support.operator import OperatorProcess
 
@@ -41,8 +42,6 @@ MakeNodes = Callable[..., list[Node]]
 
 def join_all(nodes: list[Node]) -> list[tuple[int, int, str, int]]:
     """All nodes call next_rendezvous() concurrently; (rank, world, master addr, port)."""
-    joins = [node.join_in_background() for node in nodes]
-    infos = [joining.wait() for joining in joins]
     return [
         (
             i.rank,
@@ -50,7 +49,7 @@ def join_all(nodes: list[Node]) -> list[tuple[int, int, str, int]]:
             i.bootstrap_store_info.master_addr,
             i.bootstrap_store_info.master_port,
         )
-        for i in infos
+        for i in fixtures.join_all(nodes)
     ]
 
 
@@ -170,12 +169,7 @@ def test_deleted_pod_is_dropped_and_survivors_reform_fast(
     victim = nodes[2]
     delete_pod(admin_api, rdzv.namespace, victim.pod)
     survivors = nodes[:2]
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
-        10,
-        "survivors told to re-rendezvous",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(survivors, "survivors told to re-rendezvous")
     results = join_all(survivors)
     assert sorted(rank for rank, *_ in results) == [0, 1]
     status = rdzv.status()
@@ -196,12 +190,7 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
     rank0 = next(n for n in nodes if first[n.pod][0] == 0)
     delete_pod(admin_api, rdzv.namespace, rank0.pod)
     survivors = [n for n in nodes if n is not rank0]
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
-        10,
-        "survivors told to re-rendezvous",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(survivors, "survivors told to re-rendezvous")
     results = join_all(survivors)
     new_rank0 = next(n for n, r in zip(survivors, results, strict=True) if r[0] == 0)
     assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
@@ -219,12 +208,7 @@ def test_scale_up_is_signalled_and_rank0_stays(
     assert all(n.handler.num_nodes_waiting() == 0 for n in running)
     newcomer = make_nodes(rdzv, 1)[0]
     late = newcomer.join_in_background()
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in running),
-        10,
-        "running nodes see the newcomer",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(running, "running nodes see the newcomer")
     results = join_all(running)
     late_info = late.wait()
     assert late_info.world_size == 3 and late_info.rank == 2, "newcomers are appended"
