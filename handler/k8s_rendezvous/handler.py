@@ -370,7 +370,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
         status = self._watcher.wait(included_or_closed, started + spec.join_timeout_seconds)
         if status is None:
-            raise self._timed_out(spec, entry)
+            raise self._timed_out(spec)
         if status.state is state.RoundState.CLOSED:
             raise self._closed_error(status)
         rank = status.rank_of(self._node, entry)
@@ -546,33 +546,21 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                     )
         return spec
 
-    def _timed_out(
-        self, spec: state.RendezvousSpec, entry: state.NodeEntry
-    ) -> KubernetesRendezvousTimeoutError:
+    def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         status = self._watcher.status or state.RendezvousStatus()
-        try:  # the watch skips versions that only mirror joins: read what is there now
-            status = state.RendezvousStatus.from_dict(self._client.get().get("status"))
-        except (RendezvousError, state.DecodeError) as error:
-            log.warning("node %s could not read who joined: %s", self._node, error)
-        joined = sorted(
-            name for name, other in status.nodes.items() if other.intent is state.NodeIntent.JOIN
-        )
-        missing = sorted(
-            m.node
-            for m in status.members
-            if (other := status.nodes.get(m.node)) is None or m.admits(other)
-        )
         try:
             self._write_intent(state.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
+        members = ", ".join(member.node for member in status.members) or "none"
+        namespace, name = self._client.namespace, self._client.name
         return KubernetesRendezvousTimeoutError(
             f"no round of {self._client.reference} included node {self._node} within "
-            f"{spec.join_timeout_seconds} s: {len(joined)} of minNodes={spec.min_nodes} "
-            f"(maxNodes={spec.max_nodes}) joined ({', '.join(joined) or 'none'}); "
-            f"members of round {status.round} that have not re-joined: "
-            f"{', '.join(missing) or 'none'}. Check that the operator runs "
-            f"(kubectl describe rdzv {self._client.name} -n {self._client.namespace}) and "
+            f"{spec.join_timeout_seconds} s (minNodes={spec.min_nodes}, "
+            f"maxNodes={spec.max_nodes}); it is {status.state.value} after round "
+            f"{status.round} (members: {members}). The nodes that asked to join hold the "
+            f"Leases of `kubectl get leases -n {namespace} -l {state.NODE_LABEL}={name}`; "
+            f"check that the operator runs (kubectl describe rdzv {name} -n {namespace}) and "
             "that enough pods are scheduled."
         )
 

@@ -13,8 +13,7 @@ One writer per object and field:
 * a node's Lease ``<rendezvous>.<pod>`` -- its heartbeat and its :class:`NodeEntry`
   (annotation ``k8s-rendezvous.dev/entry``), written only by that pod. Every node writes
   its own object, so joins never contend for one resource's optimistic write;
-* the Rendezvous status -- written only by the operator, which alone seals rounds;
-  ``status.nodes`` mirrors the entries it read from the Leases.
+* the Rendezvous status -- written only by the operator, which alone seals rounds.
 """
 
 from __future__ import annotations
@@ -251,7 +250,7 @@ class RendezvousSpec:
 @dataclasses.dataclass(frozen=True)
 class NodeEntry:
     """A node's own request, written by that pod alone in its Lease (see
-    :data:`ENTRY_ANNOTATION`) and mirrored by the operator in ``status.nodes[<pod name>]``."""
+    :data:`ENTRY_ANNOTATION`)."""
 
     instance: str
     """Identifies one agent process; a restarted agent is a new instance."""
@@ -274,8 +273,7 @@ class NodeEntry:
 
     @classmethod
     def from_dict(cls, value: object, field: str) -> NodeEntry:
-        # The limits of the CRD's status.nodes schema: an entry read from a Lease that
-        # broke them would make every status write of the operator fail.
+        # Bounded like every string the operator may copy into the status (members).
         data = _mapping(value, field)
         return cls(
             instance=_str(data, "instance", field, max_length=64),
@@ -302,7 +300,7 @@ class Member:
     """One node of the sealed round; its rank is its index in ``status.members``."""
 
     node: str
-    """The pod name, the key of its entry in ``status.nodes``."""
+    """The pod name (the holder of its Lease)."""
     instance: str
     attempt: int
     addr: str
@@ -401,7 +399,7 @@ class Condition:
 
 @dataclasses.dataclass(frozen=True)
 class RendezvousStatus:
-    """``status``. All but ``nodes`` is written by the operator alone."""
+    """``status``, written by the operator alone."""
 
     state: RoundState = RoundState.FORMING
     round: int = 0
@@ -427,7 +425,6 @@ class RendezvousStatus:
     """Members of an earlier round still running it when a later round sealed without them
     (after the last call). Their join requests are spent: they count again once they join
     anew."""
-    nodes: Mapping[str, NodeEntry] = dataclasses.field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -473,9 +470,7 @@ class RendezvousStatus:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        data = {key: value for key, value in self.operator_fields().items() if value is not None}
-        data["nodes"] = {name: entry.to_dict() for name, entry in self.nodes.items()}
-        return data
+        return {key: value for key, value in self.operator_fields().items() if value is not None}
 
     @classmethod
     def from_dict(cls, value: object, field: str = "status") -> RendezvousStatus:
@@ -483,13 +478,8 @@ class RendezvousStatus:
         if value is None:
             return cls()
         data = _mapping(value, field)
-        nodes_data = _mapping(data.get("nodes") or {}, f"{field}.nodes")
-        nodes = {
-            str(name): NodeEntry.from_dict(entry, f"{field}.nodes[{name}]")
-            for name, entry in nodes_data.items()
-        }
-        if "state" not in data:  # the operator has not written yet: pods may have joined
-            return cls(nodes=nodes)
+        if "state" not in data:  # the operator has not written yet
+            return cls()
         version = data.get("schemaVersion")
         if version != SCHEMA_VERSION:
             raise DecodeError(
@@ -544,5 +534,4 @@ class RendezvousStatus:
                 Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)
                 for index, item in enumerate(left_behind_data)
             ),
-            nodes=nodes,
         )

@@ -295,38 +295,38 @@ class Reconciler:
                 return
             try:
                 spec = state.RendezvousSpec.from_dict(body.get("spec"))
-                written = state.RendezvousStatus.from_dict(body.get("status"))
+                current = state.RendezvousStatus.from_dict(body.get("status"))
             except state.DecodeError as error:
                 if self._unreadable.get(key) != str(error):
                     self._unreadable[key] = str(error)
                     await self._refuse(key, body, error)
                 return
             self._unreadable.pop(key, None)
-            entries = self._entries.get(key, {})
-            current = dataclasses.replace(written, nodes=dict(entries))
-            self._label_pods(namespace, name, current)
+            requests = dict(self._entries.get(key, {}))
+            self._label_pods(namespace, name, requests)
             pods = {
                 node: observation
-                for node in current.nodes
+                for node in requests
                 if (observation := self._pods.get((namespace, node))) is not None
             }
             liveness = rounds.Liveness(
                 {
                     node: beat
-                    for node in current.nodes
+                    for node in requests
                     if (beat := self._heartbeats.get((namespace, node))) is not None
                 },
                 since=self._started_at,
             )
             if spec.rank_order_node_label:
                 pods = await self._with_topology(
-                    namespace, spec.rank_order_node_label, current.nodes, pods
+                    namespace, spec.rank_order_node_label, requests, pods
                 )
             job = self._owning_job(key, body)
             now = self._clock()
             decision = rounds.decide(
                 spec,
                 current,
+                requests,
                 pods,
                 now,
                 liveness=liveness,
@@ -335,10 +335,6 @@ class Reconciler:
                 generation=int(body["metadata"].get("generation", 0)),
             )
             fields = decision.status.operator_fields()
-            if written.nodes != entries:
-                fields["nodes"] = {name: entry.to_dict() for name, entry in entries.items()} | {
-                    name: None for name in written.nodes if name not in entries
-                }
             if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
                 try:
                     response = await asyncio.to_thread(
@@ -506,8 +502,10 @@ class Reconciler:
                 message=f"{status.closed_reason}: {status.closed_message}",
             )
 
-    def _label_pods(self, namespace: str, rendezvous: str, status: state.RendezvousStatus) -> None:
-        for node in status.nodes:
+    def _label_pods(
+        self, namespace: str, rendezvous: str, requests: Mapping[str, state.NodeEntry]
+    ) -> None:
+        for node in requests:
             pod = (namespace, node)
             if pod in self._pods or pod in self._labelling or pod in self._labelled:
                 continue

@@ -173,7 +173,7 @@ def test_late_node_sorting_first_joins_without_taking_rank0(
     # Its name and its address both sort before the others'. torch's c10d backend ranks by
     # address: it would take rank 0 while the others kept the old MASTER_ADDR.
     (late,) = pods.start(rdzv.name, {"n0": "127.0.0.2"}, script_args=LONG_STEPS)
-    rdzv.wait(lambda s: late.name in s.nodes, "the late node joined", timeout=60)
+    rdzv.wait_requests(lambda r: late.name in r, "the late node joined", timeout=60)
     joined_at = time.time()
     everyone = [*nodes, late]
     after = wait_world(everyone, 8, after=arrived, timeout=FORM_TIMEOUT)
@@ -204,7 +204,7 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
     assert "failing on purpose" in broken.log()
     status = rdzv.status()
     assert status.state is not state.RoundState.CLOSED, status
-    assert status.nodes[broken.name].intent is state.NodeIntent.LEAVE, "shutdown() only leaves"
+    assert rdzv.requests()[broken.name].intent is state.NodeIntent.LEAVE, "shutdown() only leaves"
 
     after = wait_world(nodes, 4, after=failed, timeout=FORM_TIMEOUT)
     timing("newcomer failed -> first step of the others' new world", after.first_step_at - failed)

@@ -135,8 +135,7 @@ class Rendezvous:
         return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
 
     def requests(self) -> dict[str, state.NodeEntry]:
-        """Each node's request as its own Lease holds it (``status.nodes`` mirrors these once
-        the operator has read them)."""
+        """Each node's request, as its own Lease holds it."""
         coordination = kubernetes.client.CoordinationV1Api(self._custom.api_client)
         found = coordination.list_namespaced_lease(
             self.namespace, label_selector=f"{state.NODE_LABEL}={self.name}"
@@ -146,6 +145,18 @@ class Rendezvous:
             for lease in found.items
             if (raw := (lease.metadata.annotations or {}).get(state.ENTRY_ANNOTATION))
         }
+
+    def wait_requests(
+        self,
+        predicate: Callable[[dict[str, state.NodeEntry]], bool],
+        message: str,
+        timeout: float = 30,
+    ) -> dict[str, state.NodeEntry]:
+        def check() -> dict[str, state.NodeEntry] | None:
+            current = self.requests()
+            return current if predicate(current) else None
+
+        return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
 
     def events(self) -> list[tuple[str, str, str]]:
         core = kubernetes.client.CoreV1Api(self._custom.api_client)
