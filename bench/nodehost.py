@@ -122,14 +122,15 @@ def _time_join_writes(slot: Slot) -> None:
     """Record when the node's own entry was written and when its watcher took a new round
     key (for the latency breakdown; private attributes, read only)."""
     client = slot.handler._client
-    write = client.write_entry
+    write = client.write_lease
 
-    def timed(node: str, entry: Any) -> Any:
-        answer = write(node, entry)
-        slot.written_wall = time.time()
-        return answer
+    def timed(*args: Any, **kwargs: Any) -> None:
+        write(*args, **kwargs)
+        entry = args[4] if len(args) > 4 else kwargs.get("entry")
+        if entry is not None:  # a join, not a heartbeat
+            slot.written_wall = time.time()
 
-    client.write_entry = timed
+    client.write_lease = timed
     watcher = slot.handler._watcher
     offer = watcher.offer
 

@@ -164,15 +164,18 @@ class Runner:
                 etcd = self.start_etcd()
                 if etcd is not None:
                     env.etcd_endpoint = etcd.endpoint
+            # The sections most targets rest on first: a long run cut short keeps them.
             for name, section in (
                 ("seal", self.seal_section),
-                ("failure", self.failure_section),
-                ("scaleup", self.scaleup_section),
                 ("scale", self.scale_section),
                 ("live", self.live_section),
+                ("failure", self.failure_section),
+                ("scaleup", self.scaleup_section),
             ):
                 if name in self.sections:
                     section()
+                    # A long run stopped later still leaves what it measured.
+                    dump(self.out / "results.partial.json", self.results)
             self.results["footprint"]["operator_rss_end_mb"] = round(
                 rss_mb(cluster.pids()["operator"]), 1
             )

@@ -57,18 +57,12 @@ def admin_api(control_plane: ControlPlane) -> Iterator[kubernetes.client.ApiClie
 
 
 @pytest.fixture
-def namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[str]:
-    """A fresh namespace whose `default` ServiceAccount exists; deleted afterwards."""
+def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[[], str]]:
+    """Fresh namespaces whose `default` ServiceAccount exists; deleted afterwards."""
     core = kubernetes.client.CoreV1Api(admin_api)
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    core.create_namespace(
-        to_model(
-            kubernetes.client.V1Namespace,
-            {"metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}},
-        )
-    )
+    made: list[str] = []
 
-    def default_sa() -> bool:
+    def default_sa(name: str) -> bool:
         try:
             core.read_namespaced_service_account("default", name)
         except ApiException as exc:
@@ -77,13 +71,35 @@ def namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[str]:
             raise
         return True
 
-    wait_for(default_sa, 60, f"ServiceAccount {name}/default (serviceaccount controller)")
-    yield name
-    try:
-        core.delete_namespace(name)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
+    def make() -> str:
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        core.create_namespace(
+            to_model(
+                kubernetes.client.V1Namespace,
+                {"metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}},
+            )
+        )
+        made.append(name)
+        wait_for(
+            lambda: default_sa(name),
+            60,
+            f"ServiceAccount {name}/default (serviceaccount controller)",
+        )
+        return name
+
+    yield make
+    for name in made:
+        try:
+            core.delete_namespace(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+@pytest.fixture
+def namespace(make_namespace: Callable[[], str]) -> str:
+    """The test's own fresh namespace."""
+    return make_namespace()
 
 
 @pytest.fixture

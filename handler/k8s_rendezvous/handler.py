@@ -1,7 +1,7 @@
 """``KubernetesRendezvousHandler``: torchrun's ``--rdzv-backend=kubernetes``.
 
-A node joins by writing its own entry in the Rendezvous' status and waits, on a watch
-filtered by the API server, for the operator to seal a round that includes it. Each join
+A node joins by writing its entry into its own Lease and waits, on a watch of the
+Rendezvous filtered by the API server, for the operator to seal a round that includes it. Each join
 offers a fresh TCPStore and reports its port; the one of the round's rank 0 serves the
 round (the agents' keys prefixed per round) and its workers, who expect a new store every
 round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never from a cache.
@@ -89,6 +89,7 @@ class RoundWatcher:
         self._client = client
         self._changed = threading.Condition()
         self._status: state.RendezvousStatus | None = None
+        self._object: Mapping[str, Any] | None = None
         self._decode_error: state.DecodeError | None = None
         self._raw_round_key: str | None = None
         self._version = -1
@@ -112,6 +113,12 @@ class RoundWatcher:
         with self._changed:
             return self._status
 
+    @property
+    def latest(self) -> Mapping[str, Any] | None:
+        """The newest Rendezvous seen: its spec is as fresh as the last round change."""
+        with self._changed:
+            return self._object
+
     def offer(self, obj: Mapping[str, Any]) -> None:
         """Take ``obj`` if it is newer than what we hold (watch events, patch responses)."""
         version = _version_number(obj)
@@ -120,6 +127,7 @@ class RoundWatcher:
             if version <= self._version:
                 return
             self._version = version
+            self._object = obj
             self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
             self._raw_round_key = raw_status.get("roundKey") or ""
             try:
@@ -201,7 +209,8 @@ def _version_number(obj: Mapping[str, Any]) -> int:
 
 class Heartbeat:
     """Renews this node's Lease from a background thread until stopped, like torch's
-    keep-alive timer; failures are logged and retried on the next beat."""
+    keep-alive timer; failures are logged and retried on the next beat. The first beat
+    comes one period after the join, which wrote the Lease itself."""
 
     def __init__(self, client: kube.RendezvousClient, node: str, instance: str) -> None:
         self._client = client
@@ -209,12 +218,14 @@ class Heartbeat:
         self._instance = instance
         self._period = 10.0
         self._timeout = state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        self._owner_uid = ""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, spec: state.RendezvousSpec) -> None:
+    def start(self, spec: state.RendezvousSpec, owner_uid: str) -> None:
         self._period = spec.heartbeat_interval_seconds
         self._timeout = spec.heartbeat_timeout_seconds
+        self._owner_uid = owner_uid
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"k8s-rendezvous-heartbeat-{self._node}", daemon=True
@@ -225,12 +236,11 @@ class Heartbeat:
         self._stopped.set()
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
+        while not self._stopped.wait(self._period):
             try:
-                self._client.renew_lease(self._node, self._instance, self._timeout)
+                self._client.write_lease(self._node, self._instance, self._timeout, self._owner_uid)
             except RendezvousError as error:
                 log.warning("node %s could not renew its heartbeat: %s", self._node, error)
-            self._stopped.wait(self._period)
 
 
 @dataclasses.dataclass
@@ -338,16 +348,19 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._entry_port = int(offered.port)
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
         started = time.monotonic()
-        try:
-            obj = self._client.write_entry(self._node, entry)
-        except RendezvousNotFoundError:
-            if not self._create_rendezvous():
-                raise
-            obj = self._client.write_entry(self._node, entry)
-        self._watcher.offer(obj)
-        self._watcher.start()  # after the offer: it watches on from the join's version
+        obj = self._watcher.latest
+        if obj is None:  # the first join: read the Rendezvous (or make it), then watch on
+            obj = self._read_or_create()
+            self._watcher.offer(obj)
+            self._watcher.start()
         spec = self._check_spec(obj)
-        self._heartbeat.start(spec)
+        owner_uid = str(obj["metadata"]["uid"])
+        # The watch runs from a version read before this write: the seal that admits this
+        # entry cannot be missed.
+        self._client.write_lease(
+            self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
+        )
+        self._heartbeat.start(spec, owner_uid)
         log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)
 
         def included_or_closed(status: state.RendezvousStatus) -> bool:
@@ -357,7 +370,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
         status = self._watcher.wait(included_or_closed, started + spec.join_timeout_seconds)
         if status is None:
-            raise self._timed_out(spec, entry)
+            raise self._timed_out(spec)
         if status.state is state.RoundState.CLOSED:
             raise self._closed_error(status)
         rank = status.rank_of(self._node, entry)
@@ -442,7 +455,23 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         entry = state.NodeEntry(
             self._instance, max(self._attempt, 1), self._addr, self._entry_port or 1, intent
         )
-        self._watcher.offer(self._client.write_entry(self._node, entry))
+        obj = self._watcher.latest or self._client.get()
+        spec = self._check_spec(obj)
+        self._client.write_lease(
+            self._node,
+            self._instance,
+            spec.heartbeat_timeout_seconds,
+            str(obj["metadata"]["uid"]),
+            entry,
+        )
+
+    def _read_or_create(self) -> Mapping[str, Any]:
+        try:
+            return self._client.get()
+        except RendezvousNotFoundError:
+            if not self._create_rendezvous():
+                raise
+            return self._client.get()
 
     def _create_rendezvous(self) -> bool:
         """Make the missing Rendezvous from torchrun's parameters, owned by this pod's
@@ -517,29 +546,21 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                     )
         return spec
 
-    def _timed_out(
-        self, spec: state.RendezvousSpec, entry: state.NodeEntry
-    ) -> KubernetesRendezvousTimeoutError:
+    def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         status = self._watcher.status or state.RendezvousStatus()
-        joined = sorted(
-            name for name, other in status.nodes.items() if other.intent is state.NodeIntent.JOIN
-        )
-        missing = sorted(
-            m.node
-            for m in status.members
-            if (other := status.nodes.get(m.node)) is None or m.admits(other)
-        )
         try:
             self._write_intent(state.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
+        members = ", ".join(member.node for member in status.members) or "none"
+        namespace, name = self._client.namespace, self._client.name
         return KubernetesRendezvousTimeoutError(
             f"no round of {self._client.reference} included node {self._node} within "
-            f"{spec.join_timeout_seconds} s: {len(joined)} of minNodes={spec.min_nodes} "
-            f"(maxNodes={spec.max_nodes}) joined ({', '.join(joined) or 'none'}); "
-            f"members of round {status.round} that have not re-joined: "
-            f"{', '.join(missing) or 'none'}. Check that the operator runs "
-            f"(kubectl describe rdzv {self._client.name} -n {self._client.namespace}) and "
+            f"{spec.join_timeout_seconds} s (minNodes={spec.min_nodes}, "
+            f"maxNodes={spec.max_nodes}); it is {status.state.value} after round "
+            f"{status.round} (members: {members}). The nodes that asked to join hold the "
+            f"Leases of `kubectl get leases -n {namespace} -l {state.NODE_LABEL}={name}`; "
+            f"check that the operator runs (kubectl describe rdzv {name} -n {namespace}) and "
             "that enough pods are scheduled."
         )
 

@@ -1,6 +1,6 @@
 """The pod side's only door to the Kubernetes API.
 
-It reads the Rendezvous, merge-patches this pod's own entry under ``status.nodes`` and
+It reads the Rendezvous, writes this pod's own Lease (its heartbeat and its entry) and
 watches for round changes with server-side filters. Every ``ApiException`` and transport
 error is mapped here, in one place, to the torch error type the agent expects, with a
 message that names the fix.
@@ -117,27 +117,6 @@ class RendezvousClient:
             ),
         )
 
-    def write_entry(self, node: str, entry: state.NodeEntry) -> dict[str, Any]:
-        """Merge-patch ``status.nodes[node]`` and nothing else; returns the object.
-
-        No resourceVersion is sent: nobody else writes this key, so the API server applies
-        the patch to the latest object itself instead of failing with a conflict.
-        """
-        body = {"status": {"nodes": {node: entry.to_dict()}}}
-        return self._call_for_object(
-            f"write the entry of node {node!r} in",
-            lambda: self._api.patch_namespaced_custom_object_status(
-                state.GROUP,
-                state.VERSION,
-                self.namespace,
-                state.PLURAL,
-                self.name,
-                body,
-                _content_type=_MERGE_PATCH,
-                _request_timeout=_REQUEST_TIMEOUT,
-            ),
-        )
-
     def controller_of(self, pod: str) -> dict[str, Any] | None:
         """The ownerReference of ``pod``'s controller (a Job, StatefulSet, ...), or ``None``
         if it has none or this service account may not read pods."""
@@ -191,57 +170,78 @@ class RendezvousClient:
 
         return self._call("create", create)
 
-    def renew_lease(self, node: str, instance: str, duration_seconds: int) -> None:
-        """Renew this node's heartbeat Lease (create it the first time).
+    def write_lease(
+        self,
+        node: str,
+        instance: str,
+        duration_seconds: int,
+        owner_uid: str,
+        entry: state.NodeEntry | None = None,
+    ) -> None:
+        """Renew this node's Lease and, if given, replace its entry (the join request).
 
-        The Lease is the node's own object: heartbeats never touch the Rendezvous, so they
-        cost one small write per node and period, seen only by the operator's watch.
+        The Lease is the node's own object: joins and heartbeats never write the Rendezvous,
+        so N nodes joining at once are N independent writes instead of N retries of one
+        object's optimistic update. The Rendezvous owns it, so it goes with it.
         """
         name = state.lease_name(self.name, node)
-        metadata = {
-            "name": name,
-            "labels": {state.NODE_LABEL: self.name},
-            "annotations": {state.INSTANCE_ANNOTATION: instance},
-        }
+        annotations = {state.INSTANCE_ANNOTATION: instance}
+        if entry is not None:
+            annotations[state.ENTRY_ANNOTATION] = entry.to_annotation()
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
-
         lease = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": metadata,
+            "metadata": {
+                "name": name,
+                "labels": {state.NODE_LABEL: self.name},
+                "annotations": annotations,
+                "ownerReferences": [
+                    {
+                        "apiVersion": state.API_VERSION,
+                        "kind": state.KIND,
+                        "name": self.name,
+                        "uid": owner_uid,
+                        "blockOwnerDeletion": False,
+                    }
+                ],
+            },
             "spec": spec,
         }
 
-        def renew() -> None:
-            if name not in self._leases_made:  # one request for the first beat, not 404+POST
-                try:
-                    self._leases.create_namespaced_lease(
-                        self.namespace,
-                        lease,  # type: ignore[arg-type]
-                        _request_timeout=_REQUEST_TIMEOUT,
-                    )
-                    self._leases_made.add(name)
-                    return
-                except ApiException as error:
-                    if error.status != 409:
-                        raise
+        def create() -> bool:
+            try:
+                self._leases.create_namespaced_lease(
+                    self.namespace,
+                    lease,  # type: ignore[arg-type]
+                    _request_timeout=_REQUEST_TIMEOUT,
+                )
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+                return False
+            return True
+
+        def write() -> None:
+            # One request per write: create only the first time, or once it is gone.
+            if name not in self._leases_made:
                 self._leases_made.add(name)
+                if create():
+                    return
             try:
                 self._leases.patch_namespaced_lease(
                     name,
                     self.namespace,
-                    {"metadata": metadata, "spec": spec},
+                    {"metadata": {"annotations": annotations}, "spec": spec},
                     _content_type=_MERGE_PATCH,
                     _request_timeout=_REQUEST_TIMEOUT,
                 )
             except ApiException as error:
-                if error.status != 404:
+                if error.status != 404 or not create():
                     raise
-                self._leases_made.discard(name)  # deleted meanwhile: create it next beat
-                raise
 
-        self._call(f"renew the heartbeat Lease {name} of", renew)
+        self._call(f"write the Lease {name} of node {node!r} for", write)
 
     def list_unless(self, round_key: str | None) -> tuple[dict[str, Any] | None, str]:
         """The object if its round key differs from ``round_key``, and the list's version."""

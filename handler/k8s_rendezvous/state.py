@@ -8,10 +8,12 @@ patch the status could otherwise make every pod run code of their choosing.
 This module imports only the standard library: the operator image has no torch and the
 pod side must stay cheap to import.
 
-Ownership of the status (one writer per field):
+One writer per object and field:
 
-* ``status.nodes[<pod name>]`` -- a :class:`NodeEntry`, written only by that pod;
-* everything else -- written only by the operator, which alone seals rounds.
+* a node's Lease ``<rendezvous>.<pod>`` -- its heartbeat and its :class:`NodeEntry`
+  (annotation ``k8s-rendezvous.dev/entry``), written only by that pod. Every node writes
+  its own object, so joins never contend for one resource's optimistic write;
+* the Rendezvous status -- written only by the operator, which alone seals rounds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import datetime
 import enum
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -47,6 +50,8 @@ NODE_LABEL: Final = f"{GROUP}/rendezvous"
 """On a node's pod (set by the operator) and Lease (set by the node): the Rendezvous name."""
 INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
 """On a node's Lease: the agent instance that renews it."""
+ENTRY_ANNOTATION: Final = f"{GROUP}/entry"
+"""On a node's Lease: its :class:`NodeEntry` as JSON, the node's request to the operator."""
 
 
 def lease_name(rendezvous: str, node: str) -> str:
@@ -114,21 +119,38 @@ def _mapping(value: object, field: str) -> Mapping[str, Any]:
     return value
 
 
-def _str(data: Mapping[str, Any], key: str, field: str, *, default: str | None = None) -> str:
+def _str(
+    data: Mapping[str, Any],
+    key: str,
+    field: str,
+    *,
+    default: str | None = None,
+    max_length: int | None = None,
+) -> str:
     value = data.get(key, default)
     if not isinstance(value, str):
         raise DecodeError(f"{field}.{key}: expected a string, got {value!r}")
+    if max_length is not None and not 0 < len(value) <= max_length:
+        raise DecodeError(f"{field}.{key}: must be 1 to {max_length} characters, got {len(value)}")
     return value
 
 
 def _int(
-    data: Mapping[str, Any], key: str, field: str, *, default: int | None = None, minimum: int = 0
+    data: Mapping[str, Any],
+    key: str,
+    field: str,
+    *,
+    default: int | None = None,
+    minimum: int = 0,
+    maximum: int | None = None,
 ) -> int:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise DecodeError(f"{field}.{key}: expected an integer, got {value!r}")
     if value < minimum:
         raise DecodeError(f"{field}.{key}: must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise DecodeError(f"{field}.{key}: must be at most {maximum}, got {value}")
     return value
 
 
@@ -227,7 +249,8 @@ class RendezvousSpec:
 
 @dataclasses.dataclass(frozen=True)
 class NodeEntry:
-    """``status.nodes[<pod name>]``: a node's own request, written by that pod alone."""
+    """A node's own request, written by that pod alone in its Lease (see
+    :data:`ENTRY_ANNOTATION`)."""
 
     instance: str
     """Identifies one agent process; a restarted agent is a new instance."""
@@ -250,14 +273,26 @@ class NodeEntry:
 
     @classmethod
     def from_dict(cls, value: object, field: str) -> NodeEntry:
+        # Bounded like every string the operator may copy into the status (members).
         data = _mapping(value, field)
         return cls(
-            instance=_str(data, "instance", field),
+            instance=_str(data, "instance", field, max_length=64),
             attempt=_int(data, "attempt", field, minimum=1),
-            addr=_str(data, "addr", field),
-            store_port=_int(data, "storePort", field, minimum=1),
+            addr=_str(data, "addr", field, max_length=253),
+            store_port=_int(data, "storePort", field, minimum=1, maximum=65535),
             intent=_enum(NodeIntent, data, "intent", field),
         )
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_annotation(cls, text: str, field: str) -> NodeEntry:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise DecodeError(f"{field}: not JSON ({error})") from None
+        return cls.from_dict(data, field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +300,7 @@ class Member:
     """One node of the sealed round; its rank is its index in ``status.members``."""
 
     node: str
-    """The pod name, the key of its entry in ``status.nodes``."""
+    """The pod name (the holder of its Lease)."""
     instance: str
     attempt: int
     addr: str
@@ -364,7 +399,7 @@ class Condition:
 
 @dataclasses.dataclass(frozen=True)
 class RendezvousStatus:
-    """``status``. All but ``nodes`` is written by the operator alone."""
+    """``status``, written by the operator alone."""
 
     state: RoundState = RoundState.FORMING
     round: int = 0
@@ -390,7 +425,6 @@ class RendezvousStatus:
     """Members of an earlier round still running it when a later round sealed without them
     (after the last call). Their join requests are spent: they count again once they join
     anew."""
-    nodes: Mapping[str, NodeEntry] = dataclasses.field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -436,9 +470,7 @@ class RendezvousStatus:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        data = {key: value for key, value in self.operator_fields().items() if value is not None}
-        data["nodes"] = {name: entry.to_dict() for name, entry in self.nodes.items()}
-        return data
+        return {key: value for key, value in self.operator_fields().items() if value is not None}
 
     @classmethod
     def from_dict(cls, value: object, field: str = "status") -> RendezvousStatus:
@@ -446,13 +478,8 @@ class RendezvousStatus:
         if value is None:
             return cls()
         data = _mapping(value, field)
-        nodes_data = _mapping(data.get("nodes") or {}, f"{field}.nodes")
-        nodes = {
-            str(name): NodeEntry.from_dict(entry, f"{field}.nodes[{name}]")
-            for name, entry in nodes_data.items()
-        }
-        if "state" not in data:  # the operator has not written yet: pods may have joined
-            return cls(nodes=nodes)
+        if "state" not in data:  # the operator has not written yet
+            return cls()
         version = data.get("schemaVersion")
         if version != SCHEMA_VERSION:
             raise DecodeError(
@@ -507,5 +534,4 @@ class RendezvousStatus:
                 Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)
                 for index, item in enumerate(left_behind_data)
             ),
-            nodes=nodes,
         )

@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         standalone=True,
         liveness_endpoint=args.liveness or None,
         memo=kopf.Memo(
+            namespaces=args.namespace,
             job_label_selector=args.job_label_selector,
             worker_role=args.worker_role,
             webhook={

@@ -5,7 +5,9 @@ Calls are blocking (the official client); the reconciler runs them in worker thr
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from typing import Any, Final, cast
 
 from kubernetes import client, config
@@ -53,9 +55,37 @@ def _with_timeouts(api: client.ApiClient) -> None:
 class OperatorApi:
     def __init__(self, api_client: client.ApiClient) -> None:
         self._custom = client.CustomObjectsApi(api_client)
-        self._core = client.CoreV1Api(api_client)
-        self._rbac = client.RbacAuthorizationV1Api(api_client)
-        self._batch = client.BatchV1Api(api_client)
+        self._api_client = api_client
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: object | None = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> dict[str, Any]:
+        """One request for a built-in resource, answered as plain JSON. The typed clients
+        (CoreV1Api and the like) would cost the operator about 100 MB of memory for their
+        models and validators, for the handful of calls made here."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        serialized = self._api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._api_client.call_api(*serialized)
+        data = response.read()  # type: ignore[no-untyped-call]
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(
+                http_resp=response, body=data.decode(errors="replace"), data=None
+            )
+        return cast(dict[str, Any], json.loads(data))
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         try:
@@ -93,11 +123,21 @@ class OperatorApi:
             raise
         return cast(dict[str, Any], written)
 
+    def list_node_leases(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+        """Every node's Lease, in ``namespaces`` (all if empty), as plain JSON."""
+        query = [("labelSelector", state.NODE_LABEL)]
+        paths = [f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases" for ns in namespaces]
+        return [
+            lease
+            for path in paths or ["/apis/coordination.k8s.io/v1/leases"]
+            for lease in self._request("GET", path, query=query)["items"]
+        ]
+
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> None:
         """Label a node's pod so the operator's server-side filtered pod watch sees it."""
         body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
         try:
-            self._core.patch_namespaced_pod(pod, namespace, body, _content_type=_MERGE_PATCH)
+            self._request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod}", body, _MERGE_PATCH)
         except ApiException as error:
             if error.status == 404:
                 raise NotFound(f"Pod {namespace}/{pod}") from error
@@ -159,29 +199,32 @@ class OperatorApi:
             ],
         }
         try:
-            self._rbac.create_namespaced_role_binding(namespace, body)  # type: ignore[arg-type]
+            self._request(
+                "POST",
+                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
+                body,
+            )
         except ApiException as error:
             if error.status != 409:
                 raise
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            job = self._batch.read_namespaced_job(name, namespace)
+            return self._request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}")
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        return cast(dict[str, Any], self._batch.api_client.sanitize_for_serialization(job))
 
     def pod_node_name(self, namespace: str, pod: str) -> str | None:
         try:
-            found = self._core.read_namespaced_pod(pod, namespace)
+            found = self._request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        return found.spec.node_name if found.spec else None
+        return cast(str | None, (found.get("spec") or {}).get("nodeName"))
 
     def node_labels(self, node: str) -> dict[str, str]:
-        found = self._core.read_node(node)
-        return dict(found.metadata.labels or {}) if found.metadata else {}
+        found = self._request("GET", f"/api/v1/nodes/{node}")
+        return dict((found.get("metadata") or {}).get("labels") or {})

@@ -1,4 +1,4 @@
-"""kopf wiring: watch Rendezvous objects and their pods, decide, write, report.
+"""kopf wiring: watch Rendezvous objects, their nodes' Leases and pods, decide, write, report.
 
 Only kopf's low-level event handlers are used: they run on every watch event at once,
 without the wait for the operator's own patches that kopf's create/update handlers make,
@@ -66,14 +66,17 @@ class Reconciler:
         self._again: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._heartbeats: dict[Key, rounds.Heartbeat] = {}
+        self._entries: dict[Key, dict[str, state.NodeEntry]] = {}
+        """Per rendezvous: each node's request, as its Lease says."""
+        self._lease_problems: dict[Key, str] = {}
         self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
 
     def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         if deleted:
-            last = self._bodies.pop(key, None) or body
-            for node in (last.get("status") or {}).get("nodes") or {}:
+            self._bodies.pop(key, None)
+            for node in self._entries.pop(key, {}):
                 pod = (key[0], node)
                 for memory in (self._pods, self._heartbeats, self._pod_nodes):
                     memory.pop(pod, None)
@@ -201,13 +204,46 @@ class Reconciler:
             return None
         return owner["name"], job.spec
 
-    def heartbeat_seen(self, key: Key, instance: str | None, deleted: bool) -> None:
-        """A node's Lease changed. Only remembered: expiries are checked by the timer the
-        last decision set, so a renewal costs no reconcile."""
-        if deleted or not instance:
-            self._heartbeats.pop(key, None)
+    def lease_seen(
+        self,
+        namespace: str,
+        lease: observe.LeaseObservation,
+        body: Mapping[str, Any],
+        deleted: bool,
+    ) -> None:
+        """A node's Lease changed. A renewal is only remembered (expiries are checked by
+        the timer the last decision set); a new request reconciles its rendezvous."""
+        pod, key = (namespace, lease.node), (namespace, lease.rendezvous)
+        if deleted or not lease.instance:
+            self._heartbeats.pop(pod, None)
         else:
-            self._heartbeats[key] = rounds.Heartbeat(instance, self._clock())
+            self._heartbeats[pod] = rounds.Heartbeat(lease.instance, self._clock())
+        if lease.problem and not deleted and self._lease_problems.get(pod) != lease.problem:
+            message = (
+                f"pod {lease.node} wrote a request this operator cannot read, so it is not "
+                f"counted: {lease.problem}. Run the same k8s-rendezvous version in the pods "
+                "as in the operator."
+            )
+            log.warning("Rendezvous %s/%s: %s", *key, message)
+            target = self._bodies.get(key) or body
+            kopf.warn(kopf.Body(cast(kopf.RawBody, target)), reason="InvalidEntry", message=message)
+        if lease.problem and not deleted:
+            self._lease_problems[pod] = lease.problem
+        else:
+            self._lease_problems.pop(pod, None)
+        entry = None if deleted else lease.entry
+        entries = self._entries.get(key)
+        if entries is None:
+            if entry is None:
+                return  # e.g. garbage collected after its Rendezvous
+            entries = self._entries[key] = {}
+        if entries.get(lease.node) == entry:
+            return
+        if entry is None:
+            entries.pop(lease.node, None)
+        else:
+            entries[lease.node] = entry
+        self.request(key)
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
         known = self._bodies.get(key)
@@ -266,29 +302,31 @@ class Reconciler:
                     await self._refuse(key, body, error)
                 return
             self._unreadable.pop(key, None)
-            self._label_pods(namespace, name, current)
+            requests = dict(self._entries.get(key, {}))
+            self._label_pods(namespace, name, requests)
             pods = {
                 node: observation
-                for node in current.nodes
+                for node in requests
                 if (observation := self._pods.get((namespace, node))) is not None
             }
             liveness = rounds.Liveness(
                 {
                     node: beat
-                    for node in current.nodes
+                    for node in requests
                     if (beat := self._heartbeats.get((namespace, node))) is not None
                 },
                 since=self._started_at,
             )
             if spec.rank_order_node_label:
                 pods = await self._with_topology(
-                    namespace, spec.rank_order_node_label, current.nodes, pods
+                    namespace, spec.rank_order_node_label, requests, pods
                 )
             job = self._owning_job(key, body)
             now = self._clock()
             decision = rounds.decide(
                 spec,
                 current,
+                requests,
                 pods,
                 now,
                 liveness=liveness,
@@ -299,7 +337,7 @@ class Reconciler:
             fields = decision.status.operator_fields()
             if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
                 try:
-                    written = await asyncio.to_thread(
+                    response = await asyncio.to_thread(
                         self._api.write_status,
                         namespace,
                         name,
@@ -314,8 +352,8 @@ class Reconciler:
                 except kube.NotFound:
                     self._bodies.pop(key, None)
                     return
-                self._remember(key, written)
-                self._report(written, current, decision, now)
+                self._remember(key, response)
+                self._report(response, current, decision, now)
                 self._count(key, current, decision, now)
             self._wake_at(key, decision.wake_at)
             return
@@ -464,8 +502,10 @@ class Reconciler:
                 message=f"{status.closed_reason}: {status.closed_message}",
             )
 
-    def _label_pods(self, namespace: str, rendezvous: str, status: state.RendezvousStatus) -> None:
-        for node in status.nodes:
+    def _label_pods(
+        self, namespace: str, rendezvous: str, requests: Mapping[str, state.NodeEntry]
+    ) -> None:
+        for node in requests:
             pod = (namespace, node)
             if pod in self._pods or pod in self._labelling or pod in self._labelled:
                 continue
@@ -501,9 +541,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # Jobs can require a label as well, filtered by the API server.
     if memo.get("job_label_selector"):
         settings.watching.label_selectors["jobs"] = memo["job_label_selector"]
-    memo["reconciler"] = Reconciler(
-        kube.OperatorApi(kube.load_api_client()), worker_role=memo.get("worker_role") or None
-    )
+    api = kube.OperatorApi(kube.load_api_client())
+    reconciler = Reconciler(api, worker_role=memo.get("worker_role") or None)
+    # Know every node's request before the first reconcile: a member whose Lease had not
+    # been seen yet would otherwise count as gone.
+    for body in await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ()):
+        if (lease := observe.observe_lease(body)) is not None:
+            reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
+    memo["reconciler"] = reconciler
 
 
 @kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
@@ -548,19 +593,13 @@ async def lease_event(
     event: kopf.RawEvent,
     body: kopf.Body,
     namespace: str | None,
-    annotations: Mapping[str, str],
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
-    node = (body.get("spec") or {}).get("holderIdentity")
-    if node:
-        reconciler.heartbeat_seen(
-            (namespace, node),
-            annotations.get(state.INSTANCE_ANNOTATION),
-            deleted=event.get("type") == "DELETED",
-        )
+    if (lease := observe.observe_lease(body)) is not None:
+        reconciler.lease_seen(namespace, lease, dict(body), deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.event("batch", "v1", "jobs")

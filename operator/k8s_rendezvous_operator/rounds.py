@@ -151,11 +151,15 @@ def _loss_reason(
     return None
 
 
-def _joiners(status: RendezvousStatus, pods: Mapping[str, PodObservation]) -> list[str]:
+def _joiners(
+    status: RendezvousStatus,
+    requests: Mapping[str, NodeEntry],
+    pods: Mapping[str, PodObservation],
+) -> list[str]:
     """Nodes asking to be admitted to a round they are not already in."""
     admitted = {(m.node, m.instance, m.attempt) for m in (*status.members, *status.left_behind)}
     waiting = []
-    for name, entry in status.nodes.items():
+    for name, entry in requests.items():
         pod = pods.get(name)
         if entry.intent is not NodeIntent.JOIN or (pod is not None and pod.gone_reason):
             continue
@@ -260,6 +264,7 @@ def _closed(status: RendezvousStatus, reason: str, message: str) -> RendezvousSt
 def decide(
     spec: RendezvousSpec,
     status: RendezvousStatus,
+    requests: Mapping[str, NodeEntry],
     pods: Mapping[str, PodObservation],
     now: datetime.datetime,
     *,
@@ -272,8 +277,9 @@ def decide(
 
     Args:
         spec: The rendezvous' spec.
-        status: The stored status, node entries included.
-        pods: What Kubernetes says about the pods of the node entries; an entry whose pod is
+        status: The stored status.
+        requests: Each node's request (its Lease's entry), by pod name.
+        pods: What Kubernetes says about the pods of the requests; a request whose pod is
             absent from the mapping is taken to be alive (not yet observed).
         now: The operator's clock. Deadlines are the operator's alone, so clock skew between
             nodes cannot change a decision.
@@ -294,7 +300,7 @@ def decide(
         return Decision(_with_conditions(closed, now, generation), closed=True)
 
     closer = next(
-        (n for n, e in sorted(status.nodes.items()) if e.intent is NodeIntent.CLOSE), None
+        (n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None
     )
     if closer is not None:
         closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
@@ -305,7 +311,7 @@ def decide(
         left_behind=tuple(
             m
             for m in status.left_behind
-            if (entry := status.nodes.get(m.node)) is not None
+            if (entry := requests.get(m.node)) is not None
             and m.admits(entry)
             and not (pods.get(m.node) or PodObservation()).gone_reason
         ),
@@ -322,7 +328,7 @@ def decide(
         if (
             reason := _loss_reason(
                 member,
-                status.nodes.get(member.node),
+                requests.get(member.node),
                 pods.get(member.node),
                 expiries.get(member.node),
                 now,
@@ -333,13 +339,13 @@ def decide(
     next_expiry = min(
         (moment for node, moment in expiries.items() if node not in lost_nodes), default=None
     )
-    joiners = _joiners(status, pods)
+    joiners = _joiners(status, requests, pods)
 
     if (
         status.round > 0
         and not joiners
         and all(
-            (entry := status.nodes.get(m.node)) is not None and entry.intent is NodeIntent.LEAVE
+            (entry := requests.get(m.node)) is not None and entry.intent is NodeIntent.LEAVE
             for m in status.members
         )
     ):
@@ -368,7 +374,16 @@ def decide(
         reported_losses = losses
 
     decision = _form(
-        spec, status, pods, joiners, losses, reported_losses, now, generation, expected_nodes
+        spec,
+        status,
+        requests,
+        pods,
+        joiners,
+        losses,
+        reported_losses,
+        now,
+        generation,
+        expected_nodes,
     )
     if decision.sealed and liveness is not None:
         sealed = decision.status
@@ -385,6 +400,7 @@ def decide(
 def _form(
     spec: RendezvousSpec,
     status: RendezvousStatus,
+    requests: Mapping[str, NodeEntry],
     pods: Mapping[str, PodObservation],
     joiners: list[str],
     losses: tuple[MemberLoss, ...],
@@ -429,14 +445,14 @@ def _form(
         members = tuple(
             Member(
                 node=name,
-                instance=status.nodes[name].instance,
-                attempt=status.nodes[name].attempt,
-                addr=status.nodes[name].addr,
+                instance=requests[name].instance,
+                attempt=requests[name].attempt,
+                addr=requests[name].addr,
                 pod_restarts=pods[name].restarts if name in pods else 0,
             )
             for name in selected
         )
-        rank0 = status.nodes[selected[0]]
+        rank0 = requests[selected[0]]
         sealed = dataclasses.replace(
             status,
             state=RoundState.SEALED,

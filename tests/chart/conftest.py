@@ -3,15 +3,12 @@ control plane, and namespaces whose pods hold the chart's worker role."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import kubernetes.client
 import pytest
-from kubernetes.client.exceptions import ApiException
 from tests.chart import chart
-from tests.cluster.controlplane import ControlPlane, build_binaries, to_model
-from tests.cluster.waiting import wait_for
+from tests.cluster.controlplane import ControlPlane, build_binaries
 
 # The rendezvous fixtures (make_rendezvous, make_nodes and whatever they need);
 # workers_namespace is overridden below.
@@ -81,39 +78,3 @@ def workers_namespace(
         f"--serviceaccount={namespace}:default",
     )
     return namespace
-
-
-@pytest.fixture
-def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[[], str]]:
-    """More fresh namespaces (with their `default` ServiceAccount); deleted afterwards."""
-    core = kubernetes.client.CoreV1Api(admin_api)
-    made: list[str] = []
-
-    def default_sa(name: str) -> bool:
-        try:
-            core.read_namespaced_service_account("default", name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
-    def make() -> str:
-        name = f"t-{uuid.uuid4().hex[:10]}"
-        core.create_namespace(
-            to_model(
-                kubernetes.client.V1Namespace,
-                {"metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}},
-            )
-        )
-        made.append(name)
-        wait_for(lambda: default_sa(name), 60, f"ServiceAccount {name}/default")
-        return name
-
-    yield make
-    for name in made:
-        try:
-            core.delete_namespace(name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise

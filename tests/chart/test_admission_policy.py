@@ -1,6 +1,7 @@
-"""The chart's ValidatingAdmissionPolicies against the real API server, with real
-pod-bound tokens: a pod may write its own status entry and its own heartbeat Lease, and
-nothing else of a Rendezvous or of other nodes; everyone else is left alone."""
+"""The chart's ValidatingAdmissionPolicy against the real API server, with real pod-bound
+tokens: a pod may keep only its own Lease (its heartbeat and join request) and cannot take
+over another node's; the Rendezvous status is not the pods' to write at all (RBAC); the
+operator, admins and other controllers' Leases are left alone."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-import yaml
 from kubernetes.client.exceptions import ApiException
-from tests.chart.chart import CHART, REPO, Helm, Release, find
+from tests.chart.chart import Release
 from tests.cluster.controlplane import ControlPlane
 from tests.support.fixtures import Rendezvous, create_pods
 
@@ -21,48 +21,35 @@ from k8s_rendezvous import state
 pytestmark = pytest.mark.usefixtures("chart_release")
 
 MERGE = "application/merge-patch+json"
-ENTRY = {"instance": "i-1", "attempt": 1, "addr": "10.0.0.7", "storePort": 29500, "intent": "Join"}
+ENTRY = state.NodeEntry("i-1", 1, "10.0.0.7", 29500)
 
 
 class PodClient:
-    """Raw API calls authenticated as one pod (its bound token)."""
+    """Raw API calls authenticated as one pod (its bound token), or as an admin."""
 
-    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, pod: str) -> None:
-        self.pod = pod
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
         self.namespace = namespace
         self.custom = kubernetes.client.CustomObjectsApi(api)
 
-    def patch_status(self, rendezvous: str, status: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.patch_namespaced_custom_object_status(  # type: ignore[no-any-return]
-            state.GROUP,
-            state.VERSION,
-            self.namespace,
-            state.PLURAL,
-            rendezvous,
-            {"status": status},
-            _content_type=MERGE,
-        )
-
-    def create_lease(self, name: str, holder: str) -> dict[str, Any]:
+    def create_lease(self, name: str, holder: str, rendezvous: str | None) -> dict[str, Any]:
+        labels = {state.NODE_LABEL: rendezvous} if rendezvous else {}
         body = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {"name": name, "labels": {state.NODE_LABEL: name.split(".")[0]}},
+            "metadata": {
+                "name": name,
+                "labels": labels,
+                "annotations": {state.ENTRY_ANNOTATION: ENTRY.to_annotation()},
+            },
             "spec": {"holderIdentity": holder, "leaseDurationSeconds": 30},
         }
         return self.custom.create_namespaced_custom_object(  # type: ignore[no-any-return]
             "coordination.k8s.io", "v1", self.namespace, "leases", body
         )
 
-    def patch_lease(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    def patch_lease(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return self.custom.patch_namespaced_custom_object(  # type: ignore[no-any-return]
-            "coordination.k8s.io",
-            "v1",
-            self.namespace,
-            "leases",
-            name,
-            {"spec": spec},
-            _content_type=MERGE,
+            "coordination.k8s.io", "v1", self.namespace, "leases", name, patch, _content_type=MERGE
         )
 
 
@@ -74,30 +61,10 @@ def denied(call: Callable[[], object]) -> str:
     return str(json.loads(error.value.body)["message"])
 
 
-@pytest.fixture
-def rendezvous(
-    make_rendezvous: Callable[..., Rendezvous], admin_api: kubernetes.client.ApiClient
-) -> Rendezvous:
-    """A Rendezvous whose status the operator (here: admin) has initialised, with the entry
-    of another pod already in it."""
-    rdzv = make_rendezvous(2, 2)
-    kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object_status(
-        state.GROUP,
-        state.VERSION,
-        rdzv.namespace,
-        state.PLURAL,
-        rdzv.name,
-        {
-            "status": {
-                "state": "Forming",
-                "roundKey": "0-Forming",
-                "round": 0,
-                "nodes": {"pod-b": {**ENTRY, "instance": "b"}},
-            }
-        },
-        _content_type=MERGE,
-    )
-    return rdzv
+def leave(node: str) -> dict[str, Any]:
+    """A patch that would withdraw ``node``'s join request."""
+    entry = state.NodeEntry(ENTRY.instance, 1, ENTRY.addr, 1, state.NodeIntent.LEAVE)
+    return {"metadata": {"annotations": {state.ENTRY_ANNOTATION: entry.to_annotation()}}}
 
 
 @pytest.fixture
@@ -108,101 +75,73 @@ def pod_a(
     token = control_plane.token_for(
         workers_namespace, "default", pod_name="pod-a", pod_uid=pod["metadata"]["uid"]
     )
-    return PodClient(control_plane.client_for_token(token), workers_namespace, "pod-a")
+    return PodClient(control_plane.client_for_token(token), workers_namespace)
 
 
-def test_a_pod_writes_its_own_entry(pod_a: PodClient, rendezvous: Rendezvous) -> None:
-    written = pod_a.patch_status(rendezvous.name, {"nodes": {"pod-a": ENTRY}})
-    assert written["status"]["nodes"]["pod-a"] == ENTRY
-    left = pod_a.patch_status(rendezvous.name, {"nodes": {"pod-a": {**ENTRY, "intent": "Leave"}}})
-    assert left["status"]["nodes"]["pod-a"]["intent"] == "Leave"
-    assert left["status"]["nodes"]["pod-b"]["instance"] == "b"
+@pytest.fixture
+def rendezvous(
+    make_rendezvous: Callable[..., Rendezvous], admin_api: kubernetes.client.ApiClient
+) -> Rendezvous:
+    """A Rendezvous with the Lease of another pod, pod-b, already there."""
+    rdzv = make_rendezvous(2, 2)
+    PodClient(admin_api, rdzv.namespace).create_lease(f"{rdzv.name}.pod-b", "pod-b", rdzv.name)
+    return rdzv
 
 
-def test_another_pods_entry_is_denied(pod_a: PodClient, rendezvous: Rendezvous) -> None:
+def test_a_pod_keeps_its_own_lease(pod_a: PodClient, rendezvous: Rendezvous) -> None:
+    own = f"{rendezvous.name}.pod-a"
+    assert pod_a.create_lease(own, "pod-a", rendezvous.name)["spec"]["holderIdentity"] == "pod-a"
+    patched = pod_a.patch_lease(own, {"spec": {"renewTime": "2026-01-01T00:00:00.000000Z"}})
+    assert patched["spec"]["renewTime"].startswith("2026-01-01")
+    assert pod_a.patch_lease(own, leave("pod-a"))
+
+
+def test_a_pod_cannot_speak_for_another_node(pod_a: PodClient, rendezvous: Rendezvous) -> None:
+    other = f"{rendezvous.name}.pod-b"
     expected = (
-        'pod pod-a may write only its own entry status.nodes["pod-a"]: '
-        "the entries of other pods are written by those pods alone"
+        f"pod pod-a may write only its own Lease, not {other}, held by pod-b "
+        "(the heartbeat and join request of another node)"
+    )
+    assert expected in denied(lambda: pod_a.patch_lease(other, leave("pod-b")))
+    # Dropping the label does not take the Lease out of the policy's sight.
+    assert expected in denied(
+        lambda: pod_a.patch_lease(other, {"metadata": {"labels": {state.NODE_LABEL: None}}})
     )
     assert expected in denied(
-        lambda: pod_a.patch_status(
-            rendezvous.name, {"nodes": {"pod-b": {**ENTRY, "intent": "Leave"}}}
+        lambda: pod_a.patch_lease(other, {"spec": {"holderIdentity": "pod-a"}})
+    )
+    # Nor by creating a Lease in another node's name.
+    message = denied(lambda: pod_a.create_lease(f"{rendezvous.name}.pod-c", "pod-c", "r"))
+    assert "pod pod-a may hold a rendezvous Lease only in its own name, not as pod-c" in message
+    message = denied(lambda: pod_a.patch_lease(other, {"spec": {"holderIdentity": "pod-c"}}))
+    assert expected in message
+
+
+def test_the_status_is_not_the_pods_to_write(pod_a: PodClient, rendezvous: Rendezvous) -> None:
+    message = denied(
+        lambda: pod_a.custom.patch_namespaced_custom_object_status(
+            state.GROUP,
+            state.VERSION,
+            rendezvous.namespace,
+            state.PLURAL,
+            rendezvous.name,
+            {"status": {"nodes": {"pod-a": ENTRY.to_dict()}}},
+            _content_type=MERGE,
         )
     )
-    assert expected in denied(
-        lambda: pod_a.patch_status(rendezvous.name, {"nodes": {"pod-b": None}})
-    )
-    assert expected in denied(
-        lambda: pod_a.patch_status(rendezvous.name, {"nodes": {"pod-c": ENTRY}})
-    )
-    assert rendezvous.body()["status"]["nodes"]["pod-b"]["instance"] == "b"
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("round", 7),
-        ("members", [{"rank": 0, "node": "pod-a", "instance": "i", "attempt": 1, "addr": "x"}]),
-        ("master", {"addr": "10.0.0.66", "port": 1}),
-        ("state", "Closed"),
-        (
-            "conditions",
-            [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "Forged",
-                    "message": "",
-                    "lastTransitionTime": "2026-01-01T00:00:00Z",
-                }
-            ],
-        ),
-    ],
-)
-def test_what_the_operator_owns_is_denied(
-    pod_a: PodClient, rendezvous: Rendezvous, field: str, value: object
-) -> None:
-    message = denied(
-        lambda: pod_a.patch_status(rendezvous.name, {field: value, "nodes": {"pod-a": ENTRY}})
-    )
-    assert (
-        f"status.{field} is written by the k8s-rendezvous operator alone; "
-        'pod pod-a may change only its own entry status.nodes["pod-a"]'
-    ) in message
-    assert "pod-a" not in rendezvous.body()["status"].get("nodes", {}), "nothing was written"
+    assert 'cannot patch resource "rendezvous/status"' in message
 
 
 def test_the_operator_and_admins_are_not_concerned(
     rendezvous: Rendezvous, admin_api: kubernetes.client.ApiClient
 ) -> None:
-    custom = kubernetes.client.CustomObjectsApi(admin_api)
-    written = custom.patch_namespaced_custom_object_status(
-        state.GROUP,
-        state.VERSION,
-        rendezvous.namespace,
-        state.PLURAL,
-        rendezvous.name,
-        {"status": {"round": 1, "nodes": {"pod-b": None}}},
-        _content_type=MERGE,
-    )
-    assert written["status"]["round"] == 1 and "pod-b" not in written["status"]["nodes"]
+    admin = PodClient(admin_api, rendezvous.namespace)
+    other = f"{rendezvous.name}.pod-b"
+    assert admin.patch_lease(other, {"spec": {"holderIdentity": "anyone"}})
+    assert admin.create_lease(f"{rendezvous.name}.pod-z", "pod-y", rendezvous.name)
 
 
-def test_a_pod_keeps_only_its_own_heartbeat_lease(pod_a: PodClient, rendezvous: Rendezvous) -> None:
-    own = f"{rendezvous.name}.pod-a"
-    assert pod_a.create_lease(own, "pod-a")["spec"]["holderIdentity"] == "pod-a"
-    assert pod_a.patch_lease(own, {"renewTime": "2026-01-01T00:00:00.000000Z"})
-
-    message = denied(lambda: pod_a.create_lease(f"{rendezvous.name}.pod-b", "pod-a"))
-    assert (
-        f"pod pod-a may write only its own heartbeat Lease <rendezvous>.pod-a, "
-        f"not {rendezvous.name}.pod-b (the heartbeat of another node)"
-    ) in message
-    message = denied(lambda: pod_a.patch_lease(own, {"holderIdentity": "pod-b"}))
-    assert "pod pod-a may hold its heartbeat Lease only in its own name, not as pod-b" in message
-
-
-def test_leases_of_pods_without_the_worker_role_are_not_concerned(
+def test_leases_without_the_rendezvous_label_are_not_concerned(
     control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient, namespace: str
 ) -> None:
     """Another controller's leader election (a pod-bound token too) is left alone."""
@@ -229,33 +168,18 @@ def test_leases_of_pods_without_the_worker_role_are_not_concerned(
     token = control_plane.token_for(
         namespace, "elector", pod_name="controller", pod_uid=pod["metadata"]["uid"]
     )
-    client = PodClient(control_plane.client_for_token(token), namespace, "controller")
-    assert client.create_lease("some-controller-lock", "someone-else")
+    client = PodClient(control_plane.client_for_token(token), namespace)
+    assert client.create_lease("some-controller-lock", "someone-else", rendezvous=None)
 
 
-def test_every_status_field_but_nodes_is_guarded(helm: Helm) -> None:
-    """The policy lists the operator's fields one by one (CEL cannot iterate an object's
-    fields): a status field added to the CRD must be added to the policy too."""
-    crd = yaml.safe_load(
-        (REPO / "manifests" / "crds" / "k8s-rendezvous.dev_rendezvous.yaml").read_text()
+def test_the_policy_type_checks_cleanly(
+    chart_release: Release, control_plane: ControlPlane
+) -> None:
+    policy = json.loads(
+        control_plane.kubectl(
+            "get", "validatingadmissionpolicy", "k8s-rendezvous-pod-leases", "-o", "json"
+        ).stdout
     )
-    (version,) = crd["spec"]["versions"]
-    fields = set(version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"])
-    policy = find(helm.template_objects(), "ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status")
-    guarded = {
-        v["expression"].split("object.?status.?")[1].split()[0]
-        for v in policy["spec"]["validations"]
-        if v["expression"].startswith("object.?status.?")
-    }
-    assert guarded == fields - {"nodes"}
-    assert CHART.is_dir()
-
-
-def test_policies_type_check_cleanly(chart_release: Release, control_plane: ControlPlane) -> None:
-    for name in ("k8s-rendezvous-pod-status", "k8s-rendezvous-pod-leases"):
-        policy = json.loads(
-            control_plane.kubectl("get", "validatingadmissionpolicy", name, "-o", "json").stdout
-        )
-        assert policy["status"].get("typeChecking", {}).get("expressionWarnings") is None, policy[
-            "status"
-        ]
+    assert policy["status"].get("typeChecking", {}).get("expressionWarnings") is None, policy[
+        "status"
+    ]

@@ -81,7 +81,7 @@ def test_plain_manifests_pass_a_server_side_dry_run(control_plane: ControlPlane)
         f"deployment.apps/{OPERATOR}",
         f"service/{WEBHOOK_SERVICE}",
         f"mutatingwebhookconfiguration.admissionregistration.k8s.io/{WEBHOOK_CONFIG}",
-        "validatingadmissionpolicy.admissionregistration.k8s.io/k8s-rendezvous-pod-status",
+        "validatingadmissionpolicy.admissionregistration.k8s.io/k8s-rendezvous-pod-leases",
     ):
         assert expected in text
 
@@ -148,8 +148,6 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("Service", WEBHOOK_SERVICE),
             ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
             ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-status"),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
         }

@@ -84,8 +84,6 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("Service", WEBHOOK_SERVICE),
         ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
         ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-status"),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
     }, "the metrics Service and ServiceMonitor are opt-in"
@@ -267,7 +265,7 @@ def test_metrics_service_and_service_monitor_are_opt_in(helm: Helm) -> None:
 
 def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
     objects = helm.template_objects("--namespace", "ops", "--set", "serviceAccount.name=rdzv")
-    policy = find(objects, "ValidatingAdmissionPolicy", "k8s-rendezvous-pod-status")
+    policy = find(objects, "ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases")
     conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
     assert conditions["not-the-operator"] == (
         "request.userInfo.username != 'system:serviceaccount:ops:rdzv'"

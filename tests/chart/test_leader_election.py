@@ -132,7 +132,7 @@ def test_only_the_leader_acts_and_a_standby_takes_over_within_15s(
     nodes = make_nodes(rdzv, 3)
     rdzv.wait(lambda s: s.round_key == "0-Forming", "the leader initialised the status")
     joins = [node.join_in_background() for node in nodes[:2]]
-    rdzv.wait(lambda s: len(s.nodes) == 2, "two of three nodes joined")
+    rdzv.wait_requests(lambda r: len(r) == 2, "two of three nodes joined")
     assert "this replica leads" not in standby.log(), "the standby must not act"
     assert rdzv.status().round == 0
 

@@ -24,6 +24,7 @@ from tests.chart.chart import (
 )
 from tests.cluster.controlplane import ControlPlane, read_object
 from tests.cluster.waiting import wait_for
+from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, delete_pod, free_port
 
 from k8s_rendezvous import state
@@ -157,8 +158,7 @@ def registered_url(control_plane: ControlPlane) -> str:
 
 def join_all(nodes: list[Node]) -> list[tuple[int, int]]:
     """All nodes call next_rendezvous() at once; (rank, world size) each."""
-    infos = [joining.wait() for joining in [node.join_in_background() for node in nodes]]
-    return [(info.rank, info.world_size) for info in infos]
+    return [(info.rank, info.world_size) for info in fixtures.join_all(nodes)]
 
 
 def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -> None:
@@ -217,7 +217,7 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("list", "mutatingwebhookconfigurations", "", False),
         ("watch", "validatingwebhookconfigurations", "", False),
         ("create", "validatingadmissionpolicies", "", False),
-        ("patch", "validatingadmissionpolicies/k8s-rendezvous-pod-status", "", False),
+        ("patch", "validatingadmissionpolicies/k8s-rendezvous-pod-leases", "", False),
         ("list", "namespaces", "", False),
         ("list", "customresourcedefinitions", "", False),
         ("create", "jobs.batch", "-A", False),
@@ -271,12 +271,7 @@ def test_a_deleted_pod_reforms_the_world(
     join_all(nodes)
     victim, survivors = nodes[2], nodes[:2]
     delete_pod(admin_api, rdzv.namespace, victim.pod)
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
-        10,
-        "survivors told to re-rendezvous",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(survivors, "survivors told to re-rendezvous")
     assert sorted(join_all(survivors)) == [(0, 2), (1, 2)]
     assert rdzv.status().round == 2
     lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
@@ -371,31 +366,9 @@ def test_rank_order_reads_the_nodes_pods_run_on(
     attach_nodes: Callable[..., list[Node]],
 ) -> None:
     rdzv = make_rendezvous(3, 3, rankOrder={"nodeLabel": "topology.kubernetes.io/zone"})
-    core = kubernetes.client.CoreV1Api(admin_api)
     placement = {"p-1": "kwok-node-2", "p-2": "kwok-node-0", "p-3": "kwok-node-1"}
-    for pod, node in placement.items():
-        core.create_namespaced_pod(
-            workers_namespace,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": pod},
-                "spec": {
-                    "nodeName": node,
-                    "restartPolicy": "Never",
-                    "containers": [{"name": "t", "image": "example.invalid/t"}],
-                },
-            },
-        )
-
-    def running() -> list[dict[str, object]] | None:
-        pods = [
-            admin_api.sanitize_for_serialization(core.read_namespaced_pod(p, workers_namespace))
-            for p in placement
-        ]
-        return pods if all(p["status"].get("phase") == "Running" for p in pods) else None
-
-    nodes = attach_nodes(rdzv, wait_for(running, 60, "pinned pods running"))
+    pods = fixtures.create_pods(admin_api, workers_namespace, list(placement), placement=placement)
+    nodes = attach_nodes(rdzv, pods)
     ranks = dict(zip((n.pod for n in nodes), join_all(nodes), strict=True))
     # zone-a (kwok-node-0), zone-b (kwok-node-1), zone-c (kwok-node-2)
     assert sorted(ranks, key=lambda pod: ranks[pod][0]) == ["p-2", "p-3", "p-1"]

@@ -59,9 +59,9 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     assert client.get()["metadata"]["name"] == home.name
     item, _ = client.list_unless(None)
     assert item is not None and item["metadata"]["name"] == home.name
-    written = client.write_entry("worker-0", state.NodeEntry("i-1", 1, "10.0.0.7", 29500))
-    assert written["status"]["nodes"]["worker-0"]["addr"] == "10.0.0.7"
-    client.renew_lease("worker-0", "i-1", 30)
+    uid = home.body()["metadata"]["uid"]
+    client.write_lease("worker-0", "i-1", 30, uid, state.NodeEntry("i-1", 1, "10.0.0.7", 29500))
+    client.write_lease("worker-0", "i-1", 30, uid)  # a heartbeat: the patch path
 
     # Namespace B: the same token, no binding there.
     user = f"system:serviceaccount:{workers_namespace}:default"
@@ -97,7 +97,18 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
             {"metadata": {"name": "train.worker-0"}, "spec": {"holderIdentity": "worker-0"}},
         )
     )
-    # And in its own namespace, nothing beyond the role: no spec edits, no deletes.
+    # And in its own namespace, nothing beyond the role: no status, spec edits or deletes.
+    forbidden(
+        lambda: custom.patch_namespaced_custom_object_status(
+            state.GROUP,
+            state.VERSION,
+            workers_namespace,
+            state.PLURAL,
+            home.name,
+            {"status": {"nodes": {"worker-0": ENTRY}}},
+            _content_type=MERGE,
+        )
+    )
     forbidden(
         lambda: custom.patch_namespaced_custom_object(
             state.GROUP,

@@ -13,6 +13,7 @@ while nodes join.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import kubernetes.client
 import pytest
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
 from tests.e2e.harness import (
     LocalPod,
     LocalPods,
@@ -171,7 +173,7 @@ def test_late_node_sorting_first_joins_without_taking_rank0(
     # Its name and its address both sort before the others'. torch's c10d backend ranks by
     # address: it would take rank 0 while the others kept the old MASTER_ADDR.
     (late,) = pods.start(rdzv.name, {"n0": "127.0.0.2"}, script_args=LONG_STEPS)
-    rdzv.wait(lambda s: late.name in s.nodes, "the late node joined", timeout=60)
+    rdzv.wait_requests(lambda r: late.name in r, "the late node joined", timeout=60)
     joined_at = time.time()
     everyone = [*nodes, late]
     after = wait_world(everyone, 8, after=arrived, timeout=FORM_TIMEOUT)
@@ -202,7 +204,7 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
     assert "failing on purpose" in broken.log()
     status = rdzv.status()
     assert status.state is not state.RoundState.CLOSED, status
-    assert status.nodes[broken.name].intent is state.NodeIntent.LEAVE, "shutdown() only leaves"
+    assert rdzv.requests()[broken.name].intent is state.NodeIntent.LEAVE, "shutdown() only leaves"
 
     after = wait_world(nodes, 4, after=failed, timeout=FORM_TIMEOUT)
     timing("newcomer failed -> first step of the others' new world", after.first_step_at - failed)
@@ -211,7 +213,7 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
 
 
 def test_closed_rendezvous_turns_joiners_away_and_lets_running_nodes_finish(
-    pods: LocalPods, make_rendezvous: MakeRendezvous
+    pods: LocalPods, make_rendezvous: MakeRendezvous, admin_api: kubernetes.client.ApiClient
 ) -> None:
     rdzv = rendezvous(make_rendezvous)
     started = time.time()
@@ -220,14 +222,16 @@ def test_closed_rendezvous_turns_joiners_away_and_lets_running_nodes_finish(
     workers = {step.pid for step in world.steps}
 
     closer = nodes[1]
+    lease = state.lease_name(rdzv.name, closer.name)
+    leases = kubernetes.client.CoordinationV1Api(admin_api)
+    annotations = leases.read_namespaced_lease(lease, rdzv.namespace).metadata.annotations
+    joined = state.NodeEntry.from_annotation(annotations[state.ENTRY_ANNOTATION], lease)
+    close = dataclasses.replace(joined, intent=state.NodeIntent.CLOSE).to_annotation()
     with closer.api_client() as api:  # what set_closed() writes, with the pod's own token
-        kubernetes.client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+        kubernetes.client.CoordinationV1Api(api).patch_namespaced_lease(
+            lease,
             rdzv.namespace,
-            state.PLURAL,
-            rdzv.name,
-            {"status": {"nodes": {closer.name: {"intent": state.NodeIntent.CLOSE.value}}}},
+            {"metadata": {"annotations": {state.ENTRY_ANNOTATION: close}}},
             _content_type="application/merge-patch+json",
         )
     closed_at = time.time()
@@ -258,9 +262,10 @@ def test_operator_killed_while_nodes_join_then_restarted(
     nodes = pods.start(
         rdzv.name, {"n1": "127.0.0.11", "n2": "127.0.0.12", "n3": "127.0.0.13"}, script_args=STEPS
     )
-    waiting = rdzv.wait(
-        lambda s: len(s.nodes) == 3, "all joined while the operator is down", timeout=FORM_TIMEOUT
+    wait_for(
+        lambda: len(rdzv.requests()) == 3, FORM_TIMEOUT, "all joined while the operator is down"
     )
+    waiting = rdzv.status()
     assert (waiting.round, waiting.state) == (0, state.RoundState.FORMING)
     assert all(node.running() and not node.progress() for node in nodes)
 

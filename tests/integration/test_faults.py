@@ -48,7 +48,7 @@ def test_api_server_restarted_during_joins_delays_but_loses_nothing(
     nodes = make_nodes(rdzv, 4, read_timeout=60)
     wait_for(lambda: "state" in (rdzv.body().get("status") or {}), 30, "operator initialised")
     first = [node.join_in_background() for node in nodes[:2]]
-    rdzv.wait(lambda s: len(s.nodes) == 2, "two joined")
+    rdzv.wait_requests(lambda r: len(r) == 2, "two joined")
     control_plane.stop_apiserver()
     try:
         late = [node.join_in_background() for node in nodes[2:]]  # retrying meanwhile
@@ -83,7 +83,7 @@ def test_etcd_restarted_during_joins_loses_nothing(
     rdzv = make_rendezvous(3, 3)
     nodes = make_nodes(rdzv, 3, read_timeout=60)
     first = nodes[0].join_in_background()
-    rdzv.wait(lambda s: nodes[0].pod in s.nodes, "first joined")
+    rdzv.wait_requests(lambda r: nodes[0].pod in r, "first joined")
     control_plane.restart_etcd()
     rest = [node.join_in_background() for node in nodes[1:]]
     assert sorted(j.wait(120).rank for j in [first, *rest]) == [0, 1, 2]
@@ -132,7 +132,11 @@ def test_operator_killed_during_joins_and_seals_and_after_a_seal(
     nodes = make_nodes(rdzv, 8, read_timeout=60)
     for wave, killed_after in enumerate((1, 4, 7), start=1):  # kills at different moments
         joins = [node.join_in_background() for node in nodes]
-        rdzv.wait(lambda s, k=killed_after: len(s.nodes) >= k, f"{killed_after} joined", timeout=60)
+        rdzv.wait_requests(
+            lambda r, k=killed_after, w=wave: sum(e.attempt == w for e in r.values()) >= k,
+            f"{killed_after} joined",
+            timeout=60,
+        )
         operator_process.kill()
         operator_process.start()
         assert sorted(j.wait(120).rank for j in joins) == list(range(8)), f"wave {wave}"

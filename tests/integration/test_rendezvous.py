@@ -19,6 +19,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
+from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod
 from tests.support.operator import OperatorProcess
 
@@ -41,8 +42,6 @@ MakeNodes = Callable[..., list[Node]]
 
 def join_all(nodes: list[Node]) -> list[tuple[int, int, str, int]]:
     """All nodes call next_rendezvous() concurrently; (rank, world, master addr, port)."""
-    joins = [node.join_in_background() for node in nodes]
-    infos = [joining.wait() for joining in joins]
     return [
         (
             i.rank,
@@ -50,7 +49,7 @@ def join_all(nodes: list[Node]) -> list[tuple[int, int, str, int]]:
             i.bootstrap_store_info.master_addr,
             i.bootstrap_store_info.master_port,
         )
-        for i in infos
+        for i in fixtures.join_all(nodes)
     ]
 
 
@@ -151,13 +150,13 @@ def test_waiting_node_receives_no_other_nodes_joins(
     original = watcher.offer
     watcher.offer = lambda obj: (offers.append(obj), original(obj))[1]  # type: ignore[method-assign]
     first = nodes[0].join_in_background()
-    rdzv.wait(lambda s: nodes[0].pod in s.nodes, "first node joined")
+    rdzv.wait_requests(lambda r: nodes[0].pod in r, "first node joined")
     for node in nodes[1:]:  # one after another: five more joins while node 0 waits
         node.join_in_background()
-        rdzv.wait(lambda s, pod=node.pod: pod in s.nodes, f"{node.pod} joined")
+        rdzv.wait_requests(lambda r, pod=node.pod: pod in r, f"{node.pod} joined")
     first.wait()
-    # Node 0 saw its own patch response, the operator's first status if it raced with it,
-    # and the sealed round: never one object per join of the other five.
+    # Node 0 saw the object it read before joining, the operator's first status if it raced
+    # with it, and the sealed round: never one object per join of the other five.
     assert len(offers) <= 3, [o.get("status", {}).get("roundKey") for o in offers]
 
 
@@ -170,12 +169,7 @@ def test_deleted_pod_is_dropped_and_survivors_reform_fast(
     victim = nodes[2]
     delete_pod(admin_api, rdzv.namespace, victim.pod)
     survivors = nodes[:2]
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
-        10,
-        "survivors told to re-rendezvous",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(survivors, "survivors told to re-rendezvous")
     results = join_all(survivors)
     assert sorted(rank for rank, *_ in results) == [0, 1]
     status = rdzv.status()
@@ -196,12 +190,7 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
     rank0 = next(n for n in nodes if first[n.pod][0] == 0)
     delete_pod(admin_api, rdzv.namespace, rank0.pod)
     survivors = [n for n in nodes if n is not rank0]
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in survivors),
-        10,
-        "survivors told to re-rendezvous",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(survivors, "survivors told to re-rendezvous")
     results = join_all(survivors)
     new_rank0 = next(n for n, r in zip(survivors, results, strict=True) if r[0] == 0)
     assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
@@ -219,12 +208,7 @@ def test_scale_up_is_signalled_and_rank0_stays(
     assert all(n.handler.num_nodes_waiting() == 0 for n in running)
     newcomer = make_nodes(rdzv, 1)[0]
     late = newcomer.join_in_background()
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in running),
-        10,
-        "running nodes see the newcomer",
-        interval=0.02,
-    )
+    fixtures.wait_told_to_rejoin(running, "running nodes see the newcomer")
     results = join_all(running)
     late_info = late.wait()
     assert late_info.world_size == 3 and late_info.rank == 2, "newcomers are appended"
@@ -240,7 +224,7 @@ def test_nodes_beyond_max_wait_without_disturbing_the_round(
     join_all(nodes)
     spare = make_nodes(rdzv, 1)[0]
     waiting = spare.join_in_background()
-    rdzv.wait(lambda s: spare.pod in s.nodes, "spare joined")
+    rdzv.wait_requests(lambda r: spare.pod in r, "spare joined")
     status = rdzv.wait(
         lambda s: s.state is state.RoundState.SEALED and s.nodes_waiting == 0, "round stays sealed"
     )
@@ -290,8 +274,12 @@ def test_join_timeout_names_what_is_missing_and_withdraws(
     with pytest.raises(RendezvousTimeoutError) as error:
         node.handler.next_rendezvous()
     message = str(error.value)
-    assert rdzv.name in message and "1 of minNodes=2" in message and node.pod in message
-    assert rdzv.status().nodes[node.pod].intent is state.NodeIntent.LEAVE
+    assert f"no round of Rendezvous {rdzv.namespace}/{rdzv.name} included node {node.pod}" in (
+        message
+    )
+    assert "(minNodes=2, maxNodes=2); it is Forming after round 0 (members: none)" in message
+    assert f"kubectl get leases -n {rdzv.namespace} -l {state.NODE_LABEL}={rdzv.name}" in message
+    assert rdzv.requests()[node.pod].intent is state.NodeIntent.LEAVE
 
 
 def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
@@ -302,7 +290,7 @@ def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
     wait_for(lambda: "state" in (rdzv.body().get("status") or {}), 30, "operator initialised")
     operator_process.kill()
     joins = [node.join_in_background() for node in nodes]
-    rdzv.wait(lambda s: len(s.nodes) == 3, "all joined while the operator is down")
+    wait_for(lambda: len(rdzv.requests()) == 3, 30, "all joined while the operator is down")
     assert rdzv.status().round == 0
     operator_process.start()
     results = [joining.wait() for joining in joins]

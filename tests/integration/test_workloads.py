@@ -20,7 +20,7 @@ import kubernetes.client
 import pytest
 from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from tests.cluster.waiting import wait_for
-from tests.support.fixtures import Node, Rendezvous
+from tests.support.fixtures import Node, Rendezvous, create_pods, join_all, wait_told_to_rejoin
 
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
@@ -91,11 +91,6 @@ def job_events(
         namespace, field_selector=f"involvedObject.name={job},involvedObject.kind=Job"
     )
     return [(e.type, e.reason, e.message) for e in found.items]
-
-
-def join_all(nodes: list[Node]) -> list[Any]:
-    joins = [node.join_in_background() for node in nodes]
-    return [joining.wait() for joining in joins]
 
 
 def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
@@ -224,12 +219,7 @@ def test_parallelism_up_and_down_grows_and_shrinks_the_world(
     new_pod = next(p for p in pods if p["metadata"]["name"] not in {n.pod for n in first})
     newcomer = attach_nodes(rdzv, [new_pod])[0]
     late = newcomer.join_in_background()
-    wait_for(
-        lambda: all(n.handler.num_nodes_waiting() > 0 for n in first),
-        20,
-        "running nodes see the new pod",
-        interval=0.02,
-    )
+    wait_told_to_rejoin(first, "running nodes see the new pod", timeout=20)
     print(f"parallelism 2->3 to first waiting signal: {time.monotonic() - scaled:.3f} s")
     grown = join_all(first)
     assert late.wait().world_size == 3 and {i.world_size for i in grown} == {3}
@@ -450,41 +440,13 @@ def test_rank_order_groups_newcomers_by_zone(
     make_rendezvous: Callable[..., Rendezvous],
 ) -> None:
     rdzv = make_rendezvous(4, 4, rankOrder={"nodeLabel": "topology.kubernetes.io/zone"})
-    core = kubernetes.client.CoreV1Api(admin_api)
     placement = {
         "p-1": "kwok-node-2",
         "p-2": "kwok-node-0",
         "p-3": "kwok-node-2",
         "p-4": "kwok-node-1",
     }
-    for pod, node in placement.items():
-        core.create_namespaced_pod(
-            workers_namespace,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": pod},
-                "spec": {
-                    "nodeName": node,
-                    "restartPolicy": "Never",
-                    "containers": [{"name": "t", "image": "example.invalid/t"}],
-                },
-            },
-        )
-    pods = wait_for(
-        lambda: (
-            ps
-            if all(
-                ps := [
-                    read_object(core.read_namespaced_pod, p, workers_namespace) for p in placement
-                ]
-            )
-            and all(p["status"].get("phase") == "Running" for p in ps)
-            else None
-        ),
-        60,
-        "pinned pods running",
-    )
+    pods = create_pods(admin_api, workers_namespace, list(placement), placement=placement)
     nodes = attach_nodes(rdzv, pods)
     infos = dict(zip((n.pod for n in nodes), join_all(nodes), strict=True))
     by_rank = [pod for pod, _ in sorted(infos.items(), key=lambda item: item[1].rank)]

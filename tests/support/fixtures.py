@@ -8,7 +8,7 @@ import dataclasses
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.support import invariants
 from tests.support.operator import OperatorProcess
+from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
@@ -133,6 +134,30 @@ class Rendezvous:
 
         return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
 
+    def requests(self) -> dict[str, state.NodeEntry]:
+        """Each node's request, as its own Lease holds it."""
+        coordination = kubernetes.client.CoordinationV1Api(self._custom.api_client)
+        found = coordination.list_namespaced_lease(
+            self.namespace, label_selector=f"{state.NODE_LABEL}={self.name}"
+        )
+        return {
+            lease.spec.holder_identity: state.NodeEntry.from_annotation(raw, lease.metadata.name)
+            for lease in found.items
+            if (raw := (lease.metadata.annotations or {}).get(state.ENTRY_ANNOTATION))
+        }
+
+    def wait_requests(
+        self,
+        predicate: Callable[[dict[str, state.NodeEntry]], bool],
+        message: str,
+        timeout: float = 30,
+    ) -> dict[str, state.NodeEntry]:
+        def check() -> dict[str, state.NodeEntry] | None:
+            current = self.requests()
+            return current if predicate(current) else None
+
+        return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
+
     def events(self) -> list[tuple[str, str, str]]:
         core = kubernetes.client.CoreV1Api(self._custom.api_client)
         found = core.list_namespaced_event(
@@ -200,6 +225,23 @@ class Node:
         return Joining(self)
 
 
+def join_all(nodes: Sequence[Node], timeout: float = 60) -> list[RendezvousInfo]:
+    """All ``nodes`` call ``next_rendezvous()`` at once; their answers, in order."""
+    joins = [node.join_in_background() for node in nodes]
+    return [joining.wait(timeout) for joining in joins]
+
+
+def wait_told_to_rejoin(nodes: Sequence[Node], why: str, timeout: float = 10) -> None:
+    """Until every node's ``num_nodes_waiting()`` is positive: what makes torch's agent
+    restart its workers and call ``next_rendezvous()`` again."""
+    wait_for(
+        lambda: all(node.handler.num_nodes_waiting() > 0 for node in nodes),
+        timeout,
+        why,
+        interval=0.02,
+    )
+
+
 class Joining:
     """``next_rendezvous()`` running in a thread (nodes join concurrently)."""
 
@@ -236,7 +278,7 @@ class Joining:
                 )
             )
 
-    def wait(self, timeout: float = 60) -> Any:
+    def wait(self, timeout: float = 60) -> RendezvousInfo:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), f"{self.node.pod}: next_rendezvous() still blocked"
         if self.error is not None:
@@ -247,12 +289,15 @@ class Joining:
 def create_pods(
     api: kubernetes.client.ApiClient,
     namespace: str,
-    names: list[str],
+    names: Sequence[str],
     service_account: str = "default",
+    placement: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Bare pods, scheduled by kube-scheduler onto kwok nodes; returns them Running."""
+    """Bare pods, scheduled by kube-scheduler onto kwok nodes (or placed by ``placement``,
+    pod name to kwok node name); returns them Running."""
     core = kubernetes.client.CoreV1Api(api)
     for name in names:
+        pinned = {"nodeName": placement[name]} if placement else {}
         core.create_namespaced_pod(
             namespace,
             {
@@ -263,6 +308,7 @@ def create_pods(
                     "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
                     "restartPolicy": "Never",
                     "serviceAccountName": service_account,
+                    **pinned,
                 },
             },
         )

@@ -4,11 +4,13 @@ scripted local server (fast, deterministic; the real API server covers the rest)
 Aspects: 5xx and 429 are retried with backoff until they pass; an API server that stays
 down past the budget, or refuses connections, becomes RendezvousConnectionError saying so;
 403 is not retried and names the role to bind; 404 names the ways to make the Rendezvous;
-422 is a state error; a merge patch carries no resourceVersion (joins never conflict).
+422 is a state error; a join creates the node's Lease once, then merge-patches it without a
+resourceVersion (joins never conflict), and re-creates it if it was deleted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import socket
@@ -116,12 +118,18 @@ def test_unreachable_api_server_is_a_connection_error_that_says_so() -> None:
         rendezvous_client(f"http://127.0.0.1:{port}", retry_seconds=0.3).get()
 
 
+ENTRY = state.NodeEntry("i", 2, "10.0.0.1", 29500)
+
+
+def write_lease(client_: kube.RendezvousClient, entry: state.NodeEntry | None = ENTRY) -> None:
+    client_.write_lease("pod-a", "i", 30, "uid-1", entry)
+
+
 def test_forbidden_is_not_retried_and_names_the_role(server: tuple[str, Script]) -> None:
     host, script = server
     script.statuses = [403]
-    entry = state.NodeEntry("i", 1, "10.0.0.1", 29500)
     with pytest.raises(RendezvousConnectionError, match="ClusterRole k8s-rendezvous-worker"):
-        rendezvous_client(host).write_entry("pod-a", entry)
+        write_lease(rendezvous_client(host))
     assert len(script.requests) == 1
 
 
@@ -136,26 +144,40 @@ def test_rejected_entry_is_a_state_error(server: tuple[str, Script]) -> None:
     host, script = server
     script.statuses = [422]
     with pytest.raises(RendezvousStateError, match="scripted 422"):
-        rendezvous_client(host).write_entry("pod-a", state.NodeEntry("i", 1, "a", 1))
+        write_lease(rendezvous_client(host))
 
 
-def test_join_is_a_merge_patch_of_the_own_entry_without_resource_version(
+def test_join_creates_the_own_lease_once_then_merge_patches_it(
     server: tuple[str, Script],
 ) -> None:
     host, script = server
-    rendezvous_client(host).write_entry("pod-a", state.NodeEntry("i", 2, "10.0.0.1", 29500))
-    ((method, content_type, body),) = script.requests
+    rendezvous = rendezvous_client(host)
+    write_lease(rendezvous)
+    write_lease(rendezvous, dataclasses.replace(ENTRY, attempt=3))
+    write_lease(rendezvous, entry=None)  # a heartbeat
+    (created, joined, beat) = script.requests
+    assert created[0] == "POST"
+    lease = created[2]
+    assert lease is not None
+    assert lease["metadata"]["name"] == "r.pod-a"
+    assert lease["metadata"]["labels"] == {state.NODE_LABEL: "r"}
+    assert lease["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert lease["spec"]["holderIdentity"] == "pod-a"
+    annotations = lease["metadata"]["annotations"]
+    assert state.NodeEntry.from_annotation(annotations[state.ENTRY_ANNOTATION], "e") == ENTRY
+    method, content_type, body = joined
     assert (method, content_type) == ("PATCH", "application/merge-patch+json")
-    assert body == {
-        "status": {
-            "nodes": {
-                "pod-a": {
-                    "instance": "i",
-                    "attempt": 2,
-                    "addr": "10.0.0.1",
-                    "storePort": 29500,
-                    "intent": "Join",
-                }
-            }
-        }
-    }
+    assert body is not None and "resourceVersion" not in body["metadata"]
+    written = body["metadata"]["annotations"][state.ENTRY_ANNOTATION]
+    assert state.NodeEntry.from_annotation(written, "e").attempt == 3
+    assert beat[0] == "PATCH"
+    assert beat[2] is not None and state.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+
+
+def test_a_deleted_lease_is_created_again(server: tuple[str, Script]) -> None:
+    host, script = server
+    rendezvous = rendezvous_client(host)
+    write_lease(rendezvous)
+    script.statuses = [404]
+    write_lease(rendezvous)
+    assert [method for method, _, _ in script.requests] == ["POST", "PATCH", "POST"]

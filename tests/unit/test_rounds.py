@@ -34,6 +34,8 @@ class World:
 
     spec: RendezvousSpec
     status: RendezvousStatus = dataclasses.field(default_factory=RendezvousStatus)
+    requests: dict[str, NodeEntry] = dataclasses.field(default_factory=dict)
+    """Each node's Lease entry."""
     pods: dict[str, rounds.PodObservation] = dataclasses.field(default_factory=dict)
     now: datetime.datetime = T0
     liveness: rounds.Liveness | None = None
@@ -41,15 +43,13 @@ class World:
     instances: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
     def write(self, node: str, entry: NodeEntry) -> None:
-        self.status = dataclasses.replace(self.status, nodes={**self.status.nodes, node: entry})
+        self.requests[node] = entry
 
     def join(self, node: str) -> NodeEntry:
         """``next_rendezvous()`` of the node's agent (a new one if it has none)."""
-        old = self.status.nodes.get(node)
+        old = self.requests.get(node)
         if old is None or old.intent is NodeIntent.CLOSE:
-            entry = NodeEntry(
-                f"i{next(self.instances)}", 1, f"10.0.0.{len(self.status.nodes)}", 29500
-            )
+            entry = NodeEntry(f"i{next(self.instances)}", 1, f"10.0.0.{len(self.requests)}", 29500)
         else:
             entry = dataclasses.replace(old, attempt=old.attempt + 1, intent=NodeIntent.JOIN)
         self.write(node, entry)
@@ -60,7 +60,7 @@ class World:
         self.write(node, NodeEntry(f"i{next(self.instances)}", 1, "10.9.9.9", 29501))
 
     def leave(self, node: str) -> None:
-        self.write(node, dataclasses.replace(self.status.nodes[node], intent=NodeIntent.LEAVE))
+        self.write(node, dataclasses.replace(self.requests[node], intent=NodeIntent.LEAVE))
 
     def kill(self, node: str, reason: str = rounds.LOST_POD_DELETED) -> None:
         self.pods[node] = rounds.PodObservation(reason)
@@ -72,6 +72,7 @@ class World:
         decision = rounds.decide(
             self.spec,
             self.status,
+            self.requests,
             self.pods,
             self.now,
             liveness=self.liveness,
@@ -109,7 +110,7 @@ def test_round_seals_when_max_nodes_join() -> None:
     assert world.status.round == 1
     assert world.ranks() == ["a", "b", "c"]
     assert world.status.master is not None
-    assert world.status.master.addr == world.status.nodes["a"].addr
+    assert world.status.master.addr == world.requests["a"].addr
     assert world.status.round_key == "1-Sealed"
 
 
@@ -197,7 +198,7 @@ def test_losing_rank_zero_moves_master_to_next_survivor() -> None:
     world.decide()
     assert world.ranks() == ["b", "c"]
     assert world.status.master is not None
-    assert world.status.master.addr == world.status.nodes["b"].addr
+    assert world.status.master.addr == world.requests["b"].addr
 
 
 def test_newcomers_are_ordered_naturally() -> None:
@@ -265,7 +266,7 @@ def test_set_closed_closes_for_everyone() -> None:
     world = World(spec(1, 2))
     world.join("a")
     world.decide()
-    world.write("a", dataclasses.replace(world.status.nodes["a"], intent=NodeIntent.CLOSE))
+    world.write("a", dataclasses.replace(world.requests["a"], intent=NodeIntent.CLOSE))
     decision = world.decide()
     assert decision.closed
     assert world.status.state is RoundState.CLOSED
@@ -309,7 +310,7 @@ def test_member_without_heartbeats_expires_after_the_timeout_and_wakes_the_opera
     decision = world.decide()
     assert decision.sealed
     assert decision.wake_at == T0 + datetime.timedelta(seconds=9)
-    beat_a = rounds.Heartbeat(world.status.nodes["a"].instance, T0 + datetime.timedelta(seconds=8))
+    beat_a = rounds.Heartbeat(world.requests["a"].instance, T0 + datetime.timedelta(seconds=8))
     world.liveness = rounds.Liveness({"a": beat_a}, since=T0)
     world.tick(8.9)
     assert world.decide().wake_at == T0 + datetime.timedelta(seconds=9)
@@ -465,9 +466,9 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
     for op, node, seconds in history:
         if op == "join":
             world.join(node)
-        elif op == "restart" and node in world.status.nodes:
+        elif op == "restart" and node in world.requests:
             world.restart_agent(node)
-        elif op == "leave" and node in world.status.nodes:
+        elif op == "leave" and node in world.requests:
             world.leave(node)
         elif op == "kill":
             world.kill(node)
@@ -489,14 +490,14 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
             if status.state is RoundState.SEALED:
                 assert bounds[0] <= len(members) <= bounds[1]
                 assert status.master is not None
-                assert status.master.addr == status.nodes[names[0]].addr
+                assert status.master.addr == world.requests[names[0]].addr
     # No join is lost: once time passes and agents left out of the round re-join (as their
     # num_nodes_waiting() > 0 makes them do), every live node is admitted unless it is full.
     if world.status.state is RoundState.CLOSED:
         return
     live = [
         name
-        for name, entry in world.status.nodes.items()
+        for name, entry in world.requests.items()
         if entry.intent is NodeIntent.JOIN and world.pods[name].gone_reason is None
     ]
     world.tick(1000)  # every last call has passed
@@ -505,7 +506,7 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
             name
             for name in live
             if world.status.state is not RoundState.SEALED
-            or world.status.rank_of(name, world.status.nodes[name]) is None
+            or world.status.rank_of(name, world.requests[name]) is None
         ]
         full = world.status.world_size == bounds[1]
         if world.status.state is RoundState.SEALED and (not stale or full):

@@ -2,7 +2,8 @@
 
 Aspects: codecs round-trip; camelCase on the wire; decode errors name the field; a status
 not yet touched by the operator decodes; the schema version is checked; IPv6 masters are
-bracketed for display only; the status of a large round stays within a size budget; and,
+bracketed for display only; a node's entry round-trips through its Lease annotation; the
+status of a large round stays within a size budget; and,
 fuzzed, no input makes the decoder raise anything but ``DecodeError``.
 """
 
@@ -42,7 +43,6 @@ def sealed_status(nodes: int) -> state.RendezvousStatus:
             state.Condition("Ready", "True", "RoundSealed", "ok", NOW.replace(microsecond=0), 2),
         ),
         observed_generation=2,
-        nodes=entries,
     )
 
 
@@ -55,13 +55,6 @@ def test_status_round_trips_through_json() -> None:
 def test_wire_names_are_camel_case() -> None:
     wire = sealed_status(2).to_dict()
     assert {"roundKey", "worldSize", "nodesWaiting", "sealedAt", "schemaVersion"} <= set(wire)
-    assert set(next(iter(wire["nodes"].values()))) == {
-        "instance",
-        "attempt",
-        "addr",
-        "storePort",
-        "intent",
-    }
     assert wire["roundKey"] == "7-Sealed"
     assert wire["worldSize"] == 2
 
@@ -89,15 +82,23 @@ def test_spec_errors_name_the_field(raw: object, message: str) -> None:
         state.RendezvousSpec.from_dict(raw)
 
 
-def test_status_without_operator_fields_keeps_node_entries() -> None:
-    raw = {
-        "nodes": {
-            "p": {"instance": "i", "attempt": 1, "addr": "a", "storePort": 5, "intent": "Join"}
-        }
+def test_status_not_yet_written_by_the_operator_is_the_initial_one() -> None:
+    status = state.RendezvousStatus.from_dict({})
+    assert status == state.RendezvousStatus()
+    assert status.state is state.RoundState.FORMING and status.round_key == "0-Forming"
+
+
+def test_entry_round_trips_through_its_lease_annotation() -> None:
+    entry = state.NodeEntry("i-1", 3, "fd00::7", 29500, state.NodeIntent.LEAVE)
+    text = entry.to_annotation()
+    assert json.loads(text) == {
+        "instance": "i-1",
+        "attempt": 3,
+        "addr": "fd00::7",
+        "storePort": 29500,
+        "intent": "Leave",
     }
-    status = state.RendezvousStatus.from_dict(raw)
-    assert status.state is state.RoundState.FORMING
-    assert status.nodes["p"].store_port == 5
+    assert state.NodeEntry.from_annotation(text, "entry") == entry
 
 
 def test_other_schema_version_is_refused_with_upgrade_advice() -> None:
@@ -113,18 +114,10 @@ def test_member_rank_must_match_its_position() -> None:
         state.RendezvousStatus.from_dict(raw)
 
 
-def test_bad_node_entry_names_the_pod() -> None:
-    raw = sealed_status(1).to_dict()
-    raw["nodes"]["bad-pod"] = {
-        "instance": "i",
-        "attempt": 1,
-        "addr": "a",
-        "storePort": 1,
-        "intent": "Fly",
-    }
-    with pytest.raises(
-        state.DecodeError, match=r"status.nodes\[bad-pod\].intent: 'Fly' is not one of"
-    ):
+def test_bad_member_names_the_field() -> None:
+    raw = sealed_status(2).to_dict()
+    raw["members"][1]["attempt"] = 0
+    with pytest.raises(state.DecodeError, match=r"status.members\[1\].attempt: must be at least 1"):
         state.RendezvousStatus.from_dict(raw)
 
 
@@ -140,9 +133,9 @@ def test_round_key_of_closed_rendezvous() -> None:
 
 def test_status_of_a_1000_node_round_stays_under_budget() -> None:
     # Every pod receives this object once per round it waits for; keep it lean. Measured
-    # 257 bytes per node with 28-character pod names (entry + member); guard against growth.
+    # 129 bytes per node with 28-character pod names (its member entry); guard against growth.
     size = len(json.dumps(sealed_status(1000).to_dict(), separators=(",", ":")))
-    assert size < 270_000, size
+    assert size < 140_000, size
 
 
 json_values = st.recursive(
@@ -165,7 +158,9 @@ def test_decoder_raises_only_decode_error(value: object) -> None:
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(
     mutation=st.tuples(
-        st.sampled_from(["state", "round", "members", "master", "nodes", "conditions", "sealedAt"]),
+        st.sampled_from(
+            ["state", "round", "members", "master", "leftBehind", "conditions", "sealedAt"]
+        ),
         json_values,
     )
 )

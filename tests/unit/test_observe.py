@@ -1,0 +1,62 @@
+"""How the operator reads a node's Lease: only the Lease named after its holder speaks for
+that node, and an entry it cannot read is reported, never guessed at."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k8s_rendezvous import state
+from k8s_rendezvous_operator import observe
+
+ENTRY = state.NodeEntry("i-1", 2, "10.0.0.7", 29500)
+
+
+def lease(name: str = "train.pod-a", holder: str = "pod-a", **annotations: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {state.NODE_LABEL: "train"},
+            "annotations": {state.INSTANCE_ANNOTATION: "i-1", **annotations},
+        },
+        "spec": {"holderIdentity": holder},
+    }
+
+
+def test_a_lease_gives_the_node_its_instance_and_its_request() -> None:
+    seen = observe.observe_lease(lease(**{state.ENTRY_ANNOTATION: ENTRY.to_annotation()}))
+    assert seen == observe.LeaseObservation("train", "pod-a", "i-1", ENTRY)
+
+
+def test_a_heartbeat_before_any_request_has_no_entry() -> None:
+    seen = observe.observe_lease(lease())
+    assert seen is not None and seen.entry is None and seen.problem is None
+
+
+def test_a_lease_not_named_after_its_holder_speaks_for_nobody() -> None:
+    assert observe.observe_lease(lease(name="train.pod-b")) is None
+    assert observe.observe_lease(lease(holder="pod-b")) is None
+    unlabelled = lease()
+    del unlabelled["metadata"]["labels"]
+    assert observe.observe_lease(unlabelled) is None
+
+
+def test_long_names_use_the_hashed_lease_name() -> None:
+    pod = "p" * 253
+    name = state.lease_name("train", pod)
+    assert len(name) <= 253
+    seen = observe.observe_lease(lease(name=name, holder=pod))
+    assert seen is not None and seen.node == pod
+
+
+def test_an_unreadable_entry_is_a_named_problem() -> None:
+    for raw, words in [
+        ("{not json", "not JSON"),
+        ('{"instance": "i"}', "attempt"),
+        (state.NodeEntry("i" * 65, 1, "a", 1).to_annotation(), "1 to 64 characters"),
+        (state.NodeEntry("i", 1, "a" * 254, 1).to_annotation(), "1 to 253 characters"),
+        (state.NodeEntry("i", 1, "a", 70000).to_annotation(), "at most 65535"),
+    ]:
+        seen = observe.observe_lease(lease(**{state.ENTRY_ANNOTATION: raw}))
+        assert seen is not None and seen.entry is None
+        assert seen.problem is not None and words in seen.problem, (raw, seen.problem)
+        assert state.ENTRY_ANNOTATION in seen.problem
