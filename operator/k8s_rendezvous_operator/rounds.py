@@ -299,9 +299,7 @@ def decide(
         closed = _closed(status, *close)
         return Decision(_with_conditions(closed, now, generation), closed=True)
 
-    closer = next(
-        (n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None
-    )
+    closer = next((n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None)
     if closer is not None:
         closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
         return Decision(_with_conditions(closed, now, generation), closed=True)
@@ -411,7 +409,7 @@ def _form(
 ) -> Decision:
     lost_nodes = {loss.node for loss in losses}
     pending = [m for m in status.members if m.node not in lost_nodes and m.node not in joiners]
-    # A lost member's join request was spent on the round it is lost from. Its entry may
+    # A lost member's join request was spent on the round it is lost from. Its Lease may
     # still hold it (a hung agent, a restarted container): unless its agent asks again (a
     # new attempt), it must not count as waiting, or the next round would go stale at once
     # and seal with a node that is not there.
@@ -419,7 +417,7 @@ def _form(
         m
         for m in status.members
         if m.node in lost_nodes
-        and (entry := status.nodes.get(m.node)) is not None
+        and (entry := requests.get(m.node)) is not None
         and entry.intent is NodeIntent.JOIN
         and m.admits(entry)
         and not (pods.get(m.node) or PodObservation()).gone_reason  # as the filter in decide()

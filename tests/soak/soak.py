@@ -502,7 +502,6 @@ class Soak:
     def _describe(self) -> str:
         """The status and the agents, for a stall's report."""
         status = self._status()
-        nodes = {name: (e.intent.value, e.instance, e.attempt) for name, e in status.nodes.items()}
         members = [(m.node, m.instance, m.attempt) for m in status.members]
         agents = {
             p.name: (
@@ -518,7 +517,7 @@ class Soak:
         return (
             f"{status.state.value} round {status.round} waiting {status.nodes_waiting} "
             f"members {members} left behind {[m.node for m in status.left_behind]} "
-            f"nodes {nodes} agents {agents}"
+            f"agents {agents}"
         )
 
     def _check(self, *, final: bool) -> None:

@@ -341,9 +341,7 @@ def test_a_member_dropped_for_its_heartbeat_is_not_readmitted_on_its_spent_join(
         world.join(node)
     assert world.decide().sealed
     alive = {
-        node: rounds.Heartbeat(
-            world.status.nodes[node].instance, T0 + datetime.timedelta(seconds=8)
-        )
+        node: rounds.Heartbeat(world.requests[node].instance, T0 + datetime.timedelta(seconds=8))
         for node in ("b", "c")
     }
     world.liveness = rounds.Liveness(alive, since=T0)
