@@ -123,3 +123,66 @@ def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
             f"frozen rank 0: survivors told after {detected:.2f} s, new round sealed "
             f"{reformed:.2f} s after SIGSTOP (heartbeatTimeoutSeconds={HEARTBEAT_TIMEOUT})"
         )
+
+
+def test_a_node_frozen_while_joining_returns_its_old_round_then_joins_a_later_one(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    pod_environment: Callable[..., dict[str, str]],
+    tmp_path: Path,
+) -> None:
+    """Frozen inside next_rendezvous(): its request is sealed into round 1 without its
+    knowing, and it is dropped from it. Thawed, it returns round 1 (the event was waiting
+    in its socket), a round already over: told so at once, it joins a later round with a
+    fresh rank. It sorts last: frozen as rank 0, its store would hold the others' TCPStore
+    connect until read_timeout."""
+    rdzv = make_rendezvous(
+        2, 3, heartbeatTimeoutSeconds=HEARTBEAT_TIMEOUT, lastCallTimeoutSeconds=30
+    )
+    (pod,) = create_pods(admin_api, workers_namespace, ["zfrozen-0"])
+    survivors = make_nodes(rdzv, 2)
+    env = pod_environment(pod, "127.0.0.51")
+    with NodeProcess(env, rdzv.name, "2:3", tmp_path / "zfrozen-0.log") as frozen:
+        assert frozen.answer(60)["ready"] == frozen.pid
+        frozen.send("next")
+        rdzv.wait_requests(lambda r: "zfrozen-0" in r, "the node's join is recorded")
+        frozen.freeze()
+        first = [node.join_in_background() for node in survivors]
+        assert sorted(j.wait(60).rank for j in first) == [0, 1]
+        assert [m.node for m in rdzv.status().members][-1] == "zfrozen-0", "sealed in, unaware"
+
+        wait_for(
+            lambda: all(node.handler.num_nodes_waiting() > 0 for node in survivors),
+            HEARTBEAT_TIMEOUT + 30,
+            "the frozen member is dropped",
+            interval=0.05,
+        )
+        second = [node.join_in_background() for node in survivors]
+        assert sorted(j.wait(60).rank for j in second) == [0, 1]
+        assert rdzv.status().round == 2
+
+        frozen.thaw()
+        old = frozen.answer(60)
+        record(rdzv, "zfrozen-0", old)
+        assert (old["round"], old["rank"], old["world_size"]) == (1, 2, 3), old
+        wait_for(
+            lambda: frozen.ask("waiting", 30)["waiting"] > 0,
+            30,
+            "the thawed node learns its round is over (its watch catches up)",
+        )
+        assert rdzv.status().round_key == "2-Sealed", "its return alone changes nothing"
+
+        frozen.send("next")
+        wait_for(
+            lambda: all(node.handler.num_nodes_waiting() > 0 for node in survivors),
+            30,
+            "the survivors are told a node waits",
+            interval=0.05,
+        )
+        third = [node.join_in_background() for node in survivors]
+        back = frozen.answer(60)
+        record(rdzv, "zfrozen-0", back)
+        assert sorted(j.wait(60).rank for j in third) == [0, 1]
+        assert (back["round"], back["rank"], back["world_size"]) == (3, 2, 3), back
