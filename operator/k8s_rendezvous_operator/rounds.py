@@ -297,9 +297,7 @@ def decide(
         closed = _closed(status, *close)
         return Decision(_with_conditions(closed, now, generation), closed=True)
 
-    closer = next(
-        (n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None
-    )
+    closer = next((n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None)
     if closer is not None:
         closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
         return Decision(_with_conditions(closed, now, generation), closed=True)
