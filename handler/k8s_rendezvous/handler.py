@@ -1,10 +1,11 @@
 """``KubernetesRendezvousHandler``: torchrun's ``--rdzv-backend=kubernetes``.
 
 A node joins by writing its entry into its own Lease and waits, on a watch of the
-Rendezvous filtered by the API server, for the operator to seal a round that includes it. Each join
-offers a fresh TCPStore and reports its port; the one of the round's rank 0 serves the
-round (the agents' keys prefixed per round) and its workers, who expect a new store every
-round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never from a cache.
+Rendezvous filtered by the API server, for the operator to seal a round that includes it.
+Each join offers a fresh TCPStore and reports its port; the one of the round's rank 0
+serves the round (the agents' keys prefixed per round) and its workers, who expect a new
+store every round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never
+from a cache.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class RoundWatcher:
             return self._object
 
     def offer(self, obj: Mapping[str, Any]) -> None:
-        """Take ``obj`` if it is newer than what we hold (watch events, patch responses)."""
+        """Take ``obj`` if it is newer than what we hold (watch events, reads)."""
         version = _version_number(obj)
         raw_status = obj.get("status") or {}
         with self._changed:

@@ -218,19 +218,19 @@ class Reconciler:
             self._heartbeats.pop(pod, None)
         else:
             self._heartbeats[pod] = rounds.Heartbeat(lease.instance, self._clock())
-        if lease.problem and not deleted and self._lease_problems.get(pod) != lease.problem:
+        problem = None if deleted else lease.problem
+        if problem is None:
+            self._lease_problems.pop(pod, None)
+        elif self._lease_problems.get(pod) != problem:  # said once per distinct problem
+            self._lease_problems[pod] = problem
             message = (
                 f"pod {lease.node} wrote a request this operator cannot read, so it is not "
-                f"counted: {lease.problem}. Run the same k8s-rendezvous version in the pods "
-                "as in the operator."
+                f"counted: {problem}. Run the same k8s-rendezvous version in the pods as in "
+                "the operator."
             )
             log.warning("Rendezvous %s/%s: %s", *key, message)
             target = self._bodies.get(key) or body
             kopf.warn(kopf.Body(cast(kopf.RawBody, target)), reason="InvalidEntry", message=message)
-        if lease.problem and not deleted:
-            self._lease_problems[pod] = lease.problem
-        else:
-            self._lease_problems.pop(pod, None)
         entry = None if deleted else lease.entry
         entries = self._entries.get(key)
         if entries is None:
@@ -337,7 +337,7 @@ class Reconciler:
             fields = decision.status.operator_fields()
             if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
                 try:
-                    response = await asyncio.to_thread(
+                    written = await asyncio.to_thread(
                         self._api.write_status,
                         namespace,
                         name,
@@ -352,8 +352,8 @@ class Reconciler:
                 except kube.NotFound:
                     self._bodies.pop(key, None)
                     return
-                self._remember(key, response)
-                self._report(response, current, decision, now)
+                self._remember(key, written)
+                self._report(written, current, decision, now)
                 self._count(key, current, decision, now)
             self._wake_at(key, decision.wake_at)
             return

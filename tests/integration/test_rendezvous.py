@@ -393,6 +393,33 @@ def test_status_edited_into_nonsense_is_refused_with_a_condition_and_then_recove
     assert join_all(nodes[:1])[0][1] == 1
 
 
+def test_an_unreadable_request_is_reported_and_not_counted(
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, admin_api: kubernetes.client.ApiClient
+) -> None:
+    rdzv = make_rendezvous(1, 2)
+    nodes = make_nodes(rdzv, 2)
+    join_all(nodes)
+    broken = nodes[1]
+    kubernetes.client.CoordinationV1Api(admin_api).patch_namespaced_lease(
+        state.lease_name(rdzv.name, broken.pod),
+        rdzv.namespace,
+        {"metadata": {"annotations": {state.ENTRY_ANNOTATION: '{"instance": 7}'}}},
+        _content_type="application/merge-patch+json",
+    )
+
+    def reported() -> str | None:
+        return next(
+            (m for _, reason, m in rdzv.events() if reason == "InvalidEntry"),
+            None,
+        )
+
+    message = wait_for(reported, 20, "InvalidEntry event")
+    assert f"pod {broken.pod} wrote a request this operator cannot read" in message
+    assert f"{state.ENTRY_ANNOTATION}.instance: expected a string, got 7" in message
+    fixtures.wait_told_to_rejoin(nodes[:1], "its member is dropped, the survivor told")
+    assert [world for _, world, *_ in join_all(nodes[:1])] == [1]
+
+
 @pytest.mark.metrics
 def test_operator_metrics_count_rounds_losses_and_seal_latency(
     make_rendezvous: MakeRendezvous,
