@@ -96,11 +96,23 @@ SECTIONS = ("import", "seal", "failure", "scaleup", "scale", "live")
 
 class Runner:
     def __init__(
-        self, mode: str, out: Path, backends: list[str], work: Path, sections: list[str]
+        self,
+        mode: str,
+        out: Path,
+        backends: list[str],
+        work: Path,
+        sections: list[str],
+        seal_sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.mode = mode
         self.sections = sections
         self.plan = PLANS[mode]
+        if seal_sizes:
+            self.plan = dataclasses.replace(
+                self.plan,
+                seal_ours=tuple(n for n in self.plan.seal_ours if n in seal_sizes),
+                seal_torch=tuple(n for n in self.plan.seal_torch if n in seal_sizes),
+            )
         self.out = out
         self.backends = backends
         self.work = work
@@ -427,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; for development)",
     )
+    parser.add_argument(
+        "--seal-sizes",
+        default="",
+        help="comma-separated subset of the mode's N for the seal section (default: all)",
+    )
     args = parser.parse_args(argv)
     out: Path = args.out or (
         REPO / "bench" / "results" / ("" if args.mode == "full" else args.mode)
@@ -436,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     work = out / "logs"  # operator, worker and etcd logs (git-ignored)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    runner = Runner(args.mode, out, backends, work, args.sections.split(","))
+    seal_sizes = tuple(int(n) for n in args.seal_sizes.split(",") if n)
+    runner = Runner(args.mode, out, backends, work, args.sections.split(","), seal_sizes)
     runner.log(f"mode {args.mode}: results into {out}; logs in {work}")
     results = runner.run()
     report.finish(results)
