@@ -206,6 +206,13 @@ class Agent:
         try:
             info = self.handler.next_rendezvous()
         except Exception as error:
+            log.info(
+                "%s: next_rendezvous() raised %s (its pod %s): %s",
+                self.pod,
+                type(error).__name__,
+                "was deleted" if self._dead.is_set() else "lives",
+                error,
+            )
             self._soak.joined(invariants.Outcome(self.pod, error=type(error).__name__), error)
             return False
         joined = self.handler._joined
