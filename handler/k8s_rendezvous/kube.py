@@ -40,6 +40,10 @@ _TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
 _REQUEST_TIMEOUT: Final = (5, 30)
 """Connect and read timeouts of every request but watches: a request caught by an API
 server restart must fail and be retried, not hang the join forever."""
+_REFUSAL_GRACE_SECONDS: Final = 5.0
+"""How long 401 and 403 are retried (within the retry budget): a kube-apiserver that has
+just restarted refuses requests until its authorizer has loaded the roles. A lasting
+refusal (a missing RoleBinding) is still named within seconds."""
 _T = TypeVar("_T")
 
 
@@ -292,13 +296,19 @@ class RendezvousClient:
         return cast(dict[str, Any], self._call(what, request))
 
     def _call(self, what: str, request: Callable[[], _T]) -> _T:
-        deadline = time.monotonic() + self.retry_seconds
+        started = time.monotonic()
+        deadline = started + self.retry_seconds
+        refusal_deadline = started + min(self.retry_seconds, _REFUSAL_GRACE_SECONDS)
         delay = 0.05
         while True:
             try:
                 return request()
             except ApiException as error:
-                if error.status not in _TRANSIENT_STATUS or time.monotonic() >= deadline:
+                now = time.monotonic()
+                transient = error.status in _TRANSIENT_STATUS or (
+                    error.status in (401, 403) and now < refusal_deadline
+                )
+                if not transient or now >= deadline:
                     raise self._error(what, error) from error
                 failure: Exception = error
             except (urllib3.exceptions.HTTPError, OSError) as error:

@@ -61,7 +61,8 @@ def lease_name(rendezvous: str, node: str) -> str:
     if len(name) <= 253:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-    return f"{name[:236]}.{digest}"
+    # A DNS subdomain's labels end in an alphanumeric: no "-." or ".." at the cut.
+    return f"{name[:236].rstrip('-.')}.{digest}"
 
 
 class DecodeError(ValueError):

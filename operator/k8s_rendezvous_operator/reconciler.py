@@ -60,7 +60,7 @@ class Reconciler:
         self._waiting: dict[Key, int] = {}
         self._bodies: dict[Key, dict[str, Any]] = {}
         self._pods: dict[Key, rounds.PodObservation] = {}
-        self._labelling: set[Key] = set()
+        self._labelling: dict[Key, asyncio.Task[None]] = {}
         self._labelled: set[Key] = set()
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._again: set[Key] = set()
@@ -334,6 +334,11 @@ class Reconciler:
                 close=job.finished if job else None,
                 generation=int(body["metadata"].get("generation", 0)),
             )
+            if decision.sealed and (unseen := self._unseen_members(namespace, decision)):
+                # Labelling a pod is how a restarted operator learns that a pod behind an
+                # old request is gone: never seal such a request in before the answer.
+                await asyncio.wait(unseen, timeout=10)
+                continue
             fields = decision.status.operator_fields()
             if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
                 try:
@@ -502,6 +507,17 @@ class Reconciler:
                 message=f"{status.closed_reason}: {status.closed_message}",
             )
 
+    def _unseen_members(
+        self, namespace: str, decision: rounds.Decision
+    ) -> list[asyncio.Task[None]]:
+        """The labelling still under way of members whose pods we have not observed."""
+        return [
+            task
+            for member in decision.status.members
+            if (namespace, member.node) not in self._pods
+            and (task := self._labelling.get((namespace, member.node))) is not None
+        ]
+
     def _label_pods(
         self, namespace: str, rendezvous: str, requests: Mapping[str, state.NodeEntry]
     ) -> None:
@@ -509,8 +525,8 @@ class Reconciler:
             pod = (namespace, node)
             if pod in self._pods or pod in self._labelling or pod in self._labelled:
                 continue
-            self._labelling.add(pod)
-            asyncio.get_running_loop().create_task(self._label_pod(pod, rendezvous))
+            task = asyncio.get_running_loop().create_task(self._label_pod(pod, rendezvous))
+            self._labelling[pod] = task
 
     async def _label_pod(self, pod: Key, rendezvous: str) -> None:
         try:
@@ -521,7 +537,7 @@ class Reconciler:
         except Exception:
             log.exception("labelling pod %s/%s failed; it is retried on the next change", *pod)
         finally:
-            self._labelling.discard(pod)
+            self._labelling.pop(pod, None)
 
 
 # -- kopf registrations ------------------------------------------------------------------

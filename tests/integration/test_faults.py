@@ -36,14 +36,6 @@ def join_all(nodes: list[Node]) -> list[int]:
     return sorted(joining.wait(120).rank for joining in joins)
 
 
-@pytest.mark.xfail(
-    reason="known bug, cause found: a join sent while kube-apiserver restarts can reach the "
-    'new server before its RBAC authorizer has loaded the roles and get 403 ("cannot get '
-    'resource rendezvous", sometimes "clusterrole k8s-rendezvous-worker not found"); 403 '
-    "is not retried, so those nodes give up at once with RendezvousConnectionError and the "
-    "others wait for minNodes until the join timeout (seen 1 run in 2 to 3 on 2 cores)",
-    strict=False,
-)
 def test_api_server_restarted_during_joins_delays_but_loses_nothing(
     make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, control_plane: ControlPlane
 ) -> None:
@@ -190,12 +182,6 @@ def test_node_clock_does_not_change_decisions(
     assert not any(nodes[0].pod in m for m in lost), "renewals stamped 3 h ago still count"
 
 
-@pytest.mark.xfail(
-    reason="known bug (found by the soak): a restarted operator decides before it has "
-    "observed the pods behind the join entries, so the stale join of a pod deleted earlier "
-    "is admitted into a round; the round goes stale only once labelling finds the pod gone",
-    strict=True,
-)
 def test_a_restarted_operator_does_not_admit_the_join_of_a_pod_deleted_before(
     make_rendezvous: MakeRendezvous,
     make_nodes: MakeNodes,

@@ -58,13 +58,6 @@ def test_a_short_soak_of_random_faults_breaks_no_invariant(
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    reason="known bug: a restarted operator admits the stale join of a pod deleted before "
-    "it started (tests/integration/test_faults.py::"
-    "test_a_restarted_operator_does_not_admit_the_join_of_a_pod_deleted_before); the "
-    "survivors then fail to reach that dead rank 0's store (DistNetworkError)",
-    strict=False,
-)
 def test_a_short_soak_with_operator_kills_breaks_no_invariant(
     control_plane: ControlPlane,
     admin_api: kubernetes.client.ApiClient,

@@ -3,7 +3,8 @@ scripted local server (fast, deterministic; the real API server covers the rest)
 
 Aspects: 5xx and 429 are retried with backoff until they pass; an API server that stays
 down past the budget, or refuses connections, becomes RendezvousConnectionError saying so;
-403 is not retried and names the role to bind; 404 names the ways to make the Rendezvous;
+401 and 403 are retried only briefly (a restarted API server refuses until its authorizer
+is ready), then name the role to bind; 404 names the ways to make the Rendezvous;
 422 is a state error; a join creates the node's Lease once, then merge-patches it without a
 resourceVersion (joins never conflict), and re-creates it if it was deleted.
 """
@@ -125,12 +126,25 @@ def write_lease(client_: kube.RendezvousClient, entry: state.NodeEntry | None = 
     client_.write_lease("pod-a", "i", 30, "uid-1", entry)
 
 
-def test_forbidden_is_not_retried_and_names_the_role(server: tuple[str, Script]) -> None:
+def test_lasting_refusal_is_retried_briefly_then_names_the_role(
+    server: tuple[str, Script],
+) -> None:
     host, script = server
-    script.statuses = [403]
+    script.statuses = [403] * 1000
+    started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="ClusterRole k8s-rendezvous-worker"):
-        write_lease(rendezvous_client(host))
-    assert len(script.requests) == 1
+        write_lease(rendezvous_client(host, retry_seconds=0.5))
+    assert 0.5 <= time.monotonic() - started < 5, "bounded by the budget"
+    assert len(script.requests) > 1
+
+
+def test_refusal_of_a_restarting_api_server_passes(server: tuple[str, Script]) -> None:
+    """Right after a restart, kube-apiserver answers 403 until its authorizer has loaded
+    the roles; such a refusal must not cost the join."""
+    host, script = server
+    script.statuses = [403, 401, 200]
+    assert rendezvous_client(host).get()["metadata"]["name"] == "r"
+    assert len(script.requests) == 3
 
 
 def test_missing_rendezvous_names_the_ways_to_make_it(server: tuple[str, Script]) -> None:

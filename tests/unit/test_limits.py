@@ -12,7 +12,6 @@ import json
 import re
 
 import hypothesis
-import pytest
 from hypothesis import strategies as st
 
 from k8s_rendezvous import state
@@ -37,12 +36,6 @@ def longest(length: int, prefix: str) -> str:
     return (prefix + "-" + "x" * length)[: length - 1] + "z"
 
 
-@pytest.mark.xfail(
-    reason="known bug: lease_name cuts <rendezvous>.<pod> at 236 characters without "
-    "trimming, so a cut after a '-' or '.' makes an invalid name (here 'x-.<hash>'), "
-    "refused by the API server: that pod can never renew its heartbeat",
-    strict=True,
-)
 def test_a_shortened_lease_name_cut_after_a_dash_is_still_a_valid_name() -> None:
     rendezvous = longest(63, "r")
     pod = "p" * (236 - 64 - 1) + "-" + "q" * 80  # the cut falls right after the '-'
