@@ -51,7 +51,12 @@ def observe_lease(body: Mapping[str, Any]) -> LeaseObservation | None:
     metadata = body.get("metadata") or {}
     rendezvous = (metadata.get("labels") or {}).get(state.NODE_LABEL)
     node = (body.get("spec") or {}).get("holderIdentity")
-    if not rendezvous or not node or metadata.get("name") != state.lease_name(rendezvous, node):
+    if (
+        not rendezvous
+        or not node
+        or len(node) > 253  # not a pod's name: it could never be a member
+        or metadata.get("name") != state.lease_name(rendezvous, node)
+    ):
         return None
     annotations = metadata.get("annotations") or {}
     raw = annotations.get(state.ENTRY_ANNOTATION)

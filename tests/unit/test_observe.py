@@ -35,6 +35,8 @@ def test_a_heartbeat_before_any_request_has_no_entry() -> None:
 def test_a_lease_not_named_after_its_holder_speaks_for_nobody() -> None:
     assert observe.observe_lease(lease(name="train.pod-b")) is None
     assert observe.observe_lease(lease(holder="pod-b")) is None
+    too_long = "p" * 254
+    assert observe.observe_lease(lease(state.lease_name("train", too_long), too_long)) is None
     unlabelled = lease()
     del unlabelled["metadata"]["labels"]
     assert observe.observe_lease(unlabelled) is None
