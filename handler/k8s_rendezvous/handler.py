@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous import (
 from k8s_rendezvous import BACKEND_NAME, kube, state
 from k8s_rendezvous.errors import (
     KubernetesRendezvousClosedError,
+    KubernetesRendezvousConnectionError,
     KubernetesRendezvousStateError,
     KubernetesRendezvousTimeoutError,
     RendezvousNotFoundError,
@@ -392,12 +393,21 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             round_store: Store = offered
         else:
             self._retired, self._serving = self._serving, None
-            round_store = TCPStore(
-                host_name=status.master.addr,
-                port=status.master.port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=self._read_timeout),
-            )
+            try:
+                round_store = TCPStore(
+                    host_name=status.master.addr,
+                    port=status.master.port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=self._read_timeout),
+                )
+            except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
+                raise KubernetesRendezvousConnectionError(
+                    f"node {self._node} is rank {rank} of round {status.round} of "
+                    f"{self._client.reference} but could not reach the round's store at "
+                    f"{status.master.endpoint} (rank 0, pod {status.members[0].node}) within "
+                    f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left or died "
+                    "since the round was sealed; the next next_rendezvous() joins a new round."
+                ) from error
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
         return RendezvousInfo(
             store,
