@@ -20,7 +20,7 @@ import kubernetes.client
 import pytest
 from tests.cluster.waiting import wait_for
 from tests.support import invariants
-from tests.support.fixtures import Node, Rendezvous, create_pods
+from tests.support.fixtures import Node, Rendezvous, create_pods, wait_told_to_rejoin
 from tests.support.node_process import NodeProcess
 
 from k8s_rendezvous import state
@@ -105,12 +105,7 @@ def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
         )
         # ...and re-rendezvouses: a later round, a fresh rank after the survivors.
         frozen.send("next")
-        wait_for(
-            lambda: all(node.handler.num_nodes_waiting() > 0 for node in survivors),
-            30,
-            "the survivors are told a node waits",
-            interval=0.05,
-        )
+        wait_told_to_rejoin(survivors, "the survivors are told a node waits", timeout=30)
         third_joins = [node.join_in_background() for node in survivors]
         back = frozen.answer(60)
         record(rdzv, "frozen-0", back)
@@ -175,12 +170,7 @@ def test_a_node_frozen_while_joining_returns_its_old_round_then_joins_a_later_on
         assert rdzv.status().round_key == "2-Sealed", "its return alone changes nothing"
 
         frozen.send("next")
-        wait_for(
-            lambda: all(node.handler.num_nodes_waiting() > 0 for node in survivors),
-            30,
-            "the survivors are told a node waits",
-            interval=0.05,
-        )
+        wait_told_to_rejoin(survivors, "the survivors are told a node waits", timeout=30)
         third = [node.join_in_background() for node in survivors]
         back = frozen.answer(60)
         record(rdzv, "zfrozen-0", back)
