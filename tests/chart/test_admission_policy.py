@@ -6,6 +6,7 @@ operator, admins and other controllers' Leases are left alone."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -71,11 +72,33 @@ def leave(node: str) -> dict[str, Any]:
 def pod_a(
     control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient, workers_namespace: str
 ) -> PodClient:
+    """pod-a's client, once the policy is enforced."""
     (pod,) = create_pods(admin_api, workers_namespace, ["pod-a"])
     token = control_plane.token_for(
         workers_namespace, "default", pod_name="pod-a", pod_uid=pod["metadata"]["uid"]
     )
-    return PodClient(control_plane.client_for_token(token), workers_namespace)
+    client = PodClient(control_plane.client_for_token(token), workers_namespace)
+    wait_until_enforced(client, PodClient(admin_api, workers_namespace))
+    return client
+
+
+def wait_until_enforced(pod: PodClient, admin: PodClient, within: float = 60.0) -> None:
+    """The API server applies a new policy once its admission plugin has seen the policy
+    and its binding, a moment after `helm install --wait` returns: probe with a Lease in
+    another pod's name until it is refused (removing each probe that got through)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            pod.create_lease("policy-probe.pod-z", "pod-z", "policy-probe")
+        except ApiException as error:
+            if error.status == 403:
+                return
+            raise
+        admin.custom.delete_namespaced_custom_object(
+            "coordination.k8s.io", "v1", admin.namespace, "leases", "policy-probe.pod-z"
+        )
+        assert time.monotonic() < deadline, f"the admission policy was not enforced in {within} s"
+        time.sleep(0.2)  # polling interval while the plugin catches up, not a stand-in wait
 
 
 @pytest.fixture
