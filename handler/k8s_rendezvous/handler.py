@@ -53,6 +53,9 @@ CONFIG_KEYS: Final = {
     "heartbeat_timeout": _SPEC_TIMEOUT,
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
+_FIRST_EVENT_SECONDS: Final = 2.0
+"""How long the first join waits for the watch to deliver the Rendezvous before reading it
+(the watch says nothing while the Rendezvous is missing, e.g. until a pod creates it)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
@@ -96,7 +99,7 @@ class RoundWatcher:
         self._raw_round_key: str | None = None
         self._version = -1
         self._version_text: str | None = None
-        """The resourceVersion of what we hold, to watch from; None: read the object."""
+        """The resourceVersion of what we hold, to watch from; None: the current state."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -139,6 +142,13 @@ class RoundWatcher:
                 self._decode_error = error
             self._changed.notify_all()
 
+    def wait_for_object(self, deadline: float) -> Mapping[str, Any] | None:
+        """The first object the watch delivers, or ``None`` by the monotonic ``deadline``."""
+        with self._changed:
+            while self._object is None and (remaining := deadline - time.monotonic()) > 0:
+                self._changed.wait(remaining)
+            return self._object
+
     def wait(
         self, done: Callable[[state.RendezvousStatus], bool], deadline: float
     ) -> state.RendezvousStatus | None:
@@ -163,12 +173,8 @@ class RoundWatcher:
             try:
                 with self._changed:
                     key, version = self._raw_round_key, self._version_text
-                if version is None:  # nothing known, or lost track: read the object once
-                    obj, version = self._client.list_unless(key)
-                    if obj is not None:
-                        self.offer(obj)
-                        continue
-                # A watch from a known version misses nothing after it: no LIST per round.
+                # From a known version the watch misses nothing after it; from none (the
+                # start, or lost track) it begins with the current object: never a LIST.
                 for kind, obj in self._client.watch_unless(key, version, timeout_seconds=60):
                     if self._stopped.is_set():
                         return
@@ -245,6 +251,40 @@ class Heartbeat:
                 log.warning("node %s could not renew its heartbeat: %s", self._node, error)
 
 
+class _NextStore:
+    """The TCPStore server this node offers to its next round, made ahead in a background
+    thread: a server costs a socket, a thread and, as torch formats its address, a reverse
+    DNS lookup (5 s where a resolver drops a burst of them), none of which belongs between
+    a join and its round."""
+
+    def __init__(self, make: Callable[[], TCPStore]) -> None:
+        self._make = make
+        self._store: TCPStore | None = None
+        self._thread: threading.Thread | None = None
+
+    def prepare(self) -> None:
+        def make() -> None:
+            try:
+                self._store = self._make()
+            except RuntimeError as error:  # take() makes it again and raises
+                log.debug("preparing the next round's store failed: %s", error)
+
+        self._thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=True)
+        self._thread.start()
+
+    def take(self) -> TCPStore:
+        """The prepared server, or a new one if none is (the first join, a failure)."""
+        if self._thread is not None:
+            self._thread.join()
+        store, self._store, self._thread = self._store, None, None
+        return store if store is not None else self._make()
+
+    def discard(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._store = self._thread = None
+
+
 @dataclasses.dataclass
 class _Joined:
     round: int
@@ -291,6 +331,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._heartbeat = Heartbeat(client, node, self._instance)
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh server, kept only if this node becomes the round's rank 0.
+        self._next_store = _NextStore(self._new_store_server)
+        self._next_store.prepare()
         self._serving: TCPStore | None = None
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
@@ -345,20 +387,28 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
-        offered = self._new_store_server()
+        try:
+            return self._next_round()
+        finally:
+            self._next_store.prepare()
+
+    def _next_round(self) -> RendezvousInfo:
+        offered = self._next_store.take()
         self._attempt += 1
         self._entry_port = int(offered.port)
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
         started = time.monotonic()
         obj = self._watcher.latest
-        if obj is None:  # the first join: read the Rendezvous (or make it), then watch on
-            obj = self._read_or_create()
-            self._watcher.offer(obj)
+        if obj is None:  # the first join: the watch's first event is the Rendezvous
             self._watcher.start()
+            obj = self._watcher.wait_for_object(time.monotonic() + _FIRST_EVENT_SECONDS)
+            if obj is None:  # missing (or a slow server): read it, or make it
+                obj = self._read_or_create()
+                self._watcher.offer(obj)
         spec = self._check_spec(obj)
         owner_uid = str(obj["metadata"]["uid"])
-        # The watch runs from a version read before this write: the seal that admits this
-        # entry cannot be missed.
+        # The watch began before this write: the seal that admits this entry cannot be
+        # missed.
         self._client.write_lease(
             self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
         )
@@ -447,6 +497,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             log.warning("node %s could not record leaving: %s", self._node, error)
             return False
         finally:
+            self._next_store.discard()
             self._serving = self._retired = None
 
     # -- internals ------------------------------------------------------------------------

@@ -247,29 +247,15 @@ class RendezvousClient:
 
         self._call(f"write the Lease {name} of node {node!r} for", write)
 
-    def list_unless(self, round_key: str | None) -> tuple[dict[str, Any] | None, str]:
-        """The object if its round key differs from ``round_key``, and the list's version."""
-        result = self._call_for_object(
-            "list",
-            lambda: self._api.list_namespaced_custom_object(
-                state.GROUP,
-                state.VERSION,
-                self.namespace,
-                state.PLURAL,
-                field_selector=self._selector(round_key),
-                _request_timeout=_REQUEST_TIMEOUT,
-            ),
-        )
-        items = result.get("items") or []
-        return (items[0] if items else None), str(result["metadata"]["resourceVersion"])
-
     def watch_unless(
-        self, round_key: str | None, resource_version: str, timeout_seconds: int
+        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Stream ``(event type, object)`` for changes whose round key is not ``round_key``.
 
-        Raises ``ApiException`` (410 when ``resource_version`` is too old) and transport
-        errors unmapped: the caller's loop re-lists and retries.
+        Without ``resource_version`` the API server starts from the current state: the
+        object comes first as ADDED (if it exists and passes the filter), so no separate
+        read is needed. Raises ``ApiException`` (410 when ``resource_version`` is too old)
+        and transport errors unmapped: the caller's loop retries from the current state.
         """
         stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
             self._api.list_namespaced_custom_object,

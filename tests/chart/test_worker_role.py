@@ -57,8 +57,8 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     # Namespace A: what the handler does, through the handler's own client.
     client = kube.RendezvousClient(api, workers_namespace, home.name, retry_seconds=5)
     assert client.get()["metadata"]["name"] == home.name
-    item, _ = client.list_unless(None)
-    assert item is not None and item["metadata"]["name"] == home.name
+    kind, item = next(client.watch_unless(None, None, timeout_seconds=10))
+    assert (kind, item["metadata"]["name"]) == ("ADDED", home.name)
     uid = home.body()["metadata"]["uid"]
     client.write_lease("worker-0", "i-1", 30, uid, state.NodeEntry("i-1", 1, "10.0.0.7", 29500))
     client.write_lease("worker-0", "i-1", 30, uid)  # a heartbeat: the patch path

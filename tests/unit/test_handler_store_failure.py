@@ -73,14 +73,14 @@ class ScriptedClient:
         self._written.set()
 
     def watch_unless(
-        self, round_key: str | None, resource_version: str, timeout_seconds: int
+        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
     ) -> Iterator[tuple[str, dict[str, Any]]]:
+        if resource_version is None:  # from the current state, as the API server does
+            yield "ADDED", self._sealed or self.get()
+            return
         self._written.wait(timeout_seconds)
         if self._sealed is not None and resource_version != "2":
             yield "MODIFIED", self._sealed
-
-    def list_unless(self, round_key: str | None) -> tuple[dict[str, Any] | None, str]:
-        return self._sealed, "2"
 
 
 def test_unreachable_store_of_rank_0_is_a_named_connection_error() -> None:
