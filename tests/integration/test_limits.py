@@ -23,8 +23,6 @@ from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
-MERGE = "application/merge-patch+json"
-
 
 def body(name: str, **spec: Any) -> dict[str, Any]:
     return {
@@ -101,23 +99,6 @@ def test_a_64_character_rendezvous_name_is_refused_with_the_rules_message(
     )
 
 
-def write_members(
-    admin_api: kubernetes.client.ApiClient, rdzv: Rendezvous, status: dict[str, Any]
-) -> dict[str, Any]:
-    """A hand edit of the status (an admin's, not a pod's: only the operator writes it)."""
-    return kubernetes.client.CustomObjectsApi(  # type: ignore[no-any-return]
-        admin_api
-    ).patch_namespaced_custom_object_status(
-        state.GROUP,
-        state.VERSION,
-        rdzv.namespace,
-        state.PLURAL,
-        rdzv.name,
-        {"status": status},
-        _content_type=MERGE,
-    )
-
-
 MEMBER = {"rank": 0, "node": "pod-a", "instance": "i", "attempt": 1, "addr": "10.0.0.1"}
 
 
@@ -159,12 +140,11 @@ MEMBER = {"rank": 0, "node": "pod-a", "instance": "i", "attempt": 1, "addr": "10
 )
 def test_the_schema_refuses_a_malformed_or_oversized_entry_naming_the_field(
     make_rendezvous: Callable[..., Rendezvous],
-    admin_api: kubernetes.client.ApiClient,
     status: dict[str, Any],
     message: str,
 ) -> None:
     rdzv = make_rendezvous(1, 1)
     with pytest.raises(ApiException) as error:
-        write_members(admin_api, rdzv, status)
+        rdzv.patch_status(status)
     assert error.value.status == 422
     assert message in json.loads(error.value.body)["message"]

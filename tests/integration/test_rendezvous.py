@@ -356,25 +356,12 @@ def test_hung_agent_is_dropped_when_its_heartbeat_expires(
 
 
 def test_status_edited_into_nonsense_is_refused_with_a_condition_and_then_recovers(
-    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes, admin_api: kubernetes.client.ApiClient
+    make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
 ) -> None:
     rdzv = make_rendezvous(1, 2)
     nodes = make_nodes(rdzv, 2)
     join_all(nodes)
-    custom = kubernetes.client.CustomObjectsApi(admin_api)
-
-    def patch_status(status: dict[str, object]) -> None:
-        custom.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
-            rdzv.namespace,
-            state.PLURAL,
-            rdzv.name,
-            {"status": status},
-            _content_type="application/merge-patch+json",
-        )
-
-    patch_status({"schemaVersion": 99})
+    rdzv.patch_status({"schemaVersion": 99})
 
     def refused() -> str | None:
         conditions = (rdzv.body().get("status") or {}).get("conditions") or []
@@ -384,7 +371,7 @@ def test_status_edited_into_nonsense_is_refused_with_a_condition_and_then_recove
     message = wait_for(refused, 20, "InvalidRendezvous condition")
     assert "schemaVersion" in message and "kubectl edit" in message
     assert any(reason == "InvalidRendezvous" for _, reason, _ in rdzv.events())
-    patch_status({"schemaVersion": state.SCHEMA_VERSION})
+    rdzv.patch_status({"schemaVersion": state.SCHEMA_VERSION})
     nodes[1].handler.shutdown()  # any change: the operator decides again
     rdzv.wait(
         lambda s: s.state is not state.RoundState.SEALED or s.world_size == 1,
