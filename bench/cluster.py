@@ -235,15 +235,20 @@ class Cluster:
         except TimeoutError as error:
             self.log(f"warning: {error}")
 
-    def create_pods(self, namespace: str, names: list[str], timeout: float = 600) -> list[Pod]:
-        """Bare pods scheduled onto kwok nodes, Running, each with a pod-bound token."""
+    def create_pods(
+        self, namespace: str, rendezvous_of: dict[str, str], timeout: float = 600
+    ) -> list[Pod]:
+        """Pods scheduled onto kwok nodes, Running, each with a pod-bound token and labelled
+        with its rendezvous, as the operator's webhook labels an annotated Job's pods at
+        admission (so the operator need not label them itself)."""
         core = kubernetes.client.CoreV1Api(self.admin)
+        names = list(rendezvous_of)
 
         def create(name: str) -> None:
             body = {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": name},
+                "metadata": {"name": name, "labels": {state.NODE_LABEL: rendezvous_of[name]}},
                 "spec": {
                     "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
                     "restartPolicy": "Never",

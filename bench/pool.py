@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 Json = dict[str, Any]
 
+NODE_ENV: dict[str, str] = {}
+"""Extra environment of every worker process (``--reverse-dns numeric`` sets LD_PRELOAD)."""
+
 
 class WorkerError(RuntimeError):
     pass
@@ -41,6 +44,7 @@ class Worker:
             ),
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            **NODE_ENV,
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -209,6 +209,17 @@ def markdown(results: Json) -> str:
         f"took {meta.get('duration_s', 0) / 60:.1f} min. Medians with (min-max) over "
         "repetitions, in seconds unless stated. See bench/README.md for the method.",
         "",
+        *(
+            [
+                "Reverse DNS: **numeric**. The simulated nodes of every backend had "
+                "`bench/numeric_getnameinfo.c` preloaded: TCPStore's reverse lookups never "
+                "reached this machine's resolver, which drops bursts of them (see "
+                "bench/FINDINGS.md).",
+                "",
+            ]
+            if meta.get("reverse_dns") == "numeric"
+            else []
+        ),
         "## Targets",
         "",
         "| target | verdict |",

@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/run.py` puts bench/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
-from bench import report, scenarios  # noqa: E402
+from bench import pool, report, scenarios  # noqa: E402
 from bench.cluster import Cluster, dump, rss_mb  # noqa: E402
 from bench.scenarios import C10D, C10D_FAST, ETCD_V2, OURS, Env, summarize  # noqa: E402
 
@@ -412,6 +413,15 @@ def machine() -> Json:
     }
 
 
+def build_numeric_getnameinfo(into: Path) -> Path:
+    library = into / "numeric_getnameinfo.so"
+    source = REPO / "bench" / "numeric_getnameinfo.c"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source), "-ldl"], check=True
+    )
+    return library
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     # SIGTERM like Ctrl-C: unwind, so every process this run started is stopped by PID.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -444,6 +454,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma-separated subset of the mode's N for the seal section (default: all)",
     )
+    parser.add_argument(
+        "--reverse-dns",
+        choices=("system", "numeric"),
+        default="system",
+        help="numeric: the simulated nodes of every backend get bench/numeric_getnameinfo.c "
+        "preloaded, so TCPStore's reverse lookups never reach this machine's resolver "
+        "(default: system, as the machine resolves)",
+    )
     args = parser.parse_args(argv)
     out: Path = args.out or (
         REPO / "bench" / "results" / ("" if args.mode == "full" else args.mode)
@@ -454,7 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     seal_sizes = tuple(int(n) for n in args.seal_sizes.split(",") if n)
+    if args.reverse_dns == "numeric":
+        pool.NODE_ENV["LD_PRELOAD"] = str(build_numeric_getnameinfo(work))
     runner = Runner(args.mode, out, backends, work, args.sections.split(","), seal_sizes)
+    runner.results["meta"]["reverse_dns"] = args.reverse_dns
     runner.log(f"mode {args.mode}: results into {out}; logs in {work}")
     results = runner.run()
     report.finish(results)

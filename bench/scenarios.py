@@ -160,7 +160,7 @@ def setup_ours(
     assert cluster is not None
     namespace = cluster.new_namespace(prefix)
     specs: list[Json] = []
-    names: list[str] = []
+    rendezvous_of: dict[str, str] = {}
     rendezvous: list[str] = []
     node = 0
     plan: list[tuple[int, str, str, int, int]] = []
@@ -171,9 +171,9 @@ def setup_ours(
         for i in range(count):
             pod = f"{rdzv}-node-{i}"
             plan.append((node, pod, rdzv, low, high))
-            names.append(pod)
+            rendezvous_of[pod] = rdzv
             node += 1
-    pods = {p.name: p for p in cluster.create_pods(namespace, names)}
+    pods = {p.name: p for p in cluster.create_pods(namespace, rendezvous_of)}
     cluster.wait_initialised(namespace, rendezvous)
     for node_id, pod, rdzv, low, high in plan:
         specs.append(
