@@ -178,7 +178,11 @@ class RoundWatcher:
                 for kind, obj in self._client.watch_unless(key, version, timeout_seconds=60):
                     if self._stopped.is_set():
                         return
-                    if kind in ("ADDED", "MODIFIED"):
+                    if kind == "ADDED" and version is None:
+                        # The current object, first event of a watch from no version: the
+                        # same stream goes on with its changes (one request, not two).
+                        self.offer(obj)
+                    elif kind in ("ADDED", "MODIFIED"):
                         self.offer(obj)
                         break  # re-arm the filter with the new round key
                     if kind == "BOOKMARK":
@@ -259,30 +263,35 @@ class _NextStore:
 
     def __init__(self, make: Callable[[], TCPStore]) -> None:
         self._make = make
-        self._store: TCPStore | None = None
-        self._thread: threading.Thread | None = None
+        self._pending: tuple[threading.Thread, list[TCPStore | RuntimeError]] | None = None
 
     def prepare(self) -> None:
+        outcome: list[TCPStore | RuntimeError] = []
+
         def make() -> None:
             try:
-                self._store = self._make()
-            except RuntimeError as error:  # take() makes it again and raises
-                log.debug("preparing the next round's store failed: %s", error)
+                outcome.append(self._make())
+            except RuntimeError as error:  # torch's store errors; take() raises it
+                outcome.append(error)
 
-        self._thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=True)
+        thread.start()
+        self._pending = (thread, outcome)
 
     def take(self) -> TCPStore:
-        """The prepared server, or a new one if none is (the first join, a failure)."""
-        if self._thread is not None:
-            self._thread.join()
-        store, self._store, self._thread = self._store, None, None
-        return store if store is not None else self._make()
+        """The prepared server (or its error), or a new one if none was prepared."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._make()
+        thread, outcome = pending
+        thread.join()
+        if isinstance(outcome[0], RuntimeError):
+            raise outcome[0]
+        return outcome[0]
 
     def discard(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-        self._store = self._thread = None
+        """Forget the prepared server; one still being made is dropped when done."""
+        self._pending = None
 
 
 @dataclasses.dataclass
@@ -327,7 +336,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._instance = uuid.uuid4().hex[:16]
         self._attempt = 0
         self._joined: _Joined | None = None
+        # Watching starts now, as torch's c10d handler connects to its store when built: the
+        # first join finds the Rendezvous already read.
         self._watcher = RoundWatcher(client)
+        self._watcher.start()
         self._heartbeat = Heartbeat(client, node, self._instance)
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh server, kept only if this node becomes the round's rank 0.
@@ -399,8 +411,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
         started = time.monotonic()
         obj = self._watcher.latest
-        if obj is None:  # the first join: the watch's first event is the Rendezvous
-            self._watcher.start()
+        if obj is None:  # the first join, before the watch has delivered the Rendezvous
             obj = self._watcher.wait_for_object(time.monotonic() + _FIRST_EVENT_SECONDS)
             if obj is None:  # missing (or a slow server): read it, or make it
                 obj = self._read_or_create()

@@ -35,16 +35,15 @@ def test_a_prepared_store_is_made_in_the_background_and_taken_once() -> None:
     assert make.threads == ["k8s-rendezvous-store", threading.current_thread().name]
 
 
-def test_a_failed_preparation_is_retried_by_take_whose_error_surfaces() -> None:
+def test_a_failed_preparation_raises_its_error_at_take_and_the_next_is_fresh() -> None:
     make = Maker(fail_first=True)
     stores = _NextStore(make)  # type: ignore[arg-type]
     stores.prepare()
-    assert stores.take() is not None  # the background attempt failed; take made another
-    assert len(make.threads) == 2
-
-    make.fail_next = True
     with pytest.raises(RuntimeError, match="address in use"):
         stores.take()
+    stores.prepare()
+    assert stores.take() is not None
+    assert make.threads == ["k8s-rendezvous-store", "k8s-rendezvous-store"]
 
 
 def test_discard_drops_the_prepared_store() -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousHandler,
     RendezvousParameters,
     rendezvous_handler_registry,
 )
@@ -27,7 +29,7 @@ from k8s_rendezvous.handler import KubernetesRendezvousHandler, parse_endpoint
 
 @pytest.fixture
 def pod_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-cluster files of a pod (no server is contacted by building a handler)."""
+    """In-cluster files of a pod (the watch a built handler starts finds no server)."""
     (tmp_path / "token").write_text("token")
     (tmp_path / "ca.crt").write_text("not checked until a request is made")
     (tmp_path / "namespace").write_text("team-a")
@@ -39,12 +41,22 @@ def pod_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("POD_NAMESPACE", raising=False)
 
 
+@pytest.fixture
+def built() -> Iterator[list[RendezvousHandler]]:
+    """The handlers a test built, shut down afterwards: building one starts its watch."""
+    handlers: list[RendezvousHandler] = []
+    yield handlers
+    for handler in handlers:
+        handler.shutdown()
+
+
 def params(endpoint: str = "job-a", **config: str) -> RendezvousParameters:
     return RendezvousParameters(BACKEND_NAME, endpoint, "run-1", 2, 4, **config)
 
 
-def test_torch_registry_builds_our_handler(pod_env: None) -> None:
+def test_torch_registry_builds_our_handler(pod_env: None, built: list[RendezvousHandler]) -> None:
     handler = rendezvous_handler_registry.create_handler(params(timeout="900"))
+    built.append(handler)
     assert isinstance(handler, KubernetesRendezvousHandler)
     assert handler.get_backend() == "kubernetes"
     assert handler.get_run_id() == "run-1"
@@ -53,10 +65,11 @@ def test_torch_registry_builds_our_handler(pod_env: None) -> None:
     assert handler._addr == "10.1.2.3" and handler._node == "trainer-0"
 
 
-def test_local_addr_overrides_the_pod_ip(pod_env: None) -> None:
+def test_local_addr_overrides_the_pod_ip(pod_env: None, built: list[RendezvousHandler]) -> None:
     handler = KubernetesRendezvousHandler.from_parameters(
         RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr="fd00::7")
     )
+    built.append(handler)
     assert handler._addr == "fd00::7"
 
 

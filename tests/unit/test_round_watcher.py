@@ -1,0 +1,72 @@
+"""The round watcher's requests: one watch from the current state, re-armed per round."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from k8s_rendezvous.handler import RoundWatcher
+
+
+def rendezvous(version: int, round_key: str | None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "r", "uid": "u-1", "resourceVersion": str(version)},
+        "spec": {},
+        "status": {"roundKey": round_key} if round_key else {},
+    }
+
+
+class ScriptedWatches:
+    """Stands in for the API server's watches: each call plays the next script."""
+
+    def __init__(self, *scripts: list[tuple[str, dict[str, Any]]]) -> None:
+        self.name = "r"
+        self.reference = "Rendezvous ns/r"
+        self.calls: list[tuple[str | None, str | None]] = []
+        self._scripts = list(scripts)
+        self.exhausted = threading.Event()
+        self.released = threading.Event()
+
+    def watch_unless(
+        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        self.calls.append((round_key, resource_version))
+        if not self._scripts:
+            self.exhausted.set()
+            self.released.wait(timeout_seconds)  # an idle watch, until the test ends
+            return
+        yield from self._scripts.pop(0)
+
+
+def test_the_first_watch_delivers_the_object_and_goes_on_until_a_round_change() -> None:
+    client = ScriptedWatches(
+        [("ADDED", rendezvous(5, None)), ("MODIFIED", rendezvous(7, "1-sealed"))],
+        [("MODIFIED", rendezvous(9, "2-forming"))],
+    )
+    watcher = RoundWatcher(client)  # type: ignore[arg-type]
+    watcher.start()
+    try:
+        assert client.exhausted.wait(10)
+    finally:
+        watcher.stop()
+        client.released.set()
+    # One watch from no version saw the object and the sealed round; each later change
+    # re-armed from what it held, with the round key as the server-side filter.
+    assert client.calls == [(None, None), ("1-sealed", "7"), ("2-forming", "9")]
+    latest = watcher.latest
+    assert latest is not None and latest["metadata"]["resourceVersion"] == "9"
+
+
+def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
+    client = ScriptedWatches()
+    watcher = RoundWatcher(client)  # type: ignore[arg-type]
+    watcher.start()
+    try:
+        started = time.monotonic()
+        assert watcher.wait_for_object(started + 0.2) is None
+        assert time.monotonic() - started >= 0.2
+    finally:
+        watcher.stop()
+        client.released.set()
