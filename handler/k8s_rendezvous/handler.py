@@ -263,15 +263,15 @@ class _NextStore:
 
     def __init__(self, make: Callable[[], TCPStore]) -> None:
         self._make = make
-        self._pending: tuple[threading.Thread, list[TCPStore | RuntimeError]] | None = None
+        self._pending: tuple[threading.Thread, list[TCPStore | Exception]] | None = None
 
     def prepare(self) -> None:
-        outcome: list[TCPStore | RuntimeError] = []
+        outcome: list[TCPStore | Exception] = []
 
         def make() -> None:
             try:
                 outcome.append(self._make())
-            except RuntimeError as error:  # torch's store errors; take() raises it
+            except Exception as error:  # torch's store errors; take() raises it
                 outcome.append(error)
 
         thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=True)
@@ -285,7 +285,7 @@ class _NextStore:
             return self._make()
         thread, outcome = pending
         thread.join()
-        if isinstance(outcome[0], RuntimeError):
+        if isinstance(outcome[0], Exception):
             raise outcome[0]
         return outcome[0]
 
