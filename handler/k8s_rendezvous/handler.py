@@ -53,6 +53,7 @@ CONFIG_KEYS: Final = {
     "heartbeat_timeout": _SPEC_TIMEOUT,
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
+_LOOPBACK: Final = "127.0.0.1"
 _FIRST_EVENT_SECONDS: Final = 2.0
 """How long the first join waits for the watch to deliver the Rendezvous before reading it
 (the watch says nothing while the Rendezvous is missing, e.g. until a pod creates it)."""
@@ -274,7 +275,9 @@ class _NextStore:
             except Exception as error:  # torch's store errors; take() raises it
                 outcome.append(error)
 
-        thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=True)
+        # Not a daemon: a daemon thread still inside TCPStore's C++ when the interpreter
+        # finalizes aborts the process (SIGABRT) as it tries to take the GIL back.
+        thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=False)
         thread.start()
         self._pending = (thread, outcome)
 
@@ -514,8 +517,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     # -- internals ------------------------------------------------------------------------
 
     def _new_store_server(self) -> TCPStore:
+        # The server listens on every address; host_name is only where the server's own
+        # client connects, and loopback always answers, whether or not this node can reach
+        # the address it advertises to the others.
         return TCPStore(
-            host_name=self._addr,
+            host_name=_LOOPBACK,
             port=0,
             is_master=True,
             multi_tenant=True,
