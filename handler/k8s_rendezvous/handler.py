@@ -88,7 +88,10 @@ class RoundWatcher:
 
     The watch asks the API server only for versions whose ``status.roundKey`` differs
     from the last one seen, so joins of other nodes never reach this pod; after each
-    change it re-arms with the new key (one request per round change).
+    change it re-arms with the new key (one request per round change). The first watch,
+    from no version, has no key to filter by: it goes on through changes that keep the
+    round key it began with (the operator's bookkeeping while the round forms) and
+    re-arms at the first that does not.
     """
 
     def __init__(self, client: kube.RendezvousClient) -> None:
@@ -128,14 +131,13 @@ class RoundWatcher:
     def offer(self, obj: Mapping[str, Any]) -> None:
         """Take ``obj`` if it is newer than what we hold (watch events, reads)."""
         version = _version_number(obj)
-        raw_status = obj.get("status") or {}
         with self._changed:
             if version <= self._version:
                 return
             self._version = version
             self._object = obj
             self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
-            self._raw_round_key = raw_status.get("roundKey") or ""
+            self._raw_round_key = _raw_round_key(obj)
             try:
                 self._status = state.RendezvousStatus.from_dict(obj.get("status"))
                 self._decode_error = None
@@ -179,14 +181,15 @@ class RoundWatcher:
                 for kind, obj in self._client.watch_unless(key, version, timeout_seconds=60):
                     if self._stopped.is_set():
                         return
-                    if kind == "ADDED" and version is None:
-                        # The current object, first event of a watch from no version: the
-                        # same stream goes on with its changes (one request, not two).
+                    if kind in ("ADDED", "MODIFIED"):
                         self.offer(obj)
-                    elif kind in ("ADDED", "MODIFIED"):
-                        self.offer(obj)
-                        break  # re-arm the filter with the new round key
-                    if kind == "BOOKMARK":
+                        if kind == "ADDED" and version is None:
+                            # The current object, first event of a watch from no version:
+                            # the same stream goes on with its changes (one request, not two).
+                            key = _raw_round_key(obj)
+                        elif _raw_round_key(obj) != key:
+                            break  # re-arm the filter with the new round key
+                    elif kind == "BOOKMARK":
                         self._bookmark(obj)
                     elif kind == "DELETED":
                         self._lose_track()
@@ -209,6 +212,10 @@ class RoundWatcher:
     def _lose_track(self) -> None:
         with self._changed:
             self._version_text = None
+
+
+def _raw_round_key(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("status") or {}).get("roundKey") or "")
 
 
 def _version_number(obj: Mapping[str, Any]) -> int:

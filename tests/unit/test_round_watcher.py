@@ -59,6 +59,25 @@ def test_the_first_watch_delivers_the_object_and_goes_on_until_a_round_change() 
     assert latest is not None and latest["metadata"]["resourceVersion"] == "9"
 
 
+def test_the_first_watch_goes_on_through_changes_that_keep_its_round_key() -> None:
+    client = ScriptedWatches(
+        [
+            ("ADDED", rendezvous(5, "0-Forming")),
+            ("MODIFIED", rendezvous(6, "0-Forming")),  # the first join's formingSince
+            ("MODIFIED", rendezvous(8, "1-Sealed")),
+        ],
+    )
+    watcher = RoundWatcher(client)  # type: ignore[arg-type]
+    watcher.start()
+    try:
+        assert client.exhausted.wait(10)
+    finally:
+        watcher.stop()
+        client.released.set()
+    # Re-armed once, at the round change, not at the forming round's bookkeeping.
+    assert client.calls == [(None, None), ("1-Sealed", "8")]
+
+
 def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
     client = ScriptedWatches()
     watcher = RoundWatcher(client)  # type: ignore[arg-type]
