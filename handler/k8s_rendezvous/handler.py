@@ -436,18 +436,37 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._heartbeat.start(spec, owner_uid)
         log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)
 
-        def included_or_closed(status: state.RendezvousStatus) -> bool:
-            return status.state is state.RoundState.CLOSED or (
-                status.rank_of(self._node, entry) is not None
+        def decided(status: state.RendezvousStatus) -> bool:
+            return (
+                status.state is state.RoundState.CLOSED
+                or status.rank_of(self._node, entry) is not None
+                or status.left_behind_with(self._node, entry)
             )
 
-        status = self._watcher.wait(included_or_closed, started + spec.join_timeout_seconds)
-        if status is None:
-            raise self._timed_out(spec)
-        if status.state is state.RoundState.CLOSED:
-            raise self._closed_error(status)
-        rank = status.rank_of(self._node, entry)
-        assert rank is not None and status.master is not None
+        while True:
+            status = self._watcher.wait(decided, started + spec.join_timeout_seconds)
+            if status is None:
+                raise self._timed_out(spec)
+            if status.state is state.RoundState.CLOSED:
+                raise self._closed_error(status)
+            rank = status.rank_of(self._node, entry)
+            if rank is not None:
+                break
+            # Admitted to a round this watch never showed (it lost track, e.g. across an
+            # API server restart) and left behind when the next sealed without us: that
+            # request is spent, so ask again rather than wait out the join timeout.
+            log.warning(
+                "node %s missed round %d of %s, which admitted it; joining again",
+                self._node,
+                status.round,
+                self._client.reference,
+            )
+            self._attempt += 1
+            entry = dataclasses.replace(entry, attempt=self._attempt)
+            self._client.write_lease(
+                self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
+            )
+        assert status.master is not None
         self._joined = _Joined(status.round, rank)
         log.info(
             "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",

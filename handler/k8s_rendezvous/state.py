@@ -256,7 +256,8 @@ class NodeEntry:
     instance: str
     """Identifies one agent process; a restarted agent is a new instance."""
     attempt: int
-    """Counts this instance's ``next_rendezvous()`` calls; a new value is a new join."""
+    """Counts this instance's joins (each ``next_rendezvous()``, and each ask again after a
+    missed round); a new value is a new join."""
     addr: str
     """The address other nodes reach this one at (the pod IP unless ``--local-addr``)."""
     store_port: int
@@ -444,6 +445,11 @@ class RendezvousStatus:
             if member.node == node and member.admits(entry):
                 return rank
         return None
+
+    def left_behind_with(self, node: str, entry: NodeEntry) -> bool:
+        """Whether ``entry`` was admitted to an earlier round and a later one sealed
+        without it: the request is spent and will not be admitted again."""
+        return any(m.node == node and m.admits(entry) for m in self.left_behind)
 
     def operator_fields(self) -> dict[str, Any]:
         """Every operator-owned field, ``None`` where unset so a merge patch removes it."""
