@@ -350,6 +350,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         # first join finds the Rendezvous already read.
         self._watcher = RoundWatcher(client)
         self._watcher.start()
+        threading.Thread(
+            target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
+        ).start()
         self._heartbeat = Heartbeat(client, node, self._instance)
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh server, kept only if this node becomes the round's rank 0.
@@ -541,6 +544,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._serving = self._retired = None
 
     # -- internals ------------------------------------------------------------------------
+
+    def _open_connection_ahead(self) -> None:
+        # Once the watch holds its connection (its first object is here), or has given up
+        # waiting for one: else the watch could take the idle connection this leaves.
+        self._watcher.wait_for_object(time.monotonic() + _FIRST_EVENT_SECONDS)
+        self._client.open_connection()
 
     def _new_store_server(self) -> TCPStore:
         # The server listens on every address; host_name is only where the server's own

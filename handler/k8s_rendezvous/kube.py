@@ -108,6 +108,16 @@ class RendezvousClient:
     def reference(self) -> str:
         return f"Rendezvous {self.namespace}/{self.name}"
 
+    def open_connection(self) -> None:
+        """Leave an idle connection to the API server in the pool (``GET /version``, which
+        every client may read), so that the first join's write does not pay for the TCP
+        and TLS handshakes while the other nodes wait for it. Failures are only logged:
+        the join connects, and reports, on its own."""
+        try:
+            client.VersionApi(self._api.api_client).get_code(_request_timeout=_REQUEST_TIMEOUT)
+        except Exception as error:  # urllib3's and the client's; nothing depends on this
+            log.debug("could not open a connection to %s ahead: %s", self._server, error)
+
     def get(self) -> dict[str, Any]:
         return self._call_for_object(
             "read",

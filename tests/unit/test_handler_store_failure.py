@@ -49,6 +49,9 @@ class ScriptedClient:
     def get(self) -> dict[str, Any]:
         return self._object(1, None)
 
+    def open_connection(self) -> None:
+        """No server to connect to ahead."""
+
     def write_lease(
         self,
         node: str,
