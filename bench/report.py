@@ -233,15 +233,24 @@ def markdown(results: Json) -> str:
         "",
         "## 1. Seal latency (min = max = N; last call to last return)",
         "",
-        "| N | " + " | ".join(BACKEND_STYLE[b][2] for b in backends) + " | c10d / ours |",
-        "|---|" + "---|" * (len(backends) + 1),
+        "| N | " + " | ".join(BACKEND_STYLE[b][2] for b in backends) + " | c10d / ours "
+        "| machine CPU busy, ours |",
+        "|---|" + "---|" * (len(backends) + 2),
     ]
     for count in sizes:
         cells = [_cell(seal[b].get(str(count))) for b in backends]
-        ours = (seal.get("ours", {}).get(str(count)) or {}).get("median")
+        ours_stats = seal.get("ours", {}).get(str(count)) or {}
+        ours = ours_stats.get("median")
         c10d = (seal.get("c10d", {}).get(str(count)) or {}).get("median")
         ratio = f"{c10d / ours:.1f}x" if ours and c10d else "-"
-        lines.append(f"| {count} | " + " | ".join(cells) + f" | {ratio} |")
+        busy = _cell(ours_stats.get("machine_busy_share"), digits=2)
+        lines.append(f"| {count} | " + " | ".join(cells) + f" | {ratio} | {busy} |")
+    lines += [
+        "",
+        "Machine CPU busy: the share of all cores busy from the go to the last return "
+        "(`/proc/stat`; 1.00 = every core busy the whole time), on a machine running "
+        "nothing but the benchmark.",
+    ]
     failure = results.get("failure_to_new_world") or {}
     lines += [
         "",

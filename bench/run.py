@@ -35,6 +35,11 @@ from bench.scenarios import C10D, C10D_FAST, ETCD_V2, OURS, Env, summarize  # no
 Json = dict[str, Any]
 
 
+def busy_share(machine: Json) -> float:
+    """How much of the machine's CPU was busy from the go to the last return (1 = all)."""
+    return float(machine["busy_cpu_seconds"]) / (machine["seconds"] * machine["cores"])
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     seal_ours: tuple[int, ...]
@@ -259,6 +264,9 @@ class Runner:
                     "errors": [r["error"] for r in results if r.get("error")],
                     "first_call_to_last_return": summarize(
                         [r.get("first_call_to_last_return") for r in results]
+                    ),
+                    "machine_busy_share": summarize(
+                        [busy_share(r["machine"]) for r in results if r.get("machine")]
                     ),
                 }
                 for count, results in per_size.items()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import os
 import socket
 import statistics
 import time
@@ -294,8 +295,16 @@ def seal(
                 groups = {k: [v] for k, v in env.cluster.pids().items()}
                 groups["nodes (workers)"] = place.pool.pids
                 sampler = Sampler(groups).__enter__()
-            place.join(ids, go_time(place))
+            go_at = go_time(place)
+            place.join(ids, go_at)
+            time.sleep(max(0.0, go_at - time.monotonic()))
+            cpu_at_go, go_wall = machine_cpu_seconds(), time.monotonic()
             records = place.collect(ids, timeout)
+            result["machine"] = {
+                "seconds": time.monotonic() - go_wall,
+                "busy_cpu_seconds": machine_cpu_seconds() - cpu_at_go,
+                "cores": os.cpu_count(),
+            }
             if sampler is not None:
                 sampler.__exit__()
                 result["processes"] = sampler.summary()
@@ -312,6 +321,15 @@ def seal(
     finally:
         teardown(env, prepared)
     return result
+
+
+def machine_cpu_seconds() -> float:
+    """CPU time every core of the machine has spent busy since boot (``/proc/stat``): the
+    seal's share of a machine that runs nothing else tells whether it waited for CPU."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        ticks = [int(field) for field in stat.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is in user
 
 
 def timing(records: dict[int, Json], ids: Sequence[int]) -> Json:
