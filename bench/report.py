@@ -251,6 +251,27 @@ def markdown(results: Json) -> str:
         "(`/proc/stat`; 1.00 = every core busy the whole time), on a machine running "
         "nothing but the benchmark.",
     ]
+    cpu_rows = []
+    for count in sizes:
+        for backend in backends:
+            stats = seal[backend].get(str(count)) or {}
+            by_process = stats.get("cpu_seconds_by_process") or {}
+            if by_process:
+                cells = ", ".join(
+                    f"{name} {(v or {}).get('median') or 0:.2f}" for name, v in by_process.items()
+                )
+                busy = (stats.get("machine_busy_cpu_seconds") or {}).get("median") or 0.0
+                cpu_rows.append(f"| {count} | {BACKEND_STYLE[backend][2]} | {busy:.2f} | {cells} |")
+    if cpu_rows:
+        lines += [
+            "",
+            "CPU seconds from the go to the last return (medians): the whole machine, and by "
+            "process.",
+            "",
+            "| N | backend | machine busy | by process |",
+            "|---|---|---|---|",
+            *cpu_rows,
+        ]
     failure = results.get("failure_to_new_world") or {}
     lines += [
         "",

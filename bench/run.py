@@ -268,6 +268,21 @@ class Runner:
                     "machine_busy_share": summarize(
                         [busy_share(r["machine"]) for r in results if r.get("machine")]
                     ),
+                    "machine_busy_cpu_seconds": summarize(
+                        [r["machine"]["busy_cpu_seconds"] for r in results if r.get("machine")]
+                    ),
+                    "cpu_seconds_by_process": {
+                        name: summarize(
+                            [
+                                r["machine"]["cpu_seconds_by_process"][name]
+                                for r in results
+                                if r.get("machine")
+                            ]
+                        )
+                        for name in (results[0].get("machine") or {}).get(
+                            "cpu_seconds_by_process", {}
+                        )
+                    },
                 }
                 for count, results in per_size.items()
             }

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.cluster import Cluster, Log, Metrics, Sampler, metrics_delta, rss_mb
 from bench.pool import Json, Pool, Worker
 
@@ -295,15 +297,23 @@ def seal(
                 groups = {k: [v] for k, v in env.cluster.pids().items()}
                 groups["nodes (workers)"] = place.pool.pids
                 sampler = Sampler(groups).__enter__()
+            processes = {"nodes (workers)": place.pool.pids}
+            if env.cluster is not None and backend == OURS:
+                processes.update({k: [v] for k, v in env.cluster.pids().items()})
             go_at = go_time(place)
             place.join(ids, go_at)
             time.sleep(max(0.0, go_at - time.monotonic()))
             cpu_at_go, go_wall = machine_cpu_seconds(), time.monotonic()
+            by_process_at_go = processes_cpu_seconds(processes)
             records = place.collect(ids, timeout)
+            by_process = processes_cpu_seconds(processes)
             result["machine"] = {
                 "seconds": time.monotonic() - go_wall,
                 "busy_cpu_seconds": machine_cpu_seconds() - cpu_at_go,
                 "cores": os.cpu_count(),
+                "cpu_seconds_by_process": {
+                    name: round(by_process[name] - by_process_at_go[name], 3) for name in processes
+                },
             }
             if sampler is not None:
                 sampler.__exit__()
@@ -330,6 +340,19 @@ def machine_cpu_seconds() -> float:
         ticks = [int(field) for field in stat.readline().split()[1:]]
     idle = ticks[3] + ticks[4]  # idle, iowait
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is in user
+
+
+def processes_cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
+    """User and system CPU seconds each named group of processes has used so far."""
+    used = {}
+    for name, pids in groups.items():
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+        used[name] = total
+    return used
 
 
 def timing(records: dict[int, Json], ids: Sequence[int]) -> Json:
