@@ -40,11 +40,8 @@ class ScriptedWatches:
         yield from self._scripts.pop(0)
 
 
-def test_the_first_watch_delivers_the_object_and_goes_on_until_a_round_change() -> None:
-    client = ScriptedWatches(
-        [("ADDED", rendezvous(5, None)), ("MODIFIED", rendezvous(7, "1-sealed"))],
-        [("MODIFIED", rendezvous(9, "2-forming"))],
-    )
+def watch_until_idle(client: ScriptedWatches) -> RoundWatcher:
+    """A watcher run through every script, then stopped."""
     watcher = RoundWatcher(client)  # type: ignore[arg-type]
     watcher.start()
     try:
@@ -52,6 +49,15 @@ def test_the_first_watch_delivers_the_object_and_goes_on_until_a_round_change() 
     finally:
         watcher.stop()
         client.released.set()
+    return watcher
+
+
+def test_the_first_watch_delivers_the_object_and_goes_on_until_a_round_change() -> None:
+    client = ScriptedWatches(
+        [("ADDED", rendezvous(5, None)), ("MODIFIED", rendezvous(7, "1-sealed"))],
+        [("MODIFIED", rendezvous(9, "2-forming"))],
+    )
+    watcher = watch_until_idle(client)
     # One watch from no version saw the object and the sealed round; each later change
     # re-armed from what it held, with the round key as the server-side filter.
     assert client.calls == [(None, None), ("1-sealed", "7"), ("2-forming", "9")]
@@ -67,13 +73,7 @@ def test_the_first_watch_goes_on_through_changes_that_keep_its_round_key() -> No
             ("MODIFIED", rendezvous(8, "1-Sealed")),
         ],
     )
-    watcher = RoundWatcher(client)  # type: ignore[arg-type]
-    watcher.start()
-    try:
-        assert client.exhausted.wait(10)
-    finally:
-        watcher.stop()
-        client.released.set()
+    watch_until_idle(client)
     # Re-armed once, at the round change, not at the forming round's bookkeeping.
     assert client.calls == [(None, None), ("1-Sealed", "8")]
 

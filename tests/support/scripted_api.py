@@ -1,0 +1,75 @@
+"""A stand-in for the handler's ``kube.RendezvousClient`` in fast unit tests of failure
+paths a real API server produces only with unlucky timing: it holds one Rendezvous, lets a
+test play the operator at each join, and streams the changes as a watch would."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from k8s_rendezvous import state
+
+
+class ScriptedRendezvousClient:
+    """Subclasses decide, in :meth:`on_join`, the status each join leads to."""
+
+    namespace, name, reference = "ns", "r", "Rendezvous ns/r"
+
+    def __init__(self, spec: state.RendezvousSpec) -> None:
+        self.spec = spec
+        self.joins: list[state.NodeEntry] = []
+        self._changed = threading.Condition()
+        self._object = self._versioned(1, None)
+
+    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+        """The status the operator writes after ``entry``'s join (``None``: no change)."""
+        raise NotImplementedError
+
+    def _versioned(self, version: int, status: state.RendezvousStatus | None) -> dict[str, Any]:
+        return {
+            "metadata": {"name": self.name, "uid": "u-1", "resourceVersion": str(version)},
+            "spec": self.spec.to_dict(),
+            **({"status": status.to_dict()} if status else {}),
+        }
+
+    # -- what the handler calls -------------------------------------------------------------
+
+    def get(self) -> dict[str, Any]:
+        return self._object
+
+    def open_connection(self) -> None:
+        """No server to connect to ahead."""
+
+    def write_lease(
+        self,
+        node: str,
+        instance: str,
+        duration_seconds: int,
+        owner_uid: str,
+        entry: state.NodeEntry | None = None,
+    ) -> None:
+        if entry is None or entry.intent is not state.NodeIntent.JOIN:
+            return  # heartbeats, and the leave at shutdown
+        self.joins.append(entry)
+        status = self.on_join(node, entry)
+        if status is not None:
+            with self._changed:
+                version = int(self._object["metadata"]["resourceVersion"]) + 1
+                self._object = self._versioned(version, status)
+                self._changed.notify_all()
+
+    def watch_unless(
+        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        if resource_version is None:  # from the current state, as the API server does
+            yield "ADDED", self._object
+            resource_version = self._object["metadata"]["resourceVersion"]
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._object["metadata"]["resourceVersion"] != resource_version,
+                timeout_seconds,
+            )
+            changed = self._object
+        if changed["metadata"]["resourceVersion"] != resource_version:
+            yield "MODIFIED", changed
