@@ -288,6 +288,17 @@ def markdown(results: Json) -> str:
                 f"noticed after {_cell(stats.get('notice'))}"
             )
         lines.append(f"| {name} | {_cell(stats)} | {note} |")
+    ours_requests = (failure.get("ours") or {}).get("requests")
+    if ours_requests and ours_requests.get("median") is not None:
+        by = (failure["ours"].get("requests_by") or [{}])[0]
+        lines += [
+            "",
+            f"API requests for the re-formed round of ours (7 survivors; from the kill to 1 s "
+            f"after the last return): {_cell(ours_requests, digits=0)}; the first repetition "
+            "by verb and resource: "
+            + ", ".join(f"{key} {value:.0f}" for key, value in by.items())
+            + ".",
+        ]
     scaleup = results.get("scaleup_notice") or {}
     lines += [
         "",

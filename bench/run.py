@@ -333,6 +333,9 @@ class Runner:
                     [r.get("latency_from_deletion") for r in results]
                 )
                 section[name]["notice"] = summarize([r.get("notice") for r in results])
+                costs = [r["cost"] for r in results if r.get("cost")]
+                section[name]["requests"] = summarize([c["requests_rendezvous"] for c in costs])
+                section[name]["requests_by"] = [c["requests_rendezvous_by"] for c in costs]
         self.results["failure_to_new_world"] = section
 
     def scaleup_section(self) -> None:

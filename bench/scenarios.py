@@ -465,8 +465,10 @@ def failure(env: Env, backend: str, *, torch_conf: Json | None = None, size: int
             if problem := check_round(first, everyone, size):
                 result["error"] = f"first round: {problem}"
                 return result
+            before = None
             if backend == OURS:
                 place.call("rejoin_when_waiting", survivors, interval=0.005, within=timeout)
+                before = metrics_or_none(env)
             killed = time.monotonic()
             place.worker_of(victim).kill()
             deleted = None
@@ -485,6 +487,9 @@ def failure(env: Env, backend: str, *, torch_conf: Json | None = None, size: int
                     result["latency_from_deletion"] = max(rets) - deleted
                     noticed = [records[i]["first_waiting"] for i in survivors]
                     result["notice"] = max(noticed) - killed
+                if before is not None and env.cluster is not None:
+                    time.sleep(1.0)  # the watchers re-arm right after the round event
+                    result["cost"] = metrics_delta(before, env.cluster.metrics())
             else:
                 result["latency"] = None
     finally:
