@@ -87,11 +87,14 @@ class RoundWatcher:
     """Keeps the latest Rendezvous status fresh from a background watch.
 
     The watch asks the API server only for versions whose ``status.roundKey`` differs
-    from the last one seen, so joins of other nodes never reach this pod; after each
-    change it re-arms with the new key (one request per round change). The first watch,
+    from the key it was armed with, so the operator's bookkeeping within a round never
+    reaches this pod. A round key never comes back once left (rounds only go forward), so
+    a stream armed with an older key goes on through later round changes: a round costs
+    no request. It re-arms with the current key only when a change that keeps that key
+    gets through (the filter is stale), at a stream's end, or when the object stops
+    matching (DELETED: a key back at the filter's, or the object gone). The first watch,
     from no version, has no key to filter by: it goes on through changes that keep the
-    round key it began with (the operator's bookkeeping while the round forms) and
-    re-arms at the first that does not.
+    round key it began with and re-arms at the first that does not.
     """
 
     def __init__(self, client: kube.RendezvousClient) -> None:
@@ -175,20 +178,26 @@ class RoundWatcher:
         while not self._stopped.is_set():
             try:
                 with self._changed:
-                    key, version = self._raw_round_key, self._version_text
+                    filtered_key, version = self._raw_round_key, self._version_text
+                key = filtered_key
                 # From a known version the watch misses nothing after it; from none (the
                 # start, or lost track) it begins with the current object: never a LIST.
-                for kind, obj in self._client.watch_unless(key, version, timeout_seconds=60):
+                for kind, obj in self._client.watch_unless(
+                    filtered_key, version, timeout_seconds=60
+                ):
                     if self._stopped.is_set():
                         return
                     if kind in ("ADDED", "MODIFIED"):
                         self.offer(obj)
+                        previous_key, key = key, _raw_round_key(obj)
                         if kind == "ADDED" and version is None:
                             # The current object, first event of a watch from no version:
                             # the same stream goes on with its changes (one request, not two).
-                            key = _raw_round_key(obj)
-                        elif _raw_round_key(obj) != key:
-                            break  # re-arm the filter with the new round key
+                            continue
+                        if filtered_key is None and key != previous_key:
+                            break  # the first watch: filter from the first round change on
+                        if filtered_key is not None and key == previous_key:
+                            break  # bookkeeping got through a stale filter: re-arm it
                     elif kind == "BOOKMARK":
                         self._bookmark(obj)
                     elif kind == "DELETED":

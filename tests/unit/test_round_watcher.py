@@ -1,4 +1,5 @@
-"""The round watcher's requests: one watch from the current state, re-armed per round."""
+"""The round watcher's requests: one watch from the current state, filtered from the first
+round change on, and re-armed only when its filter is stale."""
 
 from __future__ import annotations
 
@@ -76,6 +77,38 @@ def test_the_first_watch_goes_on_through_changes_that_keep_its_round_key() -> No
     watch_until_idle(client)
     # Re-armed once, at the round change, not at the forming round's bookkeeping.
     assert client.calls == [(None, None), ("1-Sealed", "8")]
+
+
+def test_a_filtered_watch_goes_on_through_round_changes() -> None:
+    client = ScriptedWatches(
+        [("ADDED", rendezvous(5, "1-Sealed")), ("MODIFIED", rendezvous(7, "1-Reforming"))],
+        [
+            ("MODIFIED", rendezvous(9, "2-Sealed")),
+            ("MODIFIED", rendezvous(11, "2-Reforming")),
+            ("MODIFIED", rendezvous(12, "3-Sealed")),
+        ],
+    )
+    watcher = watch_until_idle(client)
+    # Filtered on 1-Reforming, the second stream passed every later round: no re-arm
+    # until it ended.
+    assert client.calls == [(None, None), ("1-Reforming", "7"), ("3-Sealed", "12")]
+    latest = watcher.latest
+    assert latest is not None and latest["metadata"]["resourceVersion"] == "12"
+
+
+def test_a_change_that_keeps_the_round_key_re_arms_a_stale_filter() -> None:
+    client = ScriptedWatches(
+        [("ADDED", rendezvous(5, "1-Sealed")), ("MODIFIED", rendezvous(7, "1-Reforming"))],
+        [
+            ("MODIFIED", rendezvous(9, "2-Sealed")),
+            ("MODIFIED", rendezvous(10, "2-Sealed")),  # bookkeeping within round 2
+            ("MODIFIED", rendezvous(12, "2-Reforming")),  # not read: the stream was left
+        ],
+    )
+    watcher = watch_until_idle(client)
+    assert client.calls == [(None, None), ("1-Reforming", "7"), ("2-Sealed", "10")]
+    latest = watcher.latest
+    assert latest is not None and latest["metadata"]["resourceVersion"] == "10"
 
 
 def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:

@@ -1,0 +1,125 @@
+"""The round watcher against the real API server, the operator's status writes made by hand.
+
+Aspects: a stream armed with an older round key goes on through later rounds (a round
+costs no watch request); bookkeeping that gets through such a stale filter re-arms it; a
+status set back to the filter's key (a hand edit: the operator's rounds only go forward)
+still reaches the watcher, because the API server ends the object's match with DELETED.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes.client
+
+from k8s_rendezvous import kube, state
+from k8s_rendezvous.handler import RoundWatcher
+
+MERGE = "application/merge-patch+json"
+NAME = "train"
+
+
+class RecordingClient(kube.RendezvousClient):
+    """The real client, recording the (filter, resourceVersion) of each watch it opens."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
+        super().__init__(api, namespace, NAME, retry_seconds=5)
+        self.calls: list[tuple[str | None, str | None]] = []
+        self._opened = threading.Condition()
+
+    def watch_unless(
+        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        with self._opened:
+            self.calls.append((round_key, resource_version))
+            self._opened.notify_all()
+        yield from super().watch_unless(round_key, resource_version, timeout_seconds)
+
+    def wait_for_calls(self, count: int) -> list[tuple[str | None, str | None]]:
+        with self._opened:
+            assert self._opened.wait_for(lambda: len(self.calls) >= count, 20), self.calls
+            return list(self.calls)
+
+
+def round_status(
+    round_state: state.RoundState, round_number: int, node: str = "worker-0", generation: int = 1
+) -> dict[str, Any]:
+    member = state.Member(node=node, instance="i-1", attempt=round_number, addr="10.0.0.7")
+    return state.RendezvousStatus(
+        state=round_state,
+        round=round_number,
+        members=(member,),
+        master=state.Master("10.0.0.7", 29500),
+        observed_generation=generation,
+    ).operator_fields()
+
+
+def test_a_stream_armed_with_an_older_round_key_goes_on_through_later_rounds(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    custom = kubernetes.client.CustomObjectsApi(admin_api)
+    custom.create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": NAME},
+            "spec": {"minNodes": 1, "maxNodes": 2, "runId": NAME},
+        },
+    )
+
+    def write(fields: dict[str, Any]) -> str:
+        written = custom.patch_namespaced_custom_object_status(
+            state.GROUP,
+            state.VERSION,
+            workers_namespace,
+            state.PLURAL,
+            NAME,
+            {"status": fields},
+            _content_type=MERGE,
+        )
+        return str(written["metadata"]["resourceVersion"])
+
+    sealed, reforming = state.RoundState.SEALED, state.RoundState.REFORMING
+    write(round_status(sealed, 1))
+    client = RecordingClient(admin_api, workers_namespace)
+    watcher = RoundWatcher(client)
+    watcher.start()
+    try:
+
+        def holds(key: str, node: str = "worker-0") -> state.RendezvousStatus:
+            status = watcher.wait(
+                lambda s: s.round_key == key and s.members[0].node == node,
+                time.monotonic() + 20,
+            )
+            assert status is not None, (key, node, watcher.status)
+            return status
+
+        holds("1-Sealed")
+        first_change = write(round_status(reforming, 1))
+        for round_state, round_number in ((sealed, 2), (reforming, 2), (sealed, 3)):
+            write(round_status(round_state, round_number))
+        holds("3-Sealed")
+        bookkeeping = write(round_status(sealed, 3, generation=2))
+        # The first watch re-armed at its first round change; the second, filtered on
+        # 1-Reforming, passed three more round changes and was left only at bookkeeping.
+        assert client.wait_for_calls(3) == [
+            (None, None),
+            ("1-Reforming", first_change),
+            ("3-Sealed", bookkeeping),
+        ]
+
+        # Back to the filter's key by hand: the stream filtered on 3-Sealed hears of it
+        # as DELETED and reads the object afresh.
+        write(round_status(reforming, 3))
+        write(round_status(sealed, 3, node="worker-1"))
+        holds("3-Sealed", node="worker-1")
+        assert client.wait_for_calls(4)[3] == ("3-Reforming", None)
+    finally:
+        watcher.stop()
