@@ -321,7 +321,7 @@ def seal(
             result.update(timing(records, ids))
             result["error"] = check_round(records, ids, count)
             if before is not None and env.cluster is not None:
-                time.sleep(1.0)  # the watchers re-arm right after the round event
+                time.sleep(1.0)  # a watch is counted when it ends: let those ending now end
                 result["cost"] = metrics_delta(before, env.cluster.metrics())
                 assert prepared.namespace is not None
                 result["breakdown"] = breakdown(
@@ -488,7 +488,7 @@ def failure(env: Env, backend: str, *, torch_conf: Json | None = None, size: int
                     noticed = [records[i]["first_waiting"] for i in survivors]
                     result["notice"] = max(noticed) - killed
                 if before is not None and env.cluster is not None:
-                    time.sleep(1.0)  # the watchers re-arm right after the round event
+                    time.sleep(1.0)  # a watch is counted when it ends: let those ending now end
                     result["cost"] = metrics_delta(before, env.cluster.metrics())
             else:
                 result["latency"] = None
