@@ -80,9 +80,11 @@ def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[
             )
         )
         made.append(name)
+        # Up to 120 s: after a test restarts the API server, the controller manager's
+        # informers retry with client-go's backoff, which stops at [30, 60) s.
         wait_for(
             lambda: default_sa(name),
-            60,
+            120,
             f"ServiceAccount {name}/default (serviceaccount controller)",
         )
         return name

@@ -193,6 +193,7 @@ def recorded(
     yield record
     for rendezvous in made:
         assert rendezvous.recorder is not None
+        rendezvous.recorder.catch_up()
         rendezvous.recorder.stop()
         if rendezvous.recorder.spec is None:
             continue  # never created (a test of bad input)

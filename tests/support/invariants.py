@@ -23,6 +23,7 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes import watch
+from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import state
 
@@ -114,6 +115,7 @@ class Recorder:
         self._api = kubernetes.client.CustomObjectsApi(api)
         self._versions: list[tuple[int, dict[str, Any]]] = []
         self._lock = threading.Lock()
+        self._kept = threading.Condition(self._lock)
         self._stopped = threading.Event()
         self._watch = watch.Watch()
         self._thread = threading.Thread(target=self._run, name=f"record-{name}", daemon=True)
@@ -153,10 +155,29 @@ class Recorder:
 
     def _keep(self, obj: dict[str, Any]) -> None:
         self.spec = obj.get("spec")
-        with self._lock:
+        with self._kept:
             self._versions.append(
                 (int(obj["metadata"]["resourceVersion"]), obj.get("status") or {})
             )
+            self._kept.notify_all()
+
+    def catch_up(self, timeout: float = 30) -> None:
+        """Wait until the history holds the object's current version: a test can end (its
+        nodes returned) while this watch still reconnects after a fault of the test's."""
+        try:
+            current = self._api.get_namespaced_custom_object(
+                state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return  # never created, or deleted: the history is what was seen
+            raise
+        target = int(current["metadata"]["resourceVersion"])
+        with self._kept:
+            reached = self._kept.wait_for(
+                lambda: any(version >= target for version, _ in self._versions), timeout
+            )
+        assert reached, f"the history of {self.name} did not reach version {target} in {timeout} s"
 
     def statuses(self) -> list[tuple[int, state.RendezvousStatus]]:
         """Every recorded version that decodes (a test may write nonsense on purpose)."""
