@@ -109,8 +109,10 @@ class Runner:
         work: Path,
         sections: list[str],
         seal_sizes: tuple[int, ...] | None = None,
+        py_spy: bool = False,
     ) -> None:
         self.mode = mode
+        self.py_spy = py_spy
         self.sections = sections
         self.plan = PLANS[mode]
         if seal_sizes:
@@ -174,6 +176,8 @@ class Runner:
                 self.results["tcpstore_connect"] = probes.tcpstore_connect()
             cluster.start()
             env = self.env = Env(cluster, self.work, self.log, self.plan.max_workers)
+            if self.py_spy:
+                env.py_spy_dir = self.work / "py-spy"
             time.sleep(3.0)
             self.results["footprint"] = {
                 "operator_rss_idle_mb": round(rss_mb(cluster.pids()["operator"]), 1)
@@ -386,7 +390,11 @@ class Runner:
             ),
             "errors": [r["error"] for r in runs if r.get("error")],
             "runs": [
-                {k: v for k, v in r.items() if k in ("processes", "cost", "call_spread", "workers")}
+                {
+                    k: v
+                    for k, v in r.items()
+                    if k in ("processes", "cost", "call_spread", "workers", "py_spy")
+                }
                 for r in runs
             ],
             "concurrent": {
@@ -488,6 +496,12 @@ def main(argv: list[str] | None = None) -> int:
         "preloaded, so TCPStore's reverse lookups never reach this machine's resolver "
         "(default: system, as the machine resolves)",
     )
+    parser.add_argument(
+        "--py-spy",
+        action="store_true",
+        help="sample worker 0 and the operator with py-spy during the 1000-node rounds "
+        "(diagnosis: sampling slows the round; raw samples in the logs directory)",
+    )
     args = parser.parse_args(argv)
     out: Path = args.out or (
         REPO / "bench" / "results" / ("" if args.mode == "full" else args.mode)
@@ -500,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     seal_sizes = tuple(int(n) for n in args.seal_sizes.split(",") if n)
     if args.reverse_dns == "numeric":
         pool.NODE_ENV["LD_PRELOAD"] = str(build_numeric_getnameinfo(work))
-    runner = Runner(args.mode, out, backends, work, args.sections.split(","), seal_sizes)
+    runner = Runner(
+        args.mode, out, backends, work, args.sections.split(","), seal_sizes, args.py_spy
+    )
     runner.results["meta"]["reverse_dns"] = args.reverse_dns
     runner.log(f"mode {args.mode}: results into {out}; logs in {work}")
     results = runner.run()

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from bench import profiling
 from bench.cluster import Cluster, Log, Metrics, Sampler, metrics_delta, rss_mb
 from bench.pool import Json, Pool, Worker
 
@@ -42,6 +43,8 @@ class Env:
     log: Log
     max_workers: int
     etcd_endpoint: str | None = None
+    py_spy_dir: Path | None = None
+    """Where the 1000-node rounds' py-spy samples go (``run.py --py-spy``); None: no sampling."""
 
 
 def address(node: int) -> str:
@@ -303,10 +306,18 @@ def seal(
             go_at = go_time(place)
             place.join(ids, go_at)
             time.sleep(max(0.0, go_at - time.monotonic()))
-            cpu_at_go, go_wall = machine_cpu_seconds(), time.monotonic()
-            by_process_at_go = processes_cpu_seconds(processes)
-            records = place.collect(ids, timeout)
-            by_process = processes_cpu_seconds(processes)
+            with contextlib.ExitStack() as profiled:
+                if sample and env.py_spy_dir is not None and env.cluster is not None:
+                    spied = {
+                        "worker 0": place.pool.pids[0],
+                        "operator": env.cluster.pids()["operator"],
+                    }
+                    out_dir = env.py_spy_dir / f"{count}-{time.time():.0f}"
+                    result["py_spy"] = profiled.enter_context(profiling.recording(spied, out_dir))
+                cpu_at_go, go_wall = machine_cpu_seconds(), time.monotonic()
+                by_process_at_go = processes_cpu_seconds(processes)
+                records = place.collect(ids, timeout)
+                by_process = processes_cpu_seconds(processes)
             result["machine"] = {
                 "seconds": time.monotonic() - go_wall,
                 "busy_cpu_seconds": machine_cpu_seconds() - cpu_at_go,
