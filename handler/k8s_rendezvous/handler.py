@@ -90,11 +90,12 @@ class RoundWatcher:
     from the key it was armed with, so the operator's bookkeeping within a round never
     reaches this pod. A round key never comes back once left (rounds only go forward), so
     a stream armed with an older key goes on through later round changes: a round costs
-    no request. It re-arms with the current key only when a change that keeps that key
-    gets through (the filter is stale), at a stream's end, or when the object stops
-    matching (DELETED: a key back at the filter's, or the object gone). The first watch,
-    from no version, has no key to filter by: it goes on through changes that keep the
-    round key it began with and re-arms at the first that does not.
+    no request, and no new connection (a watch left early cannot give its connection
+    back). It re-arms with the current key only when a change that keeps a later key gets
+    through (the filter is stale), at a stream's end, or when the object stops matching
+    (DELETED: a key back at the filter's, or the object gone). The first watch, from no
+    version, has no filter: the bookkeeping of the round it began in reaches it (the
+    forming round, while the nodes join, when a re-arm would cost every node a request).
     """
 
     def __init__(self, client: kube.RendezvousClient) -> None:
@@ -178,13 +179,11 @@ class RoundWatcher:
         while not self._stopped.is_set():
             try:
                 with self._changed:
-                    filtered_key, version = self._raw_round_key, self._version_text
-                key = filtered_key
+                    first_key, version = self._raw_round_key, self._version_text
+                key = first_key
                 # From a known version the watch misses nothing after it; from none (the
                 # start, or lost track) it begins with the current object: never a LIST.
-                for kind, obj in self._client.watch_unless(
-                    filtered_key, version, timeout_seconds=60
-                ):
+                for kind, obj in self._client.watch_unless(first_key, version, timeout_seconds=60):
                     if self._stopped.is_set():
                         return
                     if kind in ("ADDED", "MODIFIED"):
@@ -193,10 +192,8 @@ class RoundWatcher:
                         if kind == "ADDED" and version is None:
                             # The current object, first event of a watch from no version:
                             # the same stream goes on with its changes (one request, not two).
-                            continue
-                        if filtered_key is None and key != previous_key:
-                            break  # the first watch: filter from the first round change on
-                        if filtered_key is not None and key == previous_key:
+                            first_key = key
+                        elif key == previous_key and key != first_key:
                             break  # bookkeeping got through a stale filter: re-arm it
                     elif kind == "BOOKMARK":
                         self._bookmark(obj)

@@ -1,5 +1,5 @@
-"""The round watcher's requests: one watch from the current state, filtered from the first
-round change on, and re-armed only when its filter is stale."""
+"""The round watcher's requests: one watch from the current state, re-armed (with the round
+key as its filter) only when a later round's bookkeeping gets through."""
 
 from __future__ import annotations
 
@@ -53,30 +53,23 @@ def watch_until_idle(client: ScriptedWatches) -> RoundWatcher:
     return watcher
 
 
-def test_the_first_watch_delivers_the_object_and_goes_on_until_a_round_change() -> None:
-    client = ScriptedWatches(
-        [("ADDED", rendezvous(5, None)), ("MODIFIED", rendezvous(7, "1-sealed"))],
-        [("MODIFIED", rendezvous(9, "2-forming"))],
-    )
-    watcher = watch_until_idle(client)
-    # One watch from no version saw the object and the sealed round; each later change
-    # re-armed from what it held, with the round key as the server-side filter.
-    assert client.calls == [(None, None), ("1-sealed", "7"), ("2-forming", "9")]
-    latest = watcher.latest
-    assert latest is not None and latest["metadata"]["resourceVersion"] == "9"
-
-
-def test_the_first_watch_goes_on_through_changes_that_keep_its_round_key() -> None:
+def test_the_first_watch_goes_on_through_its_rounds_bookkeeping_and_later_rounds() -> None:
     client = ScriptedWatches(
         [
             ("ADDED", rendezvous(5, "0-Forming")),
             ("MODIFIED", rendezvous(6, "0-Forming")),  # the first join's formingSince
             ("MODIFIED", rendezvous(8, "1-Sealed")),
+            ("MODIFIED", rendezvous(9, "1-Reforming")),
+            ("MODIFIED", rendezvous(10, "1-Reforming")),  # bookkeeping of a later round
+            ("MODIFIED", rendezvous(12, "2-Sealed")),  # not read: the stream was left
         ],
     )
-    watch_until_idle(client)
-    # Re-armed once, at the round change, not at the forming round's bookkeeping.
-    assert client.calls == [(None, None), ("1-Sealed", "8")]
+    watcher = watch_until_idle(client)
+    # One request from no version for the object and two rounds; re-armed, with the round
+    # key as the server-side filter, only when a later round's bookkeeping got through.
+    assert client.calls == [(None, None), ("1-Reforming", "10")]
+    latest = watcher.latest
+    assert latest is not None and latest["metadata"]["resourceVersion"] == "10"
 
 
 def test_a_filtered_watch_goes_on_through_round_changes() -> None:
