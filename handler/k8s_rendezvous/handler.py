@@ -10,6 +10,7 @@ from a cache.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
@@ -108,6 +109,11 @@ class RoundWatcher:
         self._version = -1
         self._version_text: str | None = None
         """The resourceVersion of what we hold, to watch from; None: the current state."""
+        self._offered = 0
+        self._recent: collections.deque[tuple[int, state.RendezvousStatus]] = collections.deque(
+            maxlen=64
+        )
+        """The latest statuses, numbered in the order they arrived, for wait() to judge."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -145,9 +151,16 @@ class RoundWatcher:
             try:
                 self._status = state.RendezvousStatus.from_dict(obj.get("status"))
                 self._decode_error = None
+                self._offered += 1
+                self._recent.append((self._offered, self._status))
             except state.DecodeError as error:
                 self._decode_error = error
             self._changed.notify_all()
+
+    def mark(self) -> int:
+        """This point in the statuses' arrival, for ``wait(since=...)``."""
+        with self._changed:
+            return self._offered
 
     def wait_for_object(self, deadline: float) -> Mapping[str, Any] | None:
         """The first object the watch delivers, or ``None`` by the monotonic ``deadline``."""
@@ -157,18 +170,29 @@ class RoundWatcher:
             return self._object
 
     def wait(
-        self, done: Callable[[state.RendezvousStatus], bool], deadline: float
+        self,
+        done: Callable[[state.RendezvousStatus], bool],
+        deadline: float,
+        since: int | None = None,
     ) -> state.RendezvousStatus | None:
-        """Block until ``done(status)`` or the monotonic ``deadline``; ``None`` on timeout."""
+        """The first status for which ``done(status)``, or ``None`` at the monotonic
+        ``deadline``. Statuses are judged in the order they arrived: the latest at
+        ``since`` (a :meth:`mark`; default: now) and each after it. So the answer does not
+        depend on how far the watch has read ahead of the caller, e.g. a node thawed with
+        several rounds waiting in its socket gets the first that admitted it."""
         with self._changed:
+            judged = (self._offered if since is None else since) - 1
             while True:
+                for number, status in self._recent:
+                    if number > judged:
+                        judged = number
+                        if done(status):
+                            return status
                 if self._decode_error is not None:
                     raise KubernetesRendezvousStateError(
                         f"{self._client.reference} has a status this node cannot read: "
                         f"{self._decode_error}"
                     )
-                if self._status is not None and done(self._status):
-                    return self._status
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -439,6 +463,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         owner_uid = str(obj["metadata"]["uid"])
         # The watch began before this write: the seal that admits this entry cannot be
         # missed.
+        since = self._watcher.mark()
         self._client.write_lease(
             self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
         )
@@ -453,7 +478,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
 
         while True:
-            status = self._watcher.wait(decided, started + spec.join_timeout_seconds)
+            status = self._watcher.wait(decided, started + spec.join_timeout_seconds, since)
             if status is None:
                 raise self._timed_out(spec)
             if status.state is state.RoundState.CLOSED:
@@ -465,13 +490,15 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             # API server restart) and left behind when the next sealed without us: that
             # request is spent, so ask again rather than wait out the join timeout.
             log.warning(
-                "node %s missed round %d of %s, which admitted it; joining again",
+                "node %s was admitted to a round it never saw, and round %d of %s sealed "
+                "without it; joining again",
                 self._node,
                 status.round,
                 self._client.reference,
             )
             self._attempt += 1
             entry = dataclasses.replace(entry, attempt=self._attempt)
+            since = self._watcher.mark()
             self._client.write_lease(
                 self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
             )

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from k8s_rendezvous import state
 from k8s_rendezvous.handler import RoundWatcher
 
 
@@ -115,3 +116,27 @@ def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
     finally:
         watcher.stop()
         client.released.set()
+
+
+def sealed(version: int, round_number: int) -> dict[str, Any]:
+    obj = rendezvous(version, None)
+    member = state.Member(node="n-0", instance="i-1", attempt=1, addr="10.0.0.7")
+    obj["status"] = state.RendezvousStatus(
+        state=state.RoundState.SEALED,
+        round=round_number,
+        members=(member,),
+        master=state.Master("10.0.0.7", 29500),
+    ).operator_fields()
+    return obj
+
+
+def test_wait_judges_statuses_in_the_order_they_arrived() -> None:
+    watcher = RoundWatcher(ScriptedWatches())  # type: ignore[arg-type]
+    since = watcher.mark()
+    # Two rounds arrive before the waiter looks (a node thawed with both in its socket).
+    watcher.offer(sealed(5, 1))
+    watcher.offer(sealed(7, 2))
+    first = watcher.wait(lambda s: s.state is state.RoundState.SEALED, time.monotonic(), since)
+    assert first is not None and first.round == 1
+    latest = watcher.wait(lambda s: s.state is state.RoundState.SEALED, time.monotonic())
+    assert latest is not None and latest.round == 2
