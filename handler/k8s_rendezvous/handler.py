@@ -111,9 +111,11 @@ class RoundWatcher:
         """The resourceVersion of what we hold, to watch from; None: the current state."""
         self._offered = 0
         self._recent: collections.deque[tuple[int, state.RendezvousStatus]] = collections.deque(
-            maxlen=64
+            maxlen=8
         )
-        """The latest statuses, numbered in the order they arrived, for wait() to judge."""
+        """The latest statuses, numbered in the order they arrived, for wait() to judge. A
+        few are enough (a join sees two or three round changes at most before it looks,
+        and a decoded status of 1000 members takes about 120 kB)."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
