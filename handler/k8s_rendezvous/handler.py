@@ -102,7 +102,6 @@ class RoundWatcher:
     def __init__(self, client: kube.RendezvousClient) -> None:
         self._client = client
         self._changed = threading.Condition()
-        self._status: state.RendezvousStatus | None = None
         self._object: Mapping[str, Any] | None = None
         self._decode_error: state.DecodeError | None = None
         self._raw_round_key: str | None = None
@@ -113,9 +112,9 @@ class RoundWatcher:
         self._recent: collections.deque[tuple[int, state.RendezvousStatus]] = collections.deque(
             maxlen=8
         )
-        """The latest statuses, numbered in the order they arrived, for wait() to judge. A
-        few are enough (a join sees two or three round changes at most before it looks,
-        and a decoded status of 1000 members takes about 120 kB)."""
+        """The latest statuses, numbered in the order they arrived (the last is the current
+        one), for wait() to judge. A few are enough (a join sees two or three round changes
+        at most before it looks, and a decoded status of 1000 members takes about 120 kB)."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -132,7 +131,7 @@ class RoundWatcher:
     @property
     def status(self) -> state.RendezvousStatus | None:
         with self._changed:
-            return self._status
+            return self._recent[-1][1] if self._recent else None
 
     @property
     def latest(self) -> Mapping[str, Any] | None:
@@ -151,10 +150,10 @@ class RoundWatcher:
             self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
             self._raw_round_key = _raw_round_key(obj)
             try:
-                self._status = state.RendezvousStatus.from_dict(obj.get("status"))
+                status = state.RendezvousStatus.from_dict(obj.get("status"))
                 self._decode_error = None
                 self._offered += 1
-                self._recent.append((self._offered, self._status))
+                self._recent.append((self._offered, status))
             except state.DecodeError as error:
                 self._decode_error = error
             self._changed.notify_all()
