@@ -53,6 +53,7 @@ class Slot:
     info: Any = None  # keeps the round's store (and its connections) alive
     thread: threading.Thread | None = None
     joins: int = 0
+    join_cpu: float = 0.0  # CPU seconds of the thread that called next_rendezvous()
 
     def record(self) -> Json:
         return {
@@ -149,6 +150,8 @@ class Host:
         self._slots: dict[int, Slot] = {}
         self._pollers: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._cpu_at_join: dict[int, float] = {}
+        self._process_cpu_at_join = 0.0
 
     # -- commands --------------------------------------------------------------------------
 
@@ -163,8 +166,28 @@ class Host:
             self._slots[slot.id] = slot
         return {"added": len(nodes), "seconds": time.monotonic() - started}
 
+    def ready(self, within: float) -> Json:
+        """Wait until what building our handlers started in the background is done: the
+        watch has delivered the Rendezvous, the first store server is made, the connection
+        ahead is open. Timed rounds then start from built handlers for every backend, as
+        torch's, which connect to their store while being built, always do."""
+        started = time.monotonic()
+        deadline = started + within
+        pending = 0
+        for slot in self._slots.values():
+            watcher = getattr(slot.handler, "_watcher", None)
+            if watcher is not None and watcher.wait_for_object(deadline) is None:
+                pending += 1
+        for thread in threading.enumerate():
+            if thread.name.startswith(("k8s-rendezvous-connect", "k8s-rendezvous-store")):
+                thread.join(max(0.0, deadline - time.monotonic()))
+                pending += thread.is_alive()
+        return {"seconds": time.monotonic() - started, "pending": pending}
+
     def join(self, ids: list[int], go_at: float) -> Json:
         """Each node's ``next_rendezvous()`` in its own thread, all released at ``go_at``."""
+        self._cpu_at_join = _threads_cpu_seconds()
+        self._process_cpu_at_join = _process_cpu_seconds()
         for node in ids:
             slot = self._slots[node]
             slot.thread = threading.Thread(
@@ -239,10 +262,29 @@ class Host:
         return {
             "pid": os.getpid(),
             "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "cpu_seconds_since_join_by_thread": self._cpu_since_join_by_thread(),
             "max_rss_mb": usage.ru_maxrss / 1024,
             "threads": threading.active_count(),
             "fds": len(os.listdir("/proc/self/fd")),
         }
+
+    def _cpu_since_join_by_thread(self) -> Json:
+        """CPU seconds since the last ``join`` command by kind of thread: which of a node's
+        jobs (its join, its watch, its heartbeat) pays. Threads gone since (stores being
+        made) and torch's C++ threads (the TCPStore servers) are the rest."""
+        used: dict[str, float] = {"join": sum(slot.join_cpu for slot in self._slots.values())}
+        now = _threads_cpu_seconds()
+        names = {thread.native_id: thread.name for thread in threading.enumerate()}
+        for native_id, seconds in now.items():
+            name = names.get(native_id)
+            if name is None or name.startswith(("join-", "rejoin-")):
+                continue
+            kind = next((k for k in _THREAD_KINDS if name.startswith(k)), "other Python")
+            used[kind] = used.get(kind, 0.0) + seconds - self._cpu_at_join.get(native_id, 0.0)
+        total = _process_cpu_seconds() - self._process_cpu_at_join
+        used["rest (ended threads, C++ threads)"] = total - sum(used.values())
+        used["process"] = total
+        return {kind: round(seconds, 3) for kind, seconds in used.items()}
 
     # -- threads ---------------------------------------------------------------------------
 
@@ -258,8 +300,10 @@ class Host:
         slot.ret = slot.ret_wall = None
         slot.error = None
         slot.joins += 1
+        cpu_at_call = time.thread_time()
         try:
             info = slot.handler.next_rendezvous()
+            slot.join_cpu += time.thread_time() - cpu_at_call
             slot.ret = time.monotonic()
             slot.ret_wall = time.time()
             slot.info = info
@@ -344,6 +388,34 @@ class Host:
         with self._lock:
             self._out.write(json.dumps(reply) + "\n")
             self._out.flush()
+
+
+_THREAD_KINDS = (
+    "k8s-rendezvous-watch",
+    "k8s-rendezvous-heartbeat",
+    "k8s-rendezvous-store",
+    "k8s-rendezvous-connect",
+    "MainThread",
+)
+
+
+def _threads_cpu_seconds() -> dict[int, float]:
+    """User and system CPU seconds of each live thread of this process, by native id."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except OSError:  # ended meanwhile
+            continue
+        used[int(task)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return used
+
+
+def _process_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:

@@ -98,6 +98,17 @@ PLANS = {
 
 
 SECTIONS = ("import", "seal", "failure", "scaleup", "scale", "live")
+_SCALE_RUN_KEYS = (
+    "setup_seconds",
+    "processes",
+    "machine",
+    "breakdown",
+    "cost",
+    "call_spread",
+    "workers",
+    "py_spy",
+)
+"""What each 1000-node round keeps: its breakdown says which phase the time went to."""
 
 
 class Runner:
@@ -389,14 +400,7 @@ class Runner:
                 [r.get("first_call_to_last_return") for r in runs]
             ),
             "errors": [r["error"] for r in runs if r.get("error")],
-            "runs": [
-                {
-                    k: v
-                    for k, v in r.items()
-                    if k in ("processes", "cost", "call_spread", "workers", "py_spy")
-                }
-                for r in runs
-            ],
+            "runs": [{k: v for k, v in r.items() if k in _SCALE_RUN_KEYS} for r in runs],
             "concurrent": {
                 "rendezvous": groups,
                 "nodes_each": size,

@@ -88,6 +88,8 @@ class Placement:
     def __init__(self, workers: Pool, where: dict[int, int]) -> None:
         self.pool = workers
         self.where = where
+        self.setup_seconds = 0.0
+        """From building the handlers to their background setup done (``ready``)."""
 
     def worker_of(self, node: int) -> Worker:
         return self.pool.workers[self.where[node]]
@@ -138,11 +140,16 @@ def placed(
         if host:  # torch's c10d store must be listening before anyone connects
             pool.workers[where[host[0]["id"]]].call("add_nodes", 120, nodes=host, common=common)
             by_worker = [[s for s in group if s not in host] for group in by_worker]
+        started = time.monotonic()
         pool.map(
             "add_nodes",
             [{"nodes": group, "common": common} for group in by_worker],
             timeout=600,
         )
+        unready = sum(reply["pending"] for reply in pool.each("ready", timeout=330, within=300))
+        if unready:
+            raise RuntimeError(f"{unready} nodes' handlers did not finish their setup in 300 s")
+        placement.setup_seconds = time.monotonic() - started
         yield placement
 
 
@@ -329,6 +336,7 @@ def seal(
             if sampler is not None:
                 sampler.__exit__()
                 result["processes"] = sampler.summary()
+            result["setup_seconds"] = place.setup_seconds
             result.update(timing(records, ids))
             result["error"] = check_round(records, ids, count)
             if before is not None and env.cluster is not None:
@@ -424,6 +432,7 @@ def concurrent(env: Env, rendezvous: int, size: int, *, timeout: float) -> Json:
                 if problem := check_round(records, members, size):
                     errors.append(f"r{index}: {problem}")
             result["per_rendezvous"] = summarize(per)
+            result["setup_seconds"] = place.setup_seconds
             result.update(timing(records, ids))
             result["error"] = "; ".join(errors[:3]) or None
             time.sleep(1.0)
