@@ -88,6 +88,10 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
             state.GROUP, state.VERSION, elsewhere, state.PLURAL
         )
     )
+    stranger = kube.RendezvousClient(api, elsewhere, "train", retry_seconds=5)
+    assert "cannot watch resource" in forbidden(
+        lambda: next(stranger.watch_unless(None, None, timeout_seconds=10))
+    )
     forbidden(
         lambda: custom.create_namespaced_custom_object(
             "coordination.k8s.io",

@@ -3,7 +3,8 @@
 Aspects: a stream armed with an older round key goes on through later rounds (a round
 costs no watch request); bookkeeping that gets through such a stale filter re-arms it; a
 status set back to the filter's key (a hand edit: the operator's rounds only go forward)
-still reaches the watcher, because the API server ends the object's match with DELETED.
+still reaches the watcher, because the API server ends the object's match with DELETED;
+a resourceVersion too old to resume from is raised as 410, for the watcher to start afresh.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import kubernetes.client
+import pytest
+from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import RoundWatcher
@@ -124,3 +127,14 @@ def test_a_stream_armed_with_an_older_round_key_goes_on_through_later_rounds(
         assert client.wait_for_calls(4)[3] == ("3-Reforming", None)
     finally:
         watcher.stop()
+
+
+def test_a_watch_from_a_version_too_old_raises_410_gone(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    client = kube.RendezvousClient(admin_api, workers_namespace, NAME, retry_seconds=5)
+    # The API server answers 200 and sends the refusal as the stream's ERROR event.
+    with pytest.raises(ApiException) as error:
+        next(client.watch_unless(None, "1", timeout_seconds=10))
+    assert error.value.status == 410
+    assert "too old resource version" in str(error.value.reason)
