@@ -176,3 +176,36 @@ def test_sealed_round_without_master_is_refused() -> None:
     del raw["master"]
     with pytest.raises(state.DecodeError, match="a Sealed round needs members and a master"):
         state.RendezvousStatus.from_dict(raw)
+
+
+MEMBER_ATTRIBUTES = {
+    "node": "node",
+    "instance": "instance",
+    "attempt": "attempt",
+    "addr": "addr",
+    "podRestarts": "pod_restarts",
+}
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(key=st.sampled_from(["rank", *MEMBER_ATTRIBUTES]), value=json_values)
+def test_a_member_is_taken_exactly_when_each_of_its_fields_is_valid(
+    key: str, value: object
+) -> None:
+    raw = sealed_status(2).to_dict()
+    raw["members"][1][key] = value
+    if key == "rank":
+        valid = value == 1
+    elif key == "attempt":
+        valid = type(value) is int and value >= 1
+    elif key == "podRestarts":
+        valid = type(value) is int and value >= 0
+    else:
+        valid = isinstance(value, str)
+    if not valid:
+        with pytest.raises(state.DecodeError, match=rf"status.members\[1\].{key}"):
+            state.RendezvousStatus.from_dict(raw)
+        return
+    member = state.RendezvousStatus.from_dict(raw).members[1]
+    if key in MEMBER_ATTRIBUTES:
+        assert getattr(member, MEMBER_ATTRIBUTES[key]) == value
