@@ -152,6 +152,7 @@ class Host:
         self._lock = threading.Lock()
         self._cpu_at_join: dict[int, float] = {}
         self._process_cpu_at_join = 0.0
+        self._join_cpu_at_join = 0.0
 
     # -- commands --------------------------------------------------------------------------
 
@@ -186,8 +187,9 @@ class Host:
 
     def join(self, ids: list[int], go_at: float) -> Json:
         """Each node's ``next_rendezvous()`` in its own thread, all released at ``go_at``."""
-        self._cpu_at_join = _threads_cpu_seconds()
+        self._cpu_at_join = {tid: cpu for tid, (_, cpu) in _threads_cpu_seconds().items()}
         self._process_cpu_at_join = _process_cpu_seconds()
+        self._join_cpu_at_join = sum(slot.join_cpu for slot in self._slots.values())
         for node in ids:
             slot = self._slots[node]
             slot.thread = threading.Thread(
@@ -270,19 +272,22 @@ class Host:
 
     def _cpu_since_join_by_thread(self) -> Json:
         """CPU seconds since the last ``join`` command by kind of thread: which of a node's
-        jobs (its join, its watch, its heartbeat) pays. Threads gone since (stores being
-        made) and torch's C++ threads (the TCPStore servers) are the rest."""
-        used: dict[str, float] = {"join": sum(slot.join_cpu for slot in self._slots.values())}
-        now = _threads_cpu_seconds()
+        jobs (its join, its watch, its heartbeat) pays. Threads not started by Python
+        (torch's C++ threads) go by their OS name; threads gone since are the rest."""
+        joins = sum(slot.join_cpu for slot in self._slots.values()) - self._join_cpu_at_join
+        used: dict[str, float] = {"join": joins}
         names = {thread.native_id: thread.name for thread in threading.enumerate()}
-        for native_id, seconds in now.items():
+        for native_id, (os_name, seconds) in _threads_cpu_seconds().items():
             name = names.get(native_id)
-            if name is None or name.startswith(("join-", "rejoin-")):
+            if name is None:
+                kind = f"native {os_name}"
+            elif name.startswith(("join-", "rejoin-")):
                 continue
-            kind = next((k for k in _THREAD_KINDS if name.startswith(k)), "other Python")
+            else:
+                kind = next((k for k in _THREAD_KINDS if name.startswith(k)), "other Python")
             used[kind] = used.get(kind, 0.0) + seconds - self._cpu_at_join.get(native_id, 0.0)
         total = _process_cpu_seconds() - self._process_cpu_at_join
-        used["rest (ended threads, C++ threads)"] = total - sum(used.values())
+        used["rest (ended threads)"] = total - sum(used.values())
         used["process"] = total
         return {kind: round(seconds, 3) for kind, seconds in used.items()}
 
@@ -399,17 +404,20 @@ _THREAD_KINDS = (
 )
 
 
-def _threads_cpu_seconds() -> dict[int, float]:
-    """User and system CPU seconds of each live thread of this process, by native id."""
+def _threads_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """The OS name and user and system CPU seconds of each live thread of this process,
+    by native id."""
     ticks = os.sysconf("SC_CLK_TCK")
     used = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{task}/stat", encoding="ascii") as stat:
-                fields = stat.read().rpartition(")")[2].split()
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as stat:
+                head, _, tail = stat.read().rpartition(")")
         except OSError:  # ended meanwhile
             continue
-        used[int(task)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        fields = tail.split()
+        os_name = head.partition("(")[2]
+        used[int(task)] = (os_name, (int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
     return used
 
 
