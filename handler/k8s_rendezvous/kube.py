@@ -238,10 +238,14 @@ class RendezvousClient:
             return True
 
         def write() -> None:
-            # One request per write: create only the first time, or once it is gone.
+            # One request per write: create only the first time, or once it is gone. Only
+            # a create that was answered makes the Lease known: one refused (429 from API
+            # Priority and Fairness when many pods of one ServiceAccount join at once) is
+            # retried as a create, not as a patch that fails with 404 and then creates.
             if name not in self._leases_made:
+                created = create()
                 self._leases_made.add(name)
-                if create():
+                if created:
                     return
             try:
                 self._leases.patch_namespaced_lease(

@@ -195,3 +195,14 @@ def test_a_deleted_lease_is_created_again(server: tuple[str, Script]) -> None:
     script.statuses = [404]
     write_lease(rendezvous)
     assert [method for method, _, _ in script.requests] == ["POST", "PATCH", "POST"]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_refused_create_is_retried_as_a_create(server: tuple[str, Script], status: int) -> None:
+    """Many pods of one ServiceAccount joining at once meet API Priority and Fairness'
+    429: the Lease was not made, so the retry creates it (one request, not a PATCH that
+    fails with 404 and then a create)."""
+    host, script = server
+    script.statuses = [status, status, 201]
+    write_lease(rendezvous_client(host))
+    assert [method for method, _, _ in script.requests] == ["POST", "POST", "POST"]
