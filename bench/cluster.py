@@ -412,6 +412,16 @@ class Metrics:
             totals[key] = totals.get(key, 0.0) + value
         return totals
 
+    def refused(self) -> dict[str, float]:
+        """Requests answered 429 (API Priority and Fairness: too many at once from one
+        flow), by ``VERB resource``."""
+        totals: dict[str, float] = {}
+        for name, labels, value in self.samples:
+            if name == "apiserver_request_total" and labels.get("code") == "429":
+                key = f"{labels.get('verb', '?')} {labels.get('resource', '?')}"
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
     def writes(self) -> tuple[float, float, float]:
         """(PATCH requests, their summed seconds, etcd update attempts) on rendezvous."""
         patches = seconds = attempts = 0.0
@@ -453,6 +463,8 @@ def metrics_delta(before: Metrics, after: Metrics) -> dict[str, Any]:
         if k.split(" ", 1)[1].split("/")[0] in ("rendezvous", "leases")
         or k in ("PATCH pods", "POST events")
     }
+    refused_b, refused_a = before.refused(), after.refused()
+    refused = {k: v - refused_b.get(k, 0.0) for k, v in refused_a.items()}
     patches_b, seconds_b, attempts_b = before.writes()
     patches_a, seconds_a, attempts_a = after.writes()
     patches = patches_a - patches_b
@@ -467,6 +479,7 @@ def metrics_delta(before: Metrics, after: Metrics) -> dict[str, Any]:
         "requests_total": sum(by.values()),
         "requests_rendezvous": sum(ours.values()),
         "requests_rendezvous_by": dict(sorted(ours.items())),
+        "requests_refused_429": {k: v for k, v in sorted(refused.items()) if v > 0},
         "watch_events": events_after - events_before,
         "watch_bytes": bytes_after - bytes_before,
         "lease_watch_events": lease_events,

@@ -53,7 +53,7 @@ class Slot:
     info: Any = None  # keeps the round's store (and its connections) alive
     thread: threading.Thread | None = None
     joins: int = 0
-    join_cpu: float = 0.0  # CPU seconds of the thread that called next_rendezvous()
+    join_cpu: float = 0.0  # CPU seconds of its next_rendezvous() calls
 
     def record(self) -> Json:
         return {
@@ -144,6 +144,22 @@ def _time_join_writes(slot: Slot) -> None:
     watcher.offer = seen
 
 
+def _time_store_making(slot: Slot, cpu_seconds: list[float]) -> None:
+    """Append the CPU each store server made for the node's next round takes (in a
+    thread of its own that ends, so the per-thread counts cannot see it)."""
+    next_store = slot.handler._next_store
+    make = next_store._make
+
+    def timed() -> Any:
+        started = time.thread_time()
+        try:
+            return make()
+        finally:
+            cpu_seconds.append(time.thread_time() - started)
+
+    next_store._make = timed
+
+
 class Host:
     def __init__(self, out: IO[str]) -> None:
         self._out = out
@@ -153,6 +169,8 @@ class Host:
         self._cpu_at_join: dict[int, float] = {}
         self._process_cpu_at_join = 0.0
         self._join_cpu_at_join = 0.0
+        self._store_cpu: list[float] = []  # appended from many threads: list.append is atomic
+        self._stores_at_join = 0
 
     # -- commands --------------------------------------------------------------------------
 
@@ -164,6 +182,7 @@ class Host:
             slot = Slot(int(spec["id"]), build(spec, common))
             if backend == "ours":
                 _time_join_writes(slot)
+                _time_store_making(slot, self._store_cpu)
             self._slots[slot.id] = slot
         return {"added": len(nodes), "seconds": time.monotonic() - started}
 
@@ -190,6 +209,7 @@ class Host:
         self._cpu_at_join = {tid: cpu for tid, (_, cpu) in _threads_cpu_seconds().items()}
         self._process_cpu_at_join = _process_cpu_seconds()
         self._join_cpu_at_join = sum(slot.join_cpu for slot in self._slots.values())
+        self._stores_at_join = len(self._store_cpu)
         for node in ids:
             slot = self._slots[node]
             slot.thread = threading.Thread(
@@ -275,7 +295,8 @@ class Host:
         jobs (its join, its watch, its heartbeat) pays. Threads not started by Python
         (torch's C++ threads) go by their OS name; threads gone since are the rest."""
         joins = sum(slot.join_cpu for slot in self._slots.values()) - self._join_cpu_at_join
-        used: dict[str, float] = {"join": joins}
+        stores = sum(self._store_cpu[self._stores_at_join :])
+        used: dict[str, float] = {"join thread": joins, "k8s-rendezvous-store (ended)": stores}
         names = {thread.native_id: thread.name for thread in threading.enumerate()}
         for native_id, (os_name, seconds) in _threads_cpu_seconds().items():
             name = names.get(native_id)
@@ -308,7 +329,6 @@ class Host:
         cpu_at_call = time.thread_time()
         try:
             info = slot.handler.next_rendezvous()
-            slot.join_cpu += time.thread_time() - cpu_at_call
             slot.ret = time.monotonic()
             slot.ret_wall = time.time()
             slot.info = info
@@ -320,6 +340,8 @@ class Host:
         except Exception as error:
             slot.ret = None
             slot.error = f"{type(error).__name__}: {error}"[:500]
+        finally:
+            slot.join_cpu += time.thread_time() - cpu_at_call
 
     def _rejoin_one(self, slot: Slot, interval: float, deadline: float) -> None:
         slot.first_waiting = None
