@@ -332,12 +332,19 @@ class RendezvousClient:
                 if not transient or now >= deadline:
                     raise self._error(what, error) from error
                 failure: Exception = error
+                asked = _retry_after(error)
             except (urllib3.exceptions.HTTPError, OSError) as error:
                 if time.monotonic() >= deadline:
                     raise self._error(what, error) from error
-                failure = error
+                failure, asked = error, None
             log.debug("retrying to %s %s after %r", what, self.reference, failure)
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1))
+            # Spread below the backoff, or above the server's Retry-After (API Priority and
+            # Fairness asks a flow it refused to wait): retrying sooner only meets a full
+            # queue again, at the cost of a request on both ends.
+            pause = delay * random.uniform(0.5, 1)
+            if asked is not None:
+                pause = max(pause, asked * random.uniform(1, 1.5))
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
     def _error(self, what: str, error: Exception) -> Exception:
@@ -388,6 +395,15 @@ def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
                 yield bytes(pending[start:end])
             start = searched = end + 1
         del pending[:start]
+
+
+def _retry_after(error: ApiException) -> float | None:
+    """The seconds a 429 or 503 asks to wait (``Retry-After``), at most 10."""
+    value = (error.headers or {}).get("Retry-After")
+    try:
+        return None if value is None else min(10.0, max(0.0, float(value)))
+    except ValueError:  # an HTTP date; the API server sends seconds
+        return None
 
 
 def _reason(error: ApiException) -> str:

@@ -1,11 +1,12 @@
 """Failure paths of the pod side's API client, with faults injected at the HTTP level by a
 scripted local server (fast, deterministic; the real API server covers the rest).
 
-Aspects: 5xx and 429 are retried with backoff until they pass; an API server that stays
-down past the budget, or refuses connections, becomes RendezvousConnectionError saying so;
-401 and 403 are retried only briefly (a restarted API server refuses until its authorizer
-is ready), then name the role to bind; 404 names the ways to make the Rendezvous;
-422 is a state error; a join creates the node's Lease once, then merge-patches it without a
+Aspects: 5xx and 429 are retried with backoff until they pass, never sooner than a
+Retry-After asks; an API server that stays down past the budget, or refuses connections,
+becomes RendezvousConnectionError saying so; 401 and 403 are retried only briefly (a
+restarted API server refuses until its authorizer is ready), then name the role to bind;
+404 names the ways to make the Rendezvous; 422 is a state error; a join creates the node's
+Lease once (a refused create is retried as a create), then merge-patches it without a
 resourceVersion (joins never conflict), and re-creates it if it was deleted.
 """
 
@@ -44,6 +45,9 @@ class Script:
     def __init__(self, statuses: list[int]) -> None:
         self.statuses = statuses
         self.requests: list[tuple[str, str, dict[str, Any] | None]] = []
+        self.arrivals: list[float] = []
+        self.retry_after: str | None = None
+        """Sent with every error answer when set."""
 
 
 @pytest.fixture
@@ -55,6 +59,7 @@ def server() -> Iterator[tuple[str, Script]]:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
             script.requests.append((self.command, self.headers.get("Content-Type", ""), body))
+            script.arrivals.append(time.monotonic())
             status = script.statuses.pop(0) if script.statuses else 200
             payload = (
                 OBJECT
@@ -65,6 +70,8 @@ def server() -> Iterator[tuple[str, Script]]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status != 200 and script.retry_after is not None:
+                self.send_header("Retry-After", script.retry_after)
             self.end_headers()
             self.wfile.write(data)
 
@@ -206,3 +213,13 @@ def test_a_refused_create_is_retried_as_a_create(server: tuple[str, Script], sta
     script.statuses = [status, status, 201]
     write_lease(rendezvous_client(host))
     assert [method for method, _, _ in script.requests] == ["POST", "POST", "POST"]
+
+
+def test_a_refusal_that_asks_to_wait_is_retried_no_sooner(server: tuple[str, Script]) -> None:
+    """API Priority and Fairness answers a flow it cannot queue with 429 and Retry-After;
+    retrying sooner only meets the full queue again."""
+    host, script = server
+    script.statuses, script.retry_after = [429, 200], "1"
+    assert rendezvous_client(host).get()["metadata"]["name"] == "r"
+    refused, served = script.arrivals
+    assert served - refused >= 1.0
