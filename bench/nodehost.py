@@ -19,6 +19,7 @@ Every time is ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for all processes
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -53,7 +54,6 @@ class Slot:
     info: Any = None  # keeps the round's store (and its connections) alive
     thread: threading.Thread | None = None
     joins: int = 0
-    join_cpu: float = 0.0  # CPU seconds of its next_rendezvous() calls
 
     def record(self) -> Json:
         return {
@@ -144,22 +144,6 @@ def _time_join_writes(slot: Slot) -> None:
     watcher.offer = seen
 
 
-def _time_store_making(slot: Slot, cpu_seconds: list[float]) -> None:
-    """Append the CPU each store server made for the node's next round takes (in a
-    thread of its own that ends, so the per-thread counts cannot see it)."""
-    next_store = slot.handler._next_store
-    make = next_store._make
-
-    def timed() -> Any:
-        started = time.thread_time()
-        try:
-            return make()
-        finally:
-            cpu_seconds.append(time.thread_time() - started)
-
-    next_store._make = timed
-
-
 class Host:
     def __init__(self, out: IO[str]) -> None:
         self._out = out
@@ -168,9 +152,7 @@ class Host:
         self._lock = threading.Lock()
         self._cpu_at_join: dict[int, float] = {}
         self._process_cpu_at_join = 0.0
-        self._join_cpu_at_join = 0.0
-        self._store_cpu: list[float] = []  # appended from many threads: list.append is atomic
-        self._stores_at_join = 0
+        self._joined_at = 0.0
 
     # -- commands --------------------------------------------------------------------------
 
@@ -182,7 +164,6 @@ class Host:
             slot = Slot(int(spec["id"]), build(spec, common))
             if backend == "ours":
                 _time_join_writes(slot)
-                _time_store_making(slot, self._store_cpu)
             self._slots[slot.id] = slot
         return {"added": len(nodes), "seconds": time.monotonic() - started}
 
@@ -208,8 +189,7 @@ class Host:
         """Each node's ``next_rendezvous()`` in its own thread, all released at ``go_at``."""
         self._cpu_at_join = {tid: cpu for tid, (_, cpu) in _threads_cpu_seconds().items()}
         self._process_cpu_at_join = _process_cpu_seconds()
-        self._join_cpu_at_join = sum(slot.join_cpu for slot in self._slots.values())
-        self._stores_at_join = len(self._store_cpu)
+        self._joined_at = time.monotonic()
         for node in ids:
             slot = self._slots[node]
             slot.thread = threading.Thread(
@@ -292,23 +272,28 @@ class Host:
 
     def _cpu_since_join_by_thread(self) -> Json:
         """CPU seconds since the last ``join`` command by kind of thread: which of a node's
-        jobs (its join, its watch, its heartbeat) pays. Threads not started by Python
-        (torch's C++ threads) go by their OS name; threads gone since are the rest."""
-        joins = sum(slot.join_cpu for slot in self._slots.values()) - self._join_cpu_at_join
-        stores = sum(self._store_cpu[self._stores_at_join :])
-        used: dict[str, float] = {"join thread": joins, "k8s-rendezvous-store (ended)": stores}
+        jobs (its join, its watch, its heartbeat, the store made for its next round) pays.
+        Live threads are read from /proc; Python threads that ended reported their CPU as
+        they ended; threads not started by Python (torch's C++ threads) go by their OS
+        name. What is left is native threads that ended."""
+        used: dict[str, float] = {}
+
+        def count(name: str, seconds: float) -> None:
+            kind = next((k for k in _THREAD_KINDS if name.startswith(k)), "other Python")
+            used[kind] = used.get(kind, 0.0) + seconds
+
+        for ended in list(_ENDED_THREADS):
+            if ended.at > self._joined_at:
+                count(ended.name, ended.cpu_seconds - self._cpu_at_join.get(ended.native_id, 0.0))
         names = {thread.native_id: thread.name for thread in threading.enumerate()}
         for native_id, (os_name, seconds) in _threads_cpu_seconds().items():
-            name = names.get(native_id)
-            if name is None:
-                kind = f"native {os_name}"
-            elif name.startswith(("join-", "rejoin-")):
-                continue
+            since = seconds - self._cpu_at_join.get(native_id, 0.0)
+            if native_id in names:
+                count(names[native_id], since)
             else:
-                kind = next((k for k in _THREAD_KINDS if name.startswith(k)), "other Python")
-            used[kind] = used.get(kind, 0.0) + seconds - self._cpu_at_join.get(native_id, 0.0)
+                used[f"native {os_name}"] = used.get(f"native {os_name}", 0.0) + since
         total = _process_cpu_seconds() - self._process_cpu_at_join
-        used["rest (ended threads)"] = total - sum(used.values())
+        used["rest (ended native threads)"] = total - sum(used.values())
         used["process"] = total
         return {kind: round(seconds, 3) for kind, seconds in used.items()}
 
@@ -326,7 +311,6 @@ class Host:
         slot.ret = slot.ret_wall = None
         slot.error = None
         slot.joins += 1
-        cpu_at_call = time.thread_time()
         try:
             info = slot.handler.next_rendezvous()
             slot.ret = time.monotonic()
@@ -340,8 +324,6 @@ class Host:
         except Exception as error:
             slot.ret = None
             slot.error = f"{type(error).__name__}: {error}"[:500]
-        finally:
-            slot.join_cpu += time.thread_time() - cpu_at_call
 
     def _rejoin_one(self, slot: Slot, interval: float, deadline: float) -> None:
         slot.first_waiting = None
@@ -418,12 +400,38 @@ class Host:
 
 
 _THREAD_KINDS = (
+    "join-",
+    "rejoin-",
     "k8s-rendezvous-watch",
     "k8s-rendezvous-heartbeat",
     "k8s-rendezvous-store",
     "k8s-rendezvous-connect",
     "MainThread",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class _EndedThread:
+    name: str
+    native_id: int
+    cpu_seconds: float
+    at: float
+
+
+_ENDED_THREADS: collections.deque[_EndedThread] = collections.deque(maxlen=100_000)
+"""Every Python thread of this process, as it ends (deque.append is thread-safe)."""
+_run_thread = threading.Thread.run
+
+
+def _run_and_report(thread: threading.Thread) -> None:
+    try:
+        _run_thread(thread)
+    finally:
+        _ENDED_THREADS.append(
+            _EndedThread(
+                thread.name, threading.get_native_id(), time.thread_time(), time.monotonic()
+            )
+        )
 
 
 def _threads_cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -452,6 +460,8 @@ def main() -> None:
     # The protocol owns the real stdout; anything printed goes to stderr (the log file).
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # The handlers start their threads with a target, so wrapping run() sees them all.
+    threading.Thread.run = _run_and_report  # type: ignore[method-assign]
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     Host(protocol).serve(sys.stdin)
