@@ -435,19 +435,19 @@ def _run_and_report(thread: threading.Thread) -> None:
 
 
 def _threads_cpu_seconds() -> dict[int, tuple[str, float]]:
-    """The OS name and user and system CPU seconds of each live thread of this process,
-    by native id."""
-    ticks = os.sysconf("SC_CLK_TCK")
+    """The OS name and CPU seconds of each live thread of this process, by native id. The
+    CPU is the scheduler's nanoseconds (``schedstat``): ``stat``'s clock ticks are 10 ms,
+    and a thousand watch threads each using a few ms would round to nothing."""
     used = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as stat:
-                head, _, tail = stat.read().rpartition(")")
+            with open(f"/proc/self/task/{task}/schedstat", encoding="ascii") as schedstat:
+                on_cpu_ns = int(schedstat.read().split()[0])
+            with open(f"/proc/self/task/{task}/comm", encoding="ascii", errors="replace") as comm:
+                os_name = comm.read().strip()
         except OSError:  # ended meanwhile
             continue
-        fields = tail.split()
-        os_name = head.partition("(")[2]
-        used[int(task)] = (os_name, (int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
+        used[int(task)] = (os_name, on_cpu_ns / 1e9)
     return used
 
 
