@@ -6,6 +6,7 @@ K8S_RDZV_KUBECONFIG_DIR=<dir of `python -m tests.cluster up`> reuses a running c
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,30 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _binaries_key = pytest.StashKey[Path]()
+_session_key = pytest.StashKey[pytest.Session]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[_session_key] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without finalizing the interpreter once pytest has reported.
+
+    Tests run nodes' ``next_rendezvous()`` in daemon threads, and one may still be inside
+    torch's C++ (a TCPStore connect to a rank 0 a test killed, bounded by its timeout)
+    when the last test ends. A daemon thread that takes the GIL back during finalization is
+    ended with pthread_exit, whose unwinding through torch's frames aborts the process:
+    SIGABRT, exit 134, after every test passed (seen once in a CI run). Every process the
+    tests start is stopped by its fixture before this point, so nothing is skipped."""
+    session = config.stash.get(_session_key, None)
+    if session is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(session.exitstatus))
 
 
 @pytest.fixture(scope="session")
