@@ -9,9 +9,10 @@ drops bursts of queries, some connects then wait for glibc's resolver timeout (5
 ``sealed_status_decode``: the CPU one node spends on the event of a sealed round of ``n``
 members, step by step as the handler takes it: decoding the line (one ``json.loads`` of its
 bytes; for reference, the kubernetes client's ``Watch``, which the handler used before and
-which decodes it three times), the status codec, finding its own rank. It is paid by every
-node at every round change, so the round's total grows as N^2; this says how much of a
-node's CPU that is.
+which decodes it three times), the whole status codec and finding a rank in it (what the
+operator does; nodes did it too before), and a node's own view of the status (what nodes
+do: decode only their own entry). It is paid by every node at every round change, so the
+round's total grows as N^2; this says how much of a node's CPU that is.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def _decode_costs(count: int) -> dict[str, Any]:
         "event_decode_ms": lambda: json.loads(line_bytes),
         "status_codec_ms": lambda: state.RendezvousStatus.from_dict(raw["status"]),
         "rank_of_ms": lambda: decoded.rank_of(last.node, entry),
+        "node_view_ms": lambda: state.NodeView.from_dict(raw["status"], last.node).rank_of(entry),
     }
     repeats = max(20, 20000 // count)
     return {

@@ -85,7 +85,7 @@ def _route_address(towards: str | None) -> str:
 
 
 class RoundWatcher:
-    """Keeps the latest Rendezvous status fresh from a background watch.
+    """Keeps the latest Rendezvous status, as this node reads it, fresh from a background watch.
 
     The watch asks the API server only for versions whose ``status.roundKey`` differs
     from the key it was armed with, so the operator's bookkeeping within a round never
@@ -99,8 +99,9 @@ class RoundWatcher:
     forming round, while the nodes join, when a re-arm would cost every node a request).
     """
 
-    def __init__(self, client: kube.RendezvousClient) -> None:
+    def __init__(self, client: kube.RendezvousClient, node: str) -> None:
         self._client = client
+        self._node = node
         self._changed = threading.Condition()
         self._object: Mapping[str, Any] | None = None
         self._decode_error: state.DecodeError | None = None
@@ -109,12 +110,10 @@ class RoundWatcher:
         self._version_text: str | None = None
         """The resourceVersion of what we hold, to watch from; None: the current state."""
         self._offered = 0
-        self._recent: collections.deque[tuple[int, state.RendezvousStatus]] = collections.deque(
-            maxlen=8
-        )
+        self._recent: collections.deque[tuple[int, state.NodeView]] = collections.deque(maxlen=8)
         """The latest statuses, numbered in the order they arrived (the last is the current
-        one), for wait() to judge. A few are enough (a join sees two or three round changes
-        at most before it looks, and a decoded status of 1000 members takes about 120 kB)."""
+        one), for wait() to judge. A few are enough: a join sees two or three round changes
+        at most before it looks."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -129,7 +128,7 @@ class RoundWatcher:
         self._stopped.set()
 
     @property
-    def status(self) -> state.RendezvousStatus | None:
+    def status(self) -> state.NodeView | None:
         with self._changed:
             return self._recent[-1][1] if self._recent else None
 
@@ -150,7 +149,7 @@ class RoundWatcher:
             self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
             self._raw_round_key = _raw_round_key(obj)
             try:
-                status = state.RendezvousStatus.from_dict(obj.get("status"))
+                status = state.NodeView.from_dict(obj.get("status"), self._node)
                 self._decode_error = None
                 self._offered += 1
                 self._recent.append((self._offered, status))
@@ -172,10 +171,10 @@ class RoundWatcher:
 
     def wait(
         self,
-        done: Callable[[state.RendezvousStatus], bool],
+        done: Callable[[state.NodeView], bool],
         deadline: float,
         since: int | None = None,
-    ) -> state.RendezvousStatus | None:
+    ) -> state.NodeView | None:
         """The first status for which ``done(status)``, or ``None`` at the monotonic
         ``deadline``. Statuses are judged in the order they arrived: the latest at
         ``since`` (a :meth:`mark`; default: now) and each after it. So the answer does not
@@ -379,7 +378,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._joined: _Joined | None = None
         # Watching starts now, as torch's c10d handler connects to its store when built: the
         # first join finds the Rendezvous already read.
-        self._watcher = RoundWatcher(client)
+        self._watcher = RoundWatcher(client, node)
         self._watcher.start()
         threading.Thread(
             target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
@@ -471,11 +470,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._heartbeat.start(spec, owner_uid)
         log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)
 
-        def decided(status: state.RendezvousStatus) -> bool:
+        def decided(status: state.NodeView) -> bool:
             return (
                 status.state is state.RoundState.CLOSED
-                or status.rank_of(self._node, entry) is not None
-                or status.left_behind_with(self._node, entry)
+                or status.rank_of(entry) is not None
+                or status.left_behind_with(entry)
             )
 
         while True:
@@ -484,7 +483,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 raise self._timed_out(spec)
             if status.state is state.RoundState.CLOSED:
                 raise self._closed_error(status)
-            rank = status.rank_of(self._node, entry)
+            rank = status.rank_of(entry)
             if rank is not None:
                 break
             # Admitted to a round this watch never showed (it lost track, e.g. across an
@@ -531,7 +530,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 raise KubernetesRendezvousConnectionError(
                     f"node {self._node} is rank {rank} of round {status.round} of "
                     f"{self._client.reference} but could not reach the round's store at "
-                    f"{status.master.endpoint} (rank 0, pod {status.members[0].node}) within "
+                    f"{status.master.endpoint} (rank 0, pod {status.member_nodes[0]}) within "
                     f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left or died "
                     "since the round was sealed; the next next_rendezvous() joins a new round."
                 ) from error
@@ -555,7 +554,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def is_closed(self) -> bool:
         status = self._watcher.status
         if status is None:
-            status = state.RendezvousStatus.from_dict(self._client.get().get("status"))
+            status = state.NodeView.from_dict(self._client.get().get("status"), self._node)
         return self._closed_locally or status.state is state.RoundState.CLOSED
 
     def set_closed(self) -> None:
@@ -695,12 +694,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return spec
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
-        status = self._watcher.status or state.RendezvousStatus()
+        status = self._watcher.status or state.NodeView(self._node)
         try:
             self._write_intent(state.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
-        members = ", ".join(member.node for member in status.members) or "none"
+        members = ", ".join(status.member_nodes) or "none"
         namespace, name = self._client.namespace, self._client.name
         return KubernetesRendezvousTimeoutError(
             f"no round of {self._client.reference} included node {self._node} within "
@@ -712,7 +711,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             "that enough pods are scheduled."
         )
 
-    def _closed_error(self, status: state.RendezvousStatus) -> KubernetesRendezvousClosedError:
+    def _closed_error(self, status: state.NodeView) -> KubernetesRendezvousClosedError:
         return KubernetesRendezvousClosedError(
             f"{self._client.reference} is closed ({status.closed_reason}: "
             f"{status.closed_message}); no further round will be formed. Create a new "

@@ -92,13 +92,13 @@ def test_a_stream_armed_with_an_older_round_key_goes_on_through_later_rounds(
     sealed, reforming = state.RoundState.SEALED, state.RoundState.REFORMING
     write(round_status(sealed, 1))
     client = RecordingClient(admin_api, workers_namespace)
-    watcher = RoundWatcher(client)
+    watcher = RoundWatcher(client, "worker-0")
     watcher.start()
     try:
 
-        def holds(key: str, node: str = "worker-0") -> state.RendezvousStatus:
+        def holds(key: str, node: str = "worker-0") -> state.NodeView:
             status = watcher.wait(
-                lambda s: s.round_key == key and s.members[0].node == node,
+                lambda s: s.round_key == key and s.member_nodes[0] == node,
                 time.monotonic() + 20,
             )
             assert status is not None, (key, node, watcher.status)

@@ -44,7 +44,7 @@ class ScriptedWatches:
 
 def watch_until_idle(client: ScriptedWatches) -> RoundWatcher:
     """A watcher run through every script, then stopped."""
-    watcher = RoundWatcher(client)  # type: ignore[arg-type]
+    watcher = RoundWatcher(client, "n-0")  # type: ignore[arg-type]
     watcher.start()
     try:
         assert client.exhausted.wait(10)
@@ -107,7 +107,7 @@ def test_a_change_that_keeps_the_round_key_re_arms_a_stale_filter() -> None:
 
 def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
     client = ScriptedWatches()
-    watcher = RoundWatcher(client)  # type: ignore[arg-type]
+    watcher = RoundWatcher(client, "n-0")  # type: ignore[arg-type]
     watcher.start()
     try:
         started = time.monotonic()
@@ -131,7 +131,7 @@ def sealed(version: int, round_number: int) -> dict[str, Any]:
 
 
 def test_wait_judges_statuses_in_the_order_they_arrived() -> None:
-    watcher = RoundWatcher(ScriptedWatches())  # type: ignore[arg-type]
+    watcher = RoundWatcher(ScriptedWatches(), "n-0")  # type: ignore[arg-type]
     since = watcher.mark()
     # Two rounds arrive before the waiter looks (a node thawed with both in its socket).
     watcher.offer(sealed(5, 1))

@@ -3,7 +3,8 @@
 Aspects: codecs round-trip; camelCase on the wire; decode errors name the field; a status
 not yet touched by the operator decodes; the schema version is checked; IPv6 masters are
 bracketed for display only; a node's entry round-trips through its Lease annotation; the
-status of a large round stays within a size budget; and,
+status of a large round stays within a size budget; a node's own view of the status
+answers as the whole status does; and,
 fuzzed, no input makes the decoder raise anything but ``DecodeError``.
 """
 
@@ -150,7 +151,11 @@ json_values = st.recursive(
 @hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(value=json_values)
 def test_decoder_raises_only_decode_error(value: object) -> None:
-    for decode in (state.RendezvousStatus.from_dict, state.RendezvousSpec.from_dict):
+    for decode in (
+        state.RendezvousStatus.from_dict,
+        state.RendezvousSpec.from_dict,
+        lambda raw: state.NodeView.from_dict(raw, "train-job-worker-1-abcde"),
+    ):
         with contextlib.suppress(state.DecodeError):
             decode(value)
 
@@ -169,6 +174,8 @@ def test_decoder_survives_any_field_corruption(mutation: tuple[str, object]) -> 
     raw[mutation[0]] = mutation[1]
     with contextlib.suppress(state.DecodeError):
         state.RendezvousStatus.from_dict(raw)
+    with contextlib.suppress(state.DecodeError):
+        state.NodeView.from_dict(raw, "train-job-worker-1-abcde")
 
 
 def test_sealed_round_without_master_is_refused() -> None:
@@ -209,3 +216,77 @@ def test_a_member_is_taken_exactly_when_each_of_its_fields_is_valid(
     member = state.RendezvousStatus.from_dict(raw).members[1]
     if key in MEMBER_ATTRIBUTES:
         assert getattr(member, MEMBER_ATTRIBUTES[key]) == value
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    members=st.lists(
+        st.tuples(st.sampled_from("abc"), st.sampled_from("xy"), st.integers(1, 2)), max_size=6
+    ),
+    left_behind=st.lists(
+        st.tuples(st.sampled_from("abc"), st.sampled_from("xy"), st.integers(1, 2)), max_size=3
+    ),
+    round_state=st.sampled_from(list(state.RoundState)),
+    node=st.sampled_from("abcd"),
+)
+def test_a_node_view_answers_as_the_whole_status_does(
+    members: list[tuple[str, str, int]],
+    left_behind: list[tuple[str, str, int]],
+    round_state: state.RoundState,
+    node: str,
+) -> None:
+    """A node decodes only its own entries, and answers every question the handler asks
+    as the full decode would (a pod may hold two entries: an agent restarted unnoticed)."""
+
+    def member(fields: tuple[str, str, int]) -> state.Member:
+        return state.Member(fields[0], fields[1], fields[2], f"10.0.0.{ord(fields[0])}")
+
+    status = state.RendezvousStatus(
+        state=round_state
+        if members or round_state is not state.RoundState.SEALED
+        else state.RoundState.FORMING,
+        round=3,
+        members=tuple(member(fields) for fields in members),
+        master=state.Master("10.0.0.1", 29500),
+        nodes_waiting=2,
+        left_behind=tuple(member(fields) for fields in left_behind),
+        closed_reason="Done",
+        closed_message="finished",
+    )
+    view = state.NodeView.from_dict(json.loads(json.dumps(status.to_dict())), node)
+    assert view.member_nodes == tuple(m.node for m in status.members)
+    assert (view.state, view.round, view.round_key, view.world_size) == (
+        status.state,
+        status.round,
+        status.round_key,
+        status.world_size,
+    )
+    assert (view.master, view.nodes_waiting, view.closed_reason, view.closed_message) == (
+        status.master,
+        status.nodes_waiting,
+        status.closed_reason,
+        status.closed_message,
+    )
+    for instance in "xy":
+        for attempt in (1, 2):
+            entry = state.NodeEntry(instance, attempt, "10.0.0.9", 29500)
+            assert view.rank_of(entry) == status.rank_of(node, entry)
+            assert view.left_behind_with(entry) == status.left_behind_with(node, entry)
+
+
+def test_a_node_view_checks_its_own_entry_and_every_pod_name() -> None:
+    raw = sealed_status(3).to_dict()
+    raw["members"][1]["attempt"] = 0
+    with pytest.raises(state.DecodeError, match=r"status.members\[1\].attempt: must be at least"):
+        state.NodeView.from_dict(raw, "train-job-worker-1-abcde")
+    # Another node's entry is not this node's to check: the operator wrote it, under the
+    # CRD's schema.
+    assert (
+        state.NodeView.from_dict(raw, "train-job-worker-2-abcde").rank_of(
+            state.NodeEntry(f"{2:016x}", 3, "10.244.0.2", 40002)
+        )
+        == 2
+    )
+    raw["members"][0]["node"] = 7
+    with pytest.raises(state.DecodeError, match=r"status.members\[0\].node: expected a string"):
+        state.NodeView.from_dict(raw, "train-job-worker-2-abcde")
