@@ -1,0 +1,207 @@
+"""One sealed round of 1000 members delivered to 1000 watching nodes, and nothing else.
+
+``python -m bench.fanout`` (output committed as ``results/fanout.json``) isolates the part
+of the 1000-node round that comes after the seal: every node's watch receives the sealed
+status (about 124 kB) and the node reads its own entry from it
+(:class:`k8s_rendezvous.state.NodeView`), exactly as the handler's round watcher does,
+through :meth:`k8s_rendezvous.kube.RendezvousClient.watch_unless`. No operator, no joins,
+no store: one status write by the admin, watched on the real API server.
+
+The watchers are threads in worker processes, as the scale section's simulated nodes are;
+the probe varies how they are packed (1 node alone; 125 in one process; 1000 in 8
+processes of 125, the scale section's layout; 1000 in 16 of 63). For each it reports the
+time from the status write to the last node holding the round, and the CPU that each
+node's watch thread spent (``time.thread_time()``) from the write to holding it. A node in
+a pod of its own pays the first figure; the difference is what packing nodes into
+threads on two cores adds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MEMBERS = 1000
+LAYOUTS = ((1, 1), (1, 125), (8, 125), (16, 63))
+REPEATS = 2
+RESULTS = Path(__file__).parent / "results" / "fanout.json"
+
+
+def watch_in_threads(host: str, ca: str, cert: str, key: str, count: int) -> None:
+    """Child process: ``count`` watching nodes; prints READY, then their CPU seconds."""
+    import kubernetes.client
+
+    from k8s_rendezvous import kube, state
+
+    configuration = kubernetes.client.Configuration()
+    configuration.host, configuration.ssl_ca_cert = host, ca
+    configuration.cert_file, configuration.key_file = cert, key
+    configuration.connection_pool_maxsize = count + 4
+    api = kubernetes.client.ApiClient(configuration)
+    cpu: list[float] = []
+    lock = threading.Lock()
+    armed = threading.Barrier(count + 1)
+
+    def node(index: int) -> None:
+        client = kube.RendezvousClient(api, "default", "fanout", retry_seconds=30)
+        # Connect first (TCP and TLS, about 3 ms of CPU), so that the figure is the round's
+        # delivery alone: the watch takes this connection back from the pool.
+        kubernetes.client.VersionApi(api).get_code()
+        events = client.watch_unless("1-Sealed", None, timeout_seconds=120)
+        armed.wait()
+        started = time.thread_time()  # the request goes out on the first next(), below
+        # The round enters the filter as ADDED; a BOOKMARK may come first.
+        obj = next(obj for kind, obj in events if kind in ("ADDED", "MODIFIED"))
+        view = state.NodeView.from_dict(obj.get("status"), member_name(index))
+        assert view.round == 2 and view.member_nodes[index] == member_name(index)
+        with lock:
+            cpu.append(time.thread_time() - started)
+        events.close()
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    armed.wait()
+    print("READY", flush=True)
+    for thread in threads:
+        thread.join()
+    print(json.dumps(cpu), flush=True)
+
+
+def wait_for_watches(admin: Any, count: int) -> None:
+    """Until the API server serves ``count`` watches of Rendezvous (its own gauge)."""
+    deadline = time.monotonic() + 120
+    while True:
+        metrics = admin.call_api("GET", f"{admin.configuration.host}/metrics").read()
+        open_watches = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.decode().splitlines()
+            if line.startswith("apiserver_longrunning_requests{")
+            and 'resource="rendezvous"' in line
+            and 'verb="WATCH"' in line
+        )
+        if open_watches >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{open_watches:.0f} of {count} watches open after 120 s")
+        time.sleep(0.1)
+
+
+def member_name(index: int) -> str:
+    return f"train-worker-{index}-abcde"
+
+
+def main() -> dict[str, Any]:
+    import kubernetes.client
+    from tests.cluster.controlplane import ControlPlane, build_binaries
+
+    from bench.cluster import CRD
+    from k8s_rendezvous import state
+
+    plane = ControlPlane(build_binaries())
+    plane.start()
+    try:
+        plane.kubectl("apply", "--server-side", "-f", str(CRD))
+        plane.kubectl("wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev")
+        admin = plane.api_client()
+        objects = kubernetes.client.CustomObjectsApi(admin)
+        objects.create_namespaced_custom_object(
+            state.GROUP,
+            state.VERSION,
+            "default",
+            state.PLURAL,
+            {
+                "apiVersion": state.API_VERSION,
+                "kind": state.KIND,
+                "metadata": {"name": "fanout"},
+                "spec": {"minNodes": MEMBERS, "maxNodes": MEMBERS, "runId": "fanout"},
+            },
+        )
+        members = tuple(
+            state.Member(member_name(i), f"{i:016x}", 1, f"10.0.{i // 256}.{i % 256}")
+            for i in range(MEMBERS)
+        )
+
+        def seal(round_number: int) -> None:
+            status = state.RendezvousStatus(
+                state=state.RoundState.SEALED,
+                round=round_number,
+                members=members,
+                master=state.Master(members[0].addr, 29500),
+            )
+            objects.patch_namespaced_custom_object_status(
+                state.GROUP,
+                state.VERSION,
+                "default",
+                state.PLURAL,
+                "fanout",
+                {"status": status.operator_fields()},
+                _content_type="application/merge-patch+json",
+            )
+
+        configuration = admin.configuration
+        found: dict[str, Any] = {
+            "command": ".venv/bin/python -m bench.fanout",
+            "members": MEMBERS,
+            "layouts": [],
+        }
+        for processes, per_process in LAYOUTS:
+            for repeat in range(REPEATS):
+                seal(1)
+                children = [
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bench.fanout",
+                            "child",
+                            configuration.host,
+                            configuration.ssl_ca_cert,
+                            configuration.cert_file,
+                            configuration.key_file,
+                            str(per_process),
+                        ],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    for _ in range(processes)
+                ]
+                for child in children:
+                    assert child.stdout is not None and child.stdout.readline().strip() == "READY"
+                wait_for_watches(admin, processes * per_process)
+                written = time.monotonic()
+                seal(2)
+                cpu: list[float] = []
+                for child in children:
+                    assert child.stdout is not None
+                    cpu += json.loads(child.stdout.readline())
+                    child.wait()
+                delivered = time.monotonic() - written
+                found["layouts"].append(
+                    {
+                        "processes": processes,
+                        "nodes_per_process": per_process,
+                        "repeat": repeat + 1,
+                        "write_to_last_node_seconds": round(delivered, 3),
+                        "watch_cpu_ms_per_node_median": round(statistics.median(cpu) * 1000, 2),
+                        "watch_cpu_ms_per_node_max": round(max(cpu) * 1000, 2),
+                        "watch_cpu_seconds_all_nodes": round(sum(cpu), 2),
+                    }
+                )
+                print(json.dumps(found["layouts"][-1]), file=sys.stderr, flush=True)
+        return found
+    finally:
+        plane.stop()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["child"]:
+        watch_in_threads(*sys.argv[2:6], int(sys.argv[6]))
+    else:
+        RESULTS.write_text(json.dumps(main(), indent=1) + "\n")
