@@ -33,7 +33,7 @@ REPEATS = 2
 RESULTS = Path(__file__).parent / "results" / "fanout.json"
 
 
-def watch_in_threads(host: str, ca: str, cert: str, key: str, count: int) -> None:
+def watch_in_threads(host: str, ca: str, cert: str, key: str, namespace: str, count: int) -> None:
     """Child process: ``count`` watching nodes; prints READY, then their CPU seconds."""
     import kubernetes.client
 
@@ -49,7 +49,7 @@ def watch_in_threads(host: str, ca: str, cert: str, key: str, count: int) -> Non
     armed = threading.Barrier(count + 1)
 
     def node(index: int) -> None:
-        client = kube.RendezvousClient(api, "default", "fanout", retry_seconds=30)
+        client = kube.RendezvousClient(api, namespace, "fanout", retry_seconds=30)
         # Connect first (TCP and TLS, about 3 ms of CPU), so that the figure is the round's
         # delivery alone: the watch takes this connection back from the pool.
         kubernetes.client.VersionApi(api).get_code()
@@ -59,7 +59,8 @@ def watch_in_threads(host: str, ca: str, cert: str, key: str, count: int) -> Non
         # The round enters the filter as ADDED; a BOOKMARK may come first.
         obj = next(obj for kind, obj in events if kind in ("ADDED", "MODIFIED"))
         view = state.NodeView.from_dict(obj.get("status"), member_name(index))
-        assert view.round == 2 and view.member_nodes[index] == member_name(index)
+        entry = state.NodeEntry(f"{index:016x}", 1, member_address(index), 29500)
+        assert view.round == 2 and view.rank_of(entry) == index, "not this node's round"
         with lock:
             cpu.append(time.thread_time() - started)
         events.close()
@@ -74,22 +75,24 @@ def watch_in_threads(host: str, ca: str, cert: str, key: str, count: int) -> Non
     print(json.dumps(cpu), flush=True)
 
 
-def wait_for_watches(admin: Any, count: int) -> None:
-    """Until the API server serves ``count`` watches of Rendezvous (its own gauge)."""
+def open_watches(admin: Any) -> float:
+    """The watches of Rendezvous the API server serves (its own gauge)."""
+    metrics = admin.call_api("GET", f"{admin.configuration.host}/metrics").read()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.decode().splitlines()
+        if line.startswith("apiserver_longrunning_requests{")
+        and 'resource="rendezvous"' in line
+        and 'verb="WATCH"' in line
+    )
+
+
+def wait_for_watches(admin: Any, count: float) -> None:
+    """Until the API server serves ``count`` watches of Rendezvous."""
     deadline = time.monotonic() + 120
-    while True:
-        metrics = admin.call_api("GET", f"{admin.configuration.host}/metrics").read()
-        open_watches = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in metrics.decode().splitlines()
-            if line.startswith("apiserver_longrunning_requests{")
-            and 'resource="rendezvous"' in line
-            and 'verb="WATCH"' in line
-        )
-        if open_watches >= count:
-            return
+    while (found := open_watches(admin)) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{open_watches:.0f} of {count} watches open after 120 s")
+            raise TimeoutError(f"{found:.0f} of {count:.0f} watches open after 120 s")
         time.sleep(0.1)
 
 
@@ -97,111 +100,132 @@ def member_name(index: int) -> str:
     return f"train-worker-{index}-abcde"
 
 
-def main() -> dict[str, Any]:
+def member_address(index: int) -> str:
+    return f"10.0.{index // 256}.{index % 256}"
+
+
+def measure(
+    admin: Any,
+    namespace: str,
+    layouts: tuple[tuple[int, int], ...] = LAYOUTS,
+    repeats: int = REPEATS,
+    members: int = MEMBERS,
+) -> dict[str, Any]:
+    """Deliver one sealed round of ``members`` to each layout of (processes, watchers in
+    each); the Rendezvous CRD must be installed."""
     import kubernetes.client
+
+    from k8s_rendezvous import state
+
+    objects = kubernetes.client.CustomObjectsApi(admin)
+    objects.create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        namespace,
+        state.PLURAL,
+        {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": "fanout"},
+            "spec": {"minNodes": members, "maxNodes": members, "runId": "fanout"},
+        },
+    )
+    round_members = tuple(
+        state.Member(member_name(i), f"{i:016x}", 1, member_address(i)) for i in range(members)
+    )
+
+    def seal(round_number: int) -> None:
+        status = state.RendezvousStatus(
+            state=state.RoundState.SEALED,
+            round=round_number,
+            members=round_members,
+            master=state.Master(round_members[0].addr, 29500),
+        )
+        objects.patch_namespaced_custom_object_status(
+            state.GROUP,
+            state.VERSION,
+            namespace,
+            state.PLURAL,
+            "fanout",
+            {"status": status.operator_fields()},
+            _content_type="application/merge-patch+json",
+        )
+
+    configuration = admin.configuration
+    found: dict[str, Any] = {
+        "command": ".venv/bin/python -m bench.fanout",
+        "members": members,
+        "layouts": [],
+    }
+    for processes, per_process in layouts:
+        for repeat in range(repeats):
+            seal(1)
+            already_open = open_watches(admin)
+            children = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.fanout",
+                        "child",
+                        configuration.host,
+                        configuration.ssl_ca_cert,
+                        configuration.cert_file,
+                        configuration.key_file,
+                        namespace,
+                        str(per_process),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(processes)
+            ]
+            for child in children:
+                assert child.stdout is not None and child.stdout.readline().strip() == "READY"
+            wait_for_watches(admin, already_open + processes * per_process)
+            written = time.monotonic()
+            seal(2)
+            cpu: list[float] = []
+            for child in children:
+                assert child.stdout is not None
+                cpu += json.loads(child.stdout.readline())
+                if child.wait() != 0:
+                    raise RuntimeError(f"a watcher process failed (exit {child.returncode})")
+            delivered = time.monotonic() - written
+            if len(cpu) != processes * per_process:
+                raise RuntimeError(f"{len(cpu)} of {processes * per_process} nodes had the round")
+            found["layouts"].append(
+                {
+                    "processes": processes,
+                    "nodes_per_process": per_process,
+                    "repeat": repeat + 1,
+                    "write_to_last_node_seconds": round(delivered, 3),
+                    "watch_cpu_ms_per_node_median": round(statistics.median(cpu) * 1000, 2),
+                    "watch_cpu_ms_per_node_max": round(max(cpu) * 1000, 2),
+                    "watch_cpu_seconds_all_nodes": round(sum(cpu), 2),
+                }
+            )
+            print(json.dumps(found["layouts"][-1]), file=sys.stderr, flush=True)
+    return found
+
+
+def main() -> dict[str, Any]:
     from tests.cluster.controlplane import ControlPlane, build_binaries
 
     from bench.cluster import CRD
-    from k8s_rendezvous import state
 
     plane = ControlPlane(build_binaries())
     plane.start()
     try:
         plane.kubectl("apply", "--server-side", "-f", str(CRD))
         plane.kubectl("wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev")
-        admin = plane.api_client()
-        objects = kubernetes.client.CustomObjectsApi(admin)
-        objects.create_namespaced_custom_object(
-            state.GROUP,
-            state.VERSION,
-            "default",
-            state.PLURAL,
-            {
-                "apiVersion": state.API_VERSION,
-                "kind": state.KIND,
-                "metadata": {"name": "fanout"},
-                "spec": {"minNodes": MEMBERS, "maxNodes": MEMBERS, "runId": "fanout"},
-            },
-        )
-        members = tuple(
-            state.Member(member_name(i), f"{i:016x}", 1, f"10.0.{i // 256}.{i % 256}")
-            for i in range(MEMBERS)
-        )
-
-        def seal(round_number: int) -> None:
-            status = state.RendezvousStatus(
-                state=state.RoundState.SEALED,
-                round=round_number,
-                members=members,
-                master=state.Master(members[0].addr, 29500),
-            )
-            objects.patch_namespaced_custom_object_status(
-                state.GROUP,
-                state.VERSION,
-                "default",
-                state.PLURAL,
-                "fanout",
-                {"status": status.operator_fields()},
-                _content_type="application/merge-patch+json",
-            )
-
-        configuration = admin.configuration
-        found: dict[str, Any] = {
-            "command": ".venv/bin/python -m bench.fanout",
-            "members": MEMBERS,
-            "layouts": [],
-        }
-        for processes, per_process in LAYOUTS:
-            for repeat in range(REPEATS):
-                seal(1)
-                children = [
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "bench.fanout",
-                            "child",
-                            configuration.host,
-                            configuration.ssl_ca_cert,
-                            configuration.cert_file,
-                            configuration.key_file,
-                            str(per_process),
-                        ],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                    )
-                    for _ in range(processes)
-                ]
-                for child in children:
-                    assert child.stdout is not None and child.stdout.readline().strip() == "READY"
-                wait_for_watches(admin, processes * per_process)
-                written = time.monotonic()
-                seal(2)
-                cpu: list[float] = []
-                for child in children:
-                    assert child.stdout is not None
-                    cpu += json.loads(child.stdout.readline())
-                    child.wait()
-                delivered = time.monotonic() - written
-                found["layouts"].append(
-                    {
-                        "processes": processes,
-                        "nodes_per_process": per_process,
-                        "repeat": repeat + 1,
-                        "write_to_last_node_seconds": round(delivered, 3),
-                        "watch_cpu_ms_per_node_median": round(statistics.median(cpu) * 1000, 2),
-                        "watch_cpu_ms_per_node_max": round(max(cpu) * 1000, 2),
-                        "watch_cpu_seconds_all_nodes": round(sum(cpu), 2),
-                    }
-                )
-                print(json.dumps(found["layouts"][-1]), file=sys.stderr, flush=True)
-        return found
+        return measure(plane.api_client(), "default")
     finally:
         plane.stop()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["child"]:
-        watch_in_threads(*sys.argv[2:6], int(sys.argv[6]))
+        watch_in_threads(*sys.argv[2:7], int(sys.argv[7]))
     else:
         RESULTS.write_text(json.dumps(main(), indent=1) + "\n")
