@@ -405,6 +405,7 @@ _THREAD_KINDS = (
     "k8s-rendezvous-watch",
     "k8s-rendezvous-heartbeat",
     "k8s-rendezvous-store",
+    "k8s-rendezvous-round-store",
     "k8s-rendezvous-connect",
     "MainThread",
 )

@@ -84,6 +84,42 @@ def _route_address(towards: str | None) -> str:
         return str(probe.getsockname()[0])
 
 
+def _connect_to_store(master: state.Master, timeout: float) -> TCPStore:
+    """A client of rank 0's store, or ``RuntimeError`` by ``timeout`` (and a second, to
+    let torch's own error through when connecting fails).
+
+    torch bounds connecting by ``timeout`` but then waits for the server's first answer
+    without a bound: against a rank 0 frozen after the seal (SIGSTOP, a stalled host),
+    whose kernel still completes the TCP handshake, the client waits until it thaws
+    (torch 2.13: 20 s against a 3 s timeout when thawed after 20 s; never, if it is not).
+    So the client is built in a thread this node gives up on; if the call ever returns,
+    the client it made is dropped with the thread.
+    """
+    made: list[TCPStore | RuntimeError] = []
+
+    def connect() -> None:
+        try:
+            made.append(
+                TCPStore(
+                    host_name=master.addr,
+                    port=master.port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout),
+                )
+            )
+        except RuntimeError as error:
+            made.append(error)
+
+    connecting = threading.Thread(target=connect, name="k8s-rendezvous-round-store", daemon=True)
+    connecting.start()
+    connecting.join(timeout + 1)
+    if not made:
+        raise RuntimeError("it accepted the connection but did not answer")
+    if isinstance(made[0], RuntimeError):
+        raise made[0]
+    return made[0]
+
+
 class RoundWatcher:
     """Keeps the latest Rendezvous status, as this node reads it, fresh from a background watch.
 
@@ -520,19 +556,15 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         else:
             self._retired, self._serving = self._serving, None
             try:
-                round_store = TCPStore(
-                    host_name=status.master.addr,
-                    port=status.master.port,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=self._read_timeout),
-                )
+                round_store = _connect_to_store(status.master, self._read_timeout)
             except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
                 raise KubernetesRendezvousConnectionError(
                     f"node {self._node} is rank {rank} of round {status.round} of "
                     f"{self._client.reference} but could not reach the round's store at "
                     f"{status.master.endpoint} (rank 0, pod {status.member_nodes[0]}) within "
-                    f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left or died "
-                    "since the round was sealed; the next next_rendezvous() joins a new round."
+                    f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left, died or "
+                    "stalled since the round was sealed; the next next_rendezvous() joins a "
+                    "new round."
                 ) from error
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
         return RendezvousInfo(

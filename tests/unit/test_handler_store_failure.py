@@ -1,6 +1,8 @@
 """A node admitted to a round whose rank 0 is gone before it connects (the soak found it:
 rank 0 left between the seal and the others' connect) gets our named connection error,
-not torch's DistNetworkError, and a message that says what happened.
+not torch's DistNetworkError, and a message that says what happened. So does a node whose
+rank 0 is frozen (its kernel accepts the connection, nobody answers): torch's client alone
+would wait for it without end.
 
 The API side is a scripted client (a fast unit test of a failure path); the store side is
 torch's real TCPStore, connecting to a port where nothing listens.
@@ -69,3 +71,29 @@ def test_unreachable_store_of_rank_0_is_a_named_connection_error() -> None:
     assert f"could not reach the round's store at 127.0.0.1:{port} (rank 0, pod pod-0)" in message
     assert "the next next_rendezvous() joins a new round" in message
     assert isinstance(error.value.__cause__, RuntimeError)
+
+
+@pytest.mark.timeout(60, method="thread")  # torch's client alone would never return
+def test_a_rank_0_that_accepts_but_never_answers_is_a_named_connection_error() -> None:
+    with socket.socket() as frozen:  # listening, never accepting: what a stopped process is
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(8)
+        port = int(frozen.getsockname()[1])
+        handler = KubernetesRendezvousHandler(
+            SealedWithUnreachableRank0(port),  # type: ignore[arg-type]
+            run_id="run",
+            node="pod-1",
+            addr="127.0.0.1",
+            min_nodes=2,
+            max_nodes=2,
+            read_timeout=1,
+        )
+        try:
+            with pytest.raises(KubernetesRendezvousConnectionError) as error:
+                handler.next_rendezvous()
+        finally:
+            handler.shutdown()
+    message = str(error.value)
+    assert f"could not reach the round's store at 127.0.0.1:{port} (rank 0, pod pod-0)" in message
+    assert "it accepted the connection but did not answer" in message
+    assert "Rank 0 has probably left, died or stalled" in message
