@@ -50,10 +50,11 @@ class SealedWithUnreachableRank0(ScriptedRendezvousClient):
         )
 
 
-def test_unreachable_store_of_rank_0_is_a_named_connection_error() -> None:
-    port = closed_port()
+def connection_error_of_rank_1(master_port: int) -> KubernetesRendezvousConnectionError:
+    """What ``next_rendezvous()`` of pod-1 raises when sealed as rank 1 of a round whose
+    rank 0's store is at ``master_port``."""
     handler = KubernetesRendezvousHandler(
-        SealedWithUnreachableRank0(port),  # type: ignore[arg-type]
+        SealedWithUnreachableRank0(master_port),  # type: ignore[arg-type]
         run_id="run",
         node="pod-1",
         addr="127.0.0.1",
@@ -66,11 +67,17 @@ def test_unreachable_store_of_rank_0_is_a_named_connection_error() -> None:
             handler.next_rendezvous()
     finally:
         handler.shutdown()
-    message = str(error.value)
+    return error.value
+
+
+def test_unreachable_store_of_rank_0_is_a_named_connection_error() -> None:
+    port = closed_port()
+    error = connection_error_of_rank_1(port)
+    message = str(error)
     assert "node pod-1 is rank 1 of round 1 of Rendezvous ns/r" in message
     assert f"could not reach the round's store at 127.0.0.1:{port} (rank 0, pod pod-0)" in message
     assert "the next next_rendezvous() joins a new round" in message
-    assert isinstance(error.value.__cause__, RuntimeError)
+    assert isinstance(error.__cause__, RuntimeError)
 
 
 @pytest.mark.timeout(60, method="thread")  # torch's client alone would never return
@@ -79,21 +86,7 @@ def test_a_rank_0_that_accepts_but_never_answers_is_a_named_connection_error() -
         frozen.bind(("127.0.0.1", 0))
         frozen.listen(8)
         port = int(frozen.getsockname()[1])
-        handler = KubernetesRendezvousHandler(
-            SealedWithUnreachableRank0(port),  # type: ignore[arg-type]
-            run_id="run",
-            node="pod-1",
-            addr="127.0.0.1",
-            min_nodes=2,
-            max_nodes=2,
-            read_timeout=1,
-        )
-        try:
-            with pytest.raises(KubernetesRendezvousConnectionError) as error:
-                handler.next_rendezvous()
-        finally:
-            handler.shutdown()
-    message = str(error.value)
+        message = str(connection_error_of_rank_1(port))
     assert f"could not reach the round's store at 127.0.0.1:{port} (rank 0, pod pod-0)" in message
     assert "it accepted the connection but did not answer" in message
     assert "Rank 0 has probably left, died or stalled" in message
