@@ -123,7 +123,8 @@ class Cluster:
         self.plane.kubectl(
             "wait",
             "--for=condition=established",
-            "crd/rendezvous.k8s-rendezvous.dev",
+            "-f",
+            str(CRD),
             "--timeout=60s",
         )
         self.plane.kubectl("apply", "--server-side", "-f", str(RBAC))
@@ -437,11 +438,11 @@ class Metrics:
                     seconds += value
         return patches, seconds, attempts
 
-    def watch(self, resource: str) -> tuple[float, float]:
-        """(events, bytes) sent to watchers of ``resource``."""
+    def watch(self, *resources: str) -> tuple[float, float]:
+        """(events, bytes) sent to watchers of ``resources``."""
         events = size = 0.0
         for name, labels, value in self.samples:
-            if resource not in (labels.get("resource"), labels.get("kind", "").lower()):
+            if not {labels.get("resource"), labels.get("kind", "").lower()} & set(resources):
                 continue
             if name == "apiserver_watch_events_total":
                 events += value
@@ -450,17 +451,21 @@ class Metrics:
         return events, size
 
 
+_ROUND_RESOURCES = ("rendezvous", "rendezvousslices")
+
+
 def metrics_delta(before: Metrics, after: Metrics) -> dict[str, Any]:
     """What happened between two scrapes, restricted to what rendezvous cause."""
     b, a = before.requests(), after.requests()
     by = {k: a[k] - b.get(k, 0.0) for k in a if a[k] - b.get(k, 0.0) > 0}
-    events_before, bytes_before = before.watch("rendezvous")
-    events_after, bytes_after = after.watch("rendezvous")
+    # What the nodes watch: the Rendezvous, or above 100 nodes its slices.
+    events_before, bytes_before = before.watch(*_ROUND_RESOURCES)
+    events_after, bytes_after = after.watch(*_ROUND_RESOURCES)
     lease_events = after.watch("leases")[0] - before.watch("leases")[0]
     ours = {
         k: v
         for k, v in by.items()
-        if k.split(" ", 1)[1].split("/")[0] in ("rendezvous", "leases")
+        if k.split(" ", 1)[1].split("/")[0] in (*_ROUND_RESOURCES, "leases")
         or k in ("PATCH pods", "POST events")
     }
     refused_b, refused_a = before.refused(), after.refused()

@@ -218,7 +218,7 @@ def main() -> dict[str, Any]:
     plane.start()
     try:
         plane.kubectl("apply", "--server-side", "-f", str(CRD))
-        plane.kubectl("wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev")
+        plane.kubectl("wait", "--for=condition=established", "-f", str(CRD))
         return measure(plane.api_client(), "default")
     finally:
         plane.stop()

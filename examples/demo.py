@@ -117,10 +117,9 @@ class RoundReporter:
 
 def install(plane: ControlPlane) -> None:
     """What a cluster admin does once: CRD and worker role; a namespace whose pods may join."""
-    plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
-    plane.kubectl(
-        "wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev", "--timeout=60s"
-    )
+    crds = str(REPO / "manifests" / "crds")
+    plane.kubectl("apply", "--server-side", "-f", crds)
+    plane.kubectl("wait", "--for=condition=established", "-f", crds, "--timeout=60s")
     plane.kubectl(
         "apply", "--server-side", "-f", str(REPO / "manifests" / "rbac" / "worker-clusterrole.yaml")
     )

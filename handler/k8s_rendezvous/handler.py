@@ -133,6 +133,10 @@ class RoundWatcher:
     (DELETED: a key back at the filter's, or the object gone). The first watch, from no
     version, has no filter: the bookkeeping of the round it began in reaches it (the
     forming round, while the nodes join, when a re-arm would cost every node a request).
+
+    A large rendezvous (``status.slices`` > 0) is published in RendezvousSlices: once the
+    Rendezvous says so, the watch moves, for good, to this node's slice, which carries the
+    same round with only its own share of the members (and a copy of the spec).
     """
 
     def __init__(self, client: kube.RendezvousClient, node: str) -> None:
@@ -146,6 +150,8 @@ class RoundWatcher:
         self._version_text: str | None = None
         """The resourceVersion of what we hold, to watch from; None: the current state."""
         self._offered = 0
+        self._slice: str | None = None
+        """The RendezvousSlice watched instead of the Rendezvous, once it says it has some."""
         self._recent: collections.deque[tuple[int, state.NodeView]] = collections.deque(maxlen=8)
         """The latest statuses, numbered in the order they arrived (the last is the current
         one), for wait() to judge. A few are enough: a join sees two or three round changes
@@ -170,7 +176,8 @@ class RoundWatcher:
 
     @property
     def latest(self) -> Mapping[str, Any] | None:
-        """The newest Rendezvous seen: its spec is as fresh as the last round change."""
+        """The newest Rendezvous (or slice of it) seen: its spec is as fresh as the last
+        round change."""
         with self._changed:
             return self._object
 
@@ -189,6 +196,12 @@ class RoundWatcher:
                 self._decode_error = None
                 self._offered += 1
                 self._recent.append((self._offered, status))
+                if status.slices and self._slice is None:
+                    index = state.slice_index(self._node, status.slices)
+                    self._slice = state.slice_name(self._client.name, index)
+                    # The slice is another object: its versions are not comparable with
+                    # the Rendezvous' (it may have been written last before), start afresh.
+                    self._version, self._version_text, self._raw_round_key = -1, None, None
             except state.DecodeError as error:
                 self._decode_error = error
             self._changed.notify_all()
@@ -240,14 +253,19 @@ class RoundWatcher:
             try:
                 with self._changed:
                     first_key, version = self._raw_round_key, self._version_text
+                    watched = self._slice
                 key = first_key
                 # From a known version the watch misses nothing after it; from none (the
                 # start, or lost track) it begins with the current object: never a LIST.
-                for kind, obj in self._client.watch_unless(first_key, version, timeout_seconds=60):
+                for kind, obj in self._client.watch_unless(
+                    first_key, version, timeout_seconds=60, slice_name=watched
+                ):
                     if self._stopped.is_set():
                         return
                     if kind in ("ADDED", "MODIFIED"):
                         self.offer(obj)
+                        if self._slice != watched:
+                            break  # the Rendezvous is sliced: watch this node's slice
                         previous_key, key = key, _raw_round_key(obj)
                         if kind == "ADDED" and version is None:
                             # The current object, first event of a watch from no version:
@@ -496,7 +514,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 obj = self._read_or_create()
                 self._watcher.offer(obj)
         spec = self._check_spec(obj)
-        owner_uid = str(obj["metadata"]["uid"])
+        owner_uid = state.rendezvous_uid(obj)
         # The watch began before this write: the seal that admits this entry cannot be
         # missed.
         since = self._watcher.mark()
@@ -561,7 +579,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 raise KubernetesRendezvousConnectionError(
                     f"node {self._node} is rank {rank} of round {status.round} of "
                     f"{self._client.reference} but could not reach the round's store at "
-                    f"{status.master.endpoint} (rank 0, pod {status.member_nodes[0]}) within "
+                    f"{status.master.endpoint} (rank 0, pod {status.rank_zero_node}) within "
                     f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left, died or "
                     "stalled since the round was sealed; the next next_rendezvous() joins a "
                     "new round."
@@ -640,7 +658,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._node,
             self._instance,
             spec.heartbeat_timeout_seconds,
-            str(obj["metadata"]["uid"]),
+            state.rendezvous_uid(obj),
             entry,
         )
 
@@ -731,7 +749,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._write_intent(state.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
-        members = ", ".join(status.member_nodes) or "none"
+        members = ", ".join(status.member_nodes) or (
+            f"{status.world_size}, listed in its status" if status.world_size else "none"
+        )
         namespace, name = self._client.namespace, self._client.name
         return KubernetesRendezvousTimeoutError(
             f"no round of {self._client.reference} included node {self._node} within "

@@ -1,7 +1,8 @@
 """The pod side's only door to the Kubernetes API.
 
 It reads the Rendezvous, writes this pod's own Lease (its heartbeat and its entry) and
-watches for round changes with server-side filters. Every ``ApiException`` and transport
+watches for round changes (of the Rendezvous, or of its node's RendezvousSlice) with
+server-side filters. Every ``ApiException`` and transport
 error is mapped here, in one place, to the torch error type the agent expects, with a
 message that names the fix.
 """
@@ -262,9 +263,14 @@ class RendezvousClient:
         self._call(f"write the Lease {name} of node {node!r} for", write)
 
     def watch_unless(
-        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+        self,
+        round_key: str | None,
+        resource_version: str | None,
+        timeout_seconds: int,
+        slice_name: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Stream ``(event type, object)`` for changes whose round key is not ``round_key``.
+        """Stream ``(event type, object)`` for changes whose round key is not ``round_key``,
+        of the Rendezvous or, given ``slice_name``, of that RendezvousSlice of it.
 
         Without ``resource_version`` the API server starts from the current state: the
         object comes first as ADDED (if it exists and passes the filter), so no separate
@@ -281,8 +287,8 @@ class RendezvousClient:
                 state.GROUP,
                 state.VERSION,
                 self.namespace,
-                state.PLURAL,
-                field_selector=self._selector(round_key),
+                state.PLURAL if slice_name is None else state.SLICE_PLURAL,
+                field_selector=self._selector(slice_name or self.name, round_key),
                 resource_version=resource_version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=timeout_seconds,
@@ -307,8 +313,9 @@ class RendezvousClient:
             response.close()
             response.release_conn()
 
-    def _selector(self, round_key: str | None) -> str:
-        selector = f"metadata.name={self.name}"
+    @staticmethod
+    def _selector(name: str, round_key: str | None) -> str:
+        selector = f"metadata.name={name}"
         if round_key is not None:
             selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
         return selector

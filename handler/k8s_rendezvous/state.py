@@ -13,7 +13,10 @@ One writer per object and field:
 * a node's Lease ``<rendezvous>.<pod>`` -- its heartbeat and its :class:`NodeEntry`
   (annotation ``k8s-rendezvous.dev/entry``), written only by that pod. Every node writes
   its own object, so joins never contend for one resource's optimistic write;
-* the Rendezvous status -- written only by the operator, which alone seals rounds.
+* the Rendezvous status -- written only by the operator, which alone seals rounds;
+* the RendezvousSlices of a large rendezvous (``status.slices`` > 0) -- written only by the
+  operator after each status write: the round as the nodes of one slice need it, so that
+  each node receives about :data:`SLICE_MEMBERS` members of a sealed round, not all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import datetime
 import enum
 import hashlib
 import json
+import math
+import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -34,6 +39,14 @@ VERSION: Final = "v1alpha1"
 PLURAL: Final = "rendezvous"
 KIND: Final = "Rendezvous"
 API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+SLICE_KIND: Final = "RendezvousSlice"
+SLICE_PLURAL: Final = "rendezvousslices"
+SLICE_MEMBERS: Final = 100
+"""A rendezvous admitting more nodes than this is published in slices of about this many
+members. Every node receives every sealed round: whole, that is O(N) bytes per node and
+O(N^2) per round (122 MB at 1000 nodes); sliced, about 12 kB per node. Smaller rendezvous
+are not sliced: a slice costs one more write after each round change."""
 
 ROUND_KEY_FIELD: Final = "status.roundKey"
 """A selectable field: pods watch with ``status.roundKey!=<last seen>`` so that the API
@@ -63,6 +76,31 @@ def lease_name(rendezvous: str, node: str) -> str:
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     # A DNS subdomain's labels end in an alphanumeric: no "-." or ".." at the cut.
     return f"{name[:236].rstrip('-.')}.{digest}"
+
+
+def slice_count(max_nodes: int) -> int:
+    """How many slices a Rendezvous admitting ``max_nodes`` is published in (0: none)."""
+    return 0 if max_nodes <= SLICE_MEMBERS else math.ceil(max_nodes / SLICE_MEMBERS)
+
+
+def slice_index(node: str, count: int) -> int:
+    """The slice that carries pod ``node``'s entries: a stable hash, so that a node knows
+    its slice before it has a rank (both sides compute it)."""
+    return zlib.crc32(node.encode()) % count
+
+
+def slice_name(rendezvous: str, index: int) -> str:
+    """``<rendezvous>.slice-<index>`` (Rendezvous names have at most 63 characters)."""
+    return f"{rendezvous}.slice-{index}"
+
+
+def rendezvous_uid(obj: Mapping[str, Any]) -> str:
+    """The uid of the Rendezvous ``obj`` is, or is a slice of (its owner)."""
+    metadata = obj.get("metadata") or {}
+    if obj.get("kind") == SLICE_KIND:
+        owners = metadata.get("ownerReferences") or []
+        return next(str(owner["uid"]) for owner in owners if owner.get("kind") == KIND)
+    return str(metadata["uid"])
 
 
 class DecodeError(ValueError):
@@ -449,6 +487,10 @@ class RendezvousStatus:
     """Members of an earlier round still running it when a later round sealed without them
     (after the last call). Their join requests are spent: they count again once they join
     anew."""
+    slices: int = 0
+    """How many RendezvousSlices publish the round to the nodes (0: none, the nodes watch
+    the Rendezvous). Fixed by the operator's first write (:func:`slice_count` of maxNodes
+    then), so that a node's slice never moves under it."""
 
     @property
     def world_size(self) -> int:
@@ -493,7 +535,38 @@ class RendezvousStatus:
             "observedGeneration": self.observed_generation,
             "conditions": [condition.to_dict() for condition in self.conditions],
             "leftBehind": [member.to_dict(rank=None) for member in self.left_behind],
+            "slices": self.slices,
         }
+
+    def slice_fields(self) -> list[dict[str, Any]]:
+        """The status of each slice: the round's fields, and the members and left behind
+        whose pods hash to it (with their ranks). ``None`` where unset, so that a merge
+        patch removes it. A node's :class:`NodeView` of its slice answers as the whole
+        status does."""
+        round_fields = {
+            "schemaVersion": SCHEMA_VERSION,
+            "state": self.state.value,
+            "roundKey": self.round_key,
+            "round": self.round,
+            "worldSize": self.world_size,
+            "rankZeroNode": self.members[0].node if self.members else None,
+            "master": None if self.master is None else self.master.to_dict(),
+            "nodesWaiting": self.nodes_waiting,
+            "closedReason": self.closed_reason,
+            "closedMessage": self.closed_message,
+            "slices": self.slices,
+        }
+        pieces: list[dict[str, Any]] = [
+            round_fields | {"slice": index, "members": [], "leftBehind": []}
+            for index in range(self.slices)
+        ]
+        for rank, member in enumerate(self.members):
+            pieces[slice_index(member.node, self.slices)]["members"].append(member.to_dict(rank))
+        for member in self.left_behind:
+            pieces[slice_index(member.node, self.slices)]["leftBehind"].append(
+                member.to_dict(rank=None)
+            )
+        return pieces
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in self.operator_fields().items() if value is not None}
@@ -528,6 +601,7 @@ class RendezvousStatus:
                 Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)
                 for index, item in enumerate(_list(data, "leftBehind", field))
             ),
+            slices=_int(data, "slices", field, default=0),
         )
 
 
@@ -535,16 +609,21 @@ class RendezvousStatus:
 class NodeView:
     """The status as one node reads it: the round, and this node's own entries in it.
 
-    Every node reads every sealed round, and a round of 1000 members is about 120 kB.
-    Decoding each member would cost every node about 1.7 ms of CPU (``python -m
-    bench.probes``), 1000 times over on a machine of simulated nodes; a node looks only
-    for itself and keeps the others' pod names, for its messages."""
+    Read from the Rendezvous status or from the node's RendezvousSlice (its status has the
+    same layout, with ``slice`` set and only that slice's members). Every node reads every
+    sealed round, and a round of 1000 members is about 120 kB: decoding each member would
+    cost every node about 1.7 ms of CPU (``python -m bench.probes``), 1000 times over on a
+    machine of simulated nodes; a node looks only for itself."""
 
     node: str
     state: RoundState = RoundState.FORMING
     round: int = 0
+    world_size: int = 0
+    rank_zero_node: str | None = None
+    """The pod of rank 0, for messages about the round's store."""
     member_nodes: tuple[str, ...] = ()
-    """The pods of the latest sealed round in rank order."""
+    """The pods of the latest sealed round in rank order, for messages; empty when read
+    from a slice (see ``world_size``)."""
     own_ranks: tuple[tuple[int, Member], ...] = ()
     """This pod's entries in ``members`` with their ranks (one, unless its agent restarted
     and the operator has not yet noticed)."""
@@ -553,10 +632,8 @@ class NodeView:
     nodes_waiting: int = 0
     closed_reason: str | None = None
     closed_message: str | None = None
-
-    @property
-    def world_size(self) -> int:
-        return len(self.member_nodes)
+    slices: int = 0
+    """See :attr:`RendezvousStatus.slices`: more than 0 tells the node to watch its slice."""
 
     @property
     def round_key(self) -> str:
@@ -575,26 +652,40 @@ class NodeView:
         data = _stored_status(value, field)
         if data is None:
             return cls(node)
+        sliced = data.get("slice") is not None
+        world_size = _int(data, "worldSize", field) if sliced else 0
         member_nodes: list[str] = []
         own_ranks: list[tuple[int, Member]] = []
-        for rank, item in enumerate(_list(data, "members", field)):
+        for position, item in enumerate(_list(data, "members", field)):
+            where = f"{field}.members[{position}]"
             name = item.get("node") if type(item) is dict else None
             if type(name) is not str:
-                raise DecodeError(f"{field}.members[{rank}].node: expected a string, got {name!r}")
-            member_nodes.append(name)
+                raise DecodeError(f"{where}.node: expected a string, got {name!r}")
+            if not sliced:
+                member_nodes.append(name)
             if name == node:
-                own_ranks.append((rank, Member.from_dict(item, f"{field}.members[{rank}]", rank)))
-        left_behind = _list(data, "leftBehind", field)
+                rank = _int(item, "rank", where, maximum=world_size - 1) if sliced else position
+                own_ranks.append((rank, Member.from_dict(item, where, rank)))
+        if not sliced:
+            world_size = len(member_nodes)
+        rank_zero_node = (
+            (None if data.get("rankZeroNode") is None else _str(data, "rankZeroNode", field))
+            if sliced
+            else next(iter(member_nodes), None)
+        )
         return cls(
             node,
-            **_round_fields(data, field, sealable=bool(member_nodes)),
+            **_round_fields(data, field, sealable=world_size > 0),
+            world_size=world_size,
+            rank_zero_node=rank_zero_node,
             member_nodes=tuple(member_nodes),
             own_ranks=tuple(own_ranks),
             own_left_behind=tuple(
                 Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)
-                for index, item in enumerate(left_behind)
+                for index, item in enumerate(_list(data, "leftBehind", field))
                 if type(item) is not dict or item.get("node") == node
             ),
+            slices=_int(data, "slices", field, default=0),
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, cast
 
 from kubernetes import client, config
@@ -122,6 +122,52 @@ class OperatorApi:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             raise
         return cast(dict[str, Any], written)
+
+    def write_slice(
+        self,
+        namespace: str,
+        rendezvous: Mapping[str, Any],
+        index: int,
+        content: Mapping[str, Any],
+    ) -> None:
+        """Make RendezvousSlice ``index`` of ``rendezvous`` hold ``content`` (its spec and
+        status): a merge patch (``None`` removes a field), or a create the first time. The
+        Rendezvous owns it, so it goes with it."""
+        metadata = rendezvous["metadata"]
+        name = state.slice_name(metadata["name"], index)
+        try:
+            self._custom.patch_namespaced_custom_object(
+                state.GROUP, state.VERSION, namespace, state.SLICE_PLURAL, name,
+                dict(content), _content_type=_MERGE_PATCH,
+            )  # fmt: skip
+            return
+        except ApiException as error:
+            if error.status != 404:
+                raise
+        owner = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "name": metadata["name"],
+            "uid": metadata["uid"],
+            "controller": True,
+            "blockOwnerDeletion": False,
+        }
+        body = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.SLICE_KIND,
+            "metadata": {
+                "name": name,
+                "labels": {state.NODE_LABEL: metadata["name"]},
+                "ownerReferences": [owner],
+            },
+            **{
+                part: {key: value for key, value in fields.items() if value is not None}
+                for part, fields in content.items()
+            },
+        }
+        self._custom.create_namespaced_custom_object(
+            state.GROUP, state.VERSION, namespace, state.SLICE_PLURAL, body
+        )
 
     def list_node_leases(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
         """Every node's Lease, in ``namespaces`` (all if empty), as plain JSON."""

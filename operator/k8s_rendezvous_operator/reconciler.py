@@ -69,6 +69,10 @@ class Reconciler:
         self._entries: dict[Key, dict[str, state.NodeEntry]] = {}
         """Per rendezvous: each node's request, as its Lease says."""
         self._lease_problems: dict[Key, str] = {}
+        self._slices: dict[Key, dict[int, dict[str, Any]]] = {}
+        """Per rendezvous: what each of its RendezvousSlices was last written with."""
+        self._published: dict[Key, tuple[state.RendezvousSpec, state.RendezvousStatus]] = {}
+        """Per rendezvous: what its slices were last brought in step with."""
         self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
@@ -83,6 +87,8 @@ class Reconciler:
                 self._labelled.discard(pod)
             self._unreadable.pop(key, None)
             self._waiting.pop(key, None)
+            self._slices.pop(key, None)
+            self._published.pop(key, None)
             if timer := self._timers.pop(key, None):
                 timer.cancel()
             return
@@ -302,6 +308,10 @@ class Reconciler:
                     await self._refuse(key, body, error)
                 return
             self._unreadable.pop(key, None)
+            if "state" not in (body.get("status") or {}):
+                # The first write fixes how the rounds are published, for good: a node's
+                # slice must not move under it.
+                current = dataclasses.replace(current, slices=state.slice_count(spec.max_nodes))
             requests = dict(self._entries.get(key, {}))
             self._label_pods(namespace, name, requests)
             pods = {
@@ -360,9 +370,48 @@ class Reconciler:
                 self._remember(key, written)
                 self._report(written, current, decision, now)
                 self._count(key, current, decision, now)
+            await self._publish_slices(key, spec, decision.status)
             self._wake_at(key, decision.wake_at)
             return
         self._again.add(key)  # lost five races in a row: try again after the next event
+
+    async def _publish_slices(
+        self, key: Key, spec: state.RendezvousSpec, status: state.RendezvousStatus
+    ) -> None:
+        """Bring the RendezvousSlices in step with the status just decided (after it, so
+        the status stays the record): those whose content changed, at once. A slice
+        changes only with the round key, the spec or the close, not with joins."""
+        body = self._bodies.get(key)
+        if body is None or not status.slices:
+            return
+        # Everything slice_fields() reads: joins and bookkeeping within a round change none.
+        inputs = (
+            spec,
+            dataclasses.replace(
+                status,
+                conditions=(),
+                observed_generation=0,
+                forming_since=None,
+                last_call_deadline=None,
+            ),
+        )
+        if self._published.get(key) == inputs:
+            return
+        written = self._slices.setdefault(key, {})
+        spec_fields = {"rankOrder": None} | spec.to_dict()
+        changed = {
+            index: content
+            for index, fields in enumerate(status.slice_fields())
+            if written.get(index) != (content := {"spec": spec_fields, "status": fields})
+        }
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(self._api.write_slice, key[0], body, index, content)
+                for index, content in changed.items()
+            )
+        )
+        written.update(changed)
+        self._published[key] = inputs
 
     async def _refuse(self, key: Key, body: Mapping[str, Any], error: state.DecodeError) -> None:
         """A Rendezvous that does not decode (edited by hand, or by a foreign writer) is not

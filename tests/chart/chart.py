@@ -34,7 +34,7 @@ SHARED_ROLES = (WORKER_ROLE, CREATOR_ROLE)
 WEBHOOK_SERVICE = "k8s-rendezvous-webhook"
 WEBHOOK_CONFIG = "k8s-rendezvous.k8s-rendezvous.dev"
 """The Mutating- and ValidatingWebhookConfiguration the operator may patch."""
-CRD_NAME = "rendezvous.k8s-rendezvous.dev"
+CRD_NAMES = ("rendezvous.k8s-rendezvous.dev", "rendezvousslices.k8s-rendezvous.dev")
 
 
 class Helm:

@@ -51,7 +51,7 @@ def chart_release(
         "120s",
     )
     control_plane.kubectl(
-        "wait", "--for=condition=established", f"crd/{chart.CRD_NAME}", "--timeout=60s"
+        "wait", "--for=condition=established", "-f", str(chart.CHART / "crds"), "--timeout=60s"
     )
     try:
         yield chart.Release(control_plane, admin_api)

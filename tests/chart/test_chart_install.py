@@ -10,7 +10,7 @@ import pytest
 import yaml
 from tests.chart.chart import (
     CHART,
-    CRD_NAME,
+    CRD_NAMES,
     CREATOR_ROLE,
     NAMESPACE,
     OPERATOR,
@@ -75,7 +75,7 @@ def test_plain_manifests_pass_a_server_side_dry_run(control_plane: ControlPlane)
     )
     text = "\n".join(dry_run(control_plane, manifests))
     for expected in (
-        f"customresourcedefinition.apiextensions.k8s.io/{CRD_NAME}",
+        *(f"customresourcedefinition.apiextensions.k8s.io/{name}" for name in CRD_NAMES),
         f"clusterrole.rbac.authorization.k8s.io/{WORKER_ROLE}",
         f"clusterrole.rbac.authorization.k8s.io/{CREATOR_ROLE}",
         f"deployment.apps/{OPERATOR}",
@@ -107,8 +107,10 @@ def ours_left(control_plane: ControlPlane) -> list[str]:
     return (cluster + namespaced + pods).split()
 
 
-def crd_exists(control_plane: ControlPlane) -> bool:
-    return bool(control_plane.kubectl("get", "crd", CRD_NAME, "--ignore-not-found").stdout)
+def crds_there(control_plane: ControlPlane) -> int:
+    """How many of our CRDs exist."""
+    found = control_plane.kubectl("get", "crd", *CRD_NAMES, "--ignore-not-found", "-o", "name")
+    return len(found.stdout.split())
 
 
 def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
@@ -116,8 +118,8 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
 ) -> None:
     # From a cluster without any of it, the CRD included, to see helm create each object.
     removed = adopt_shared_roles(control_plane)
-    control_plane.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait")
-    assert not crd_exists(control_plane)
+    control_plane.kubectl("delete", "crd", *CRD_NAMES, "--ignore-not-found", "--wait")
+    assert crds_there(control_plane) == 0
     ensure_namespace(control_plane)
     installed = False
     try:
@@ -130,9 +132,9 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         assert f"--clusterrole={WORKER_ROLE} --serviceaccount=team:default" in notes
         assert "kind: Rendezvous" in notes, "NOTES: the next steps"
         assert f"MutatingWebhookConfiguration {WEBHOOK_CONFIG}" in notes
-        assert crd_exists(control_plane), "helm installs the CRD from crds/"
+        assert crds_there(control_plane) == len(CRD_NAMES), "helm installs the CRDs from crds/"
         control_plane.kubectl(
-            "wait", "--for=condition=established", f"crd/{CRD_NAME}", "--timeout=60s"
+            "wait", "--for=condition=established", "-f", str(CHART / "crds"), "--timeout=60s"
         )
         manifest = cluster_helm.run("get", "manifest", RELEASE, "--namespace", NAMESPACE).stdout
         objects = [doc for doc in yaml.safe_load_all(manifest) if doc]
@@ -164,7 +166,7 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         wait_for(lambda: not ours_left(control_plane), 60, "every object of the release gone")
         left = [describe(o) for o in objects if exists(control_plane, o)]
         assert not left, f"left behind by helm uninstall: {left}"
-        assert crd_exists(control_plane), "CRDs in crds/ stay (and every Rendezvous with them)"
+        assert crds_there(control_plane) == len(CRD_NAMES), "CRDs in crds/ stay (and their objects)"
     finally:
         if installed:
             cluster_helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)

@@ -44,6 +44,8 @@ TODAY: set[Rule] = {
     ("k8s-rendezvous.dev", "rendezvous", "watch", ""),
     ("k8s-rendezvous.dev", "rendezvous", "get", ""),  # re-read after a 409 on write_status
     ("k8s-rendezvous.dev", "rendezvous/status", "patch", ""),  # sealing rounds
+    ("k8s-rendezvous.dev", "rendezvousslices", "patch", ""),  # publishing a large round
+    ("k8s-rendezvous.dev", "rendezvousslices", "create", ""),  # the first time
     ("", "pods", "list", ""),  # the labelled node pods (server-side label selector)
     ("", "pods", "watch", ""),
     ("", "pods", "patch", ""),  # setting that label on a node's pod
@@ -177,6 +179,8 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
     [
         ("list", "rendezvous.k8s-rendezvous.dev", "-A", True),
         ("patch", "rendezvous.k8s-rendezvous.dev:status", "-A", True),
+        ("create", "rendezvousslices.k8s-rendezvous.dev", "-A", True),
+        ("patch", "rendezvousslices.k8s-rendezvous.dev", "-A", True),
         ("patch", "pods", "-A", True),
         ("create", "events", "-A", True),
         ("watch", "leases.coordination.k8s.io", "-A", True),
@@ -198,6 +202,8 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("update", "rendezvous.k8s-rendezvous.dev", "-A", False),
         ("delete", "rendezvous.k8s-rendezvous.dev", "-A", False),
         ("update", "rendezvous.k8s-rendezvous.dev:status", "-A", False),
+        ("get", "rendezvousslices.k8s-rendezvous.dev", "-A", False),  # it remembers them
+        ("delete", "rendezvousslices.k8s-rendezvous.dev", "-A", False),  # GC does
         ("create", "leases.coordination.k8s.io", "default", False),
         ("patch", "leases.coordination.k8s.io", "-A", False),
         ("delete", "leases.coordination.k8s.io", NAMESPACE, False),
@@ -257,6 +263,19 @@ def test_nodes_join_and_a_round_seals(
     status = rdzv.status()
     assert (status.state, status.round) == (state.RoundState.SEALED, 1)
     assert any(reason == "RoundSealed" for _, reason, _ in rdzv.events()), "Events posted"
+
+
+def test_a_large_rendezvous_is_published_in_slices_the_nodes_watch(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+) -> None:
+    rdzv = make_rendezvous(3, 101, lastCallTimeoutSeconds=0)
+    nodes = make_nodes(rdzv, 3)
+    assert sorted(join_all(nodes)) == [(0, 3), (1, 3), (2, 3)]
+    assert rdzv.status().slices == 2
+    fixtures.wait_watching_own_slice(nodes, rdzv.name, 2)
 
 
 def test_a_deleted_pod_reforms_the_world(

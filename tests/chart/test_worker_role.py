@@ -92,6 +92,10 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     assert "cannot watch resource" in forbidden(
         lambda: next(stranger.watch_unless(None, None, timeout_seconds=10))
     )
+    sliced = state.slice_name("train", 0)
+    assert 'cannot watch resource "rendezvousslices"' in forbidden(
+        lambda: next(stranger.watch_unless(None, None, timeout_seconds=10, slice_name=sliced))
+    )
     forbidden(
         lambda: custom.create_namespaced_custom_object(
             "coordination.k8s.io",
@@ -101,7 +105,29 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
             {"metadata": {"name": "train.worker-0"}, "spec": {"holderIdentity": "worker-0"}},
         )
     )
-    # And in its own namespace, nothing beyond the role: no status, spec edits or deletes.
+    # And in its own namespace, nothing beyond the role: it reads slices, never writes them
+    # (the operator alone does); no status, spec edits or deletes of the Rendezvous.
+    assert (
+        custom.list_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.SLICE_PLURAL
+        )["items"]
+        == []
+    )
+    forbidden(
+        lambda: custom.create_namespaced_custom_object(
+            state.GROUP,
+            state.VERSION,
+            workers_namespace,
+            state.SLICE_PLURAL,
+            {
+                "apiVersion": state.API_VERSION,
+                "kind": state.SLICE_KIND,
+                "metadata": {"name": state.slice_name(home.name, 0)},
+                "spec": {},
+                "status": {},
+            },
+        )
+    )
     forbidden(
         lambda: custom.patch_namespaced_custom_object_status(
             state.GROUP,

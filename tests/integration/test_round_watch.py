@@ -34,12 +34,16 @@ class RecordingClient(kube.RendezvousClient):
         self._opened = threading.Condition()
 
     def watch_unless(
-        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+        self,
+        round_key: str | None,
+        resource_version: str | None,
+        timeout_seconds: int,
+        slice_name: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         with self._opened:
             self.calls.append((round_key, resource_version))
             self._opened.notify_all()
-        yield from super().watch_unless(round_key, resource_version, timeout_seconds)
+        yield from super().watch_unless(round_key, resource_version, timeout_seconds, slice_name)
 
     def wait_for_calls(self, count: int) -> list[tuple[str | None, str | None]]:
         with self._opened:

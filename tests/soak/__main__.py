@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plane.kubectl("apply", "--server-side", "-f", str(CRD))
         plane.kubectl(
-            "wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev",
+            "wait", "--for=condition=established", "-f", str(CRD),
             "--timeout=60s",
         )  # fmt: skip
         plane.kubectl("apply", "--server-side", "-f", str(RBAC))

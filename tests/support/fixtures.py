@@ -31,9 +31,7 @@ RBAC = REPO / "manifests" / "rbac"
 @pytest.fixture(scope="session")
 def rendezvous_crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(CRD))
-    control_plane.kubectl(
-        "wait", "--for=condition=established", "crd/rendezvous.k8s-rendezvous.dev", "--timeout=60s"
-    )
+    control_plane.kubectl("wait", "--for=condition=established", "-f", str(CRD), "--timeout=60s")
     control_plane.kubectl("apply", "--server-side", "-f", str(RBAC))
 
 
@@ -253,6 +251,19 @@ def wait_told_to_rejoin(nodes: Sequence[Node], why: str, timeout: float = 10) ->
         why,
         interval=0.02,
     )
+
+
+def wait_watching_own_slice(nodes: Sequence[Node], rendezvous: str, slices: int) -> None:
+    """Until each node's round watcher holds its own RendezvousSlice of ``rendezvous``
+    (a node that read the Rendezvous last, e.g. a round sealed before its watch moved,
+    takes its slice at the slice's next event)."""
+
+    def watching(node: Node) -> bool:
+        latest = node.handler._watcher.latest
+        own = state.slice_name(rendezvous, state.slice_index(node.pod, slices))
+        return latest is not None and latest["metadata"]["name"] == own
+
+    wait_for(lambda: all(map(watching, nodes)), 10, "every node watches its own slice")
 
 
 class Joining:

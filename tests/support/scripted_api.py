@@ -60,7 +60,11 @@ class ScriptedRendezvousClient:
                 self._changed.notify_all()
 
     def watch_unless(
-        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+        self,
+        round_key: str | None,
+        resource_version: str | None,
+        timeout_seconds: int,
+        slice_name: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         if resource_version is None:  # from the current state, as the API server does
             yield "ADDED", self._object

@@ -27,14 +27,21 @@ class ScriptedWatches:
         self.name = "r"
         self.reference = "Rendezvous ns/r"
         self.calls: list[tuple[str | None, str | None]] = []
+        self.watched: list[str | None] = []
+        """The slice each call watched (``None``: the Rendezvous)."""
         self._scripts = list(scripts)
         self.exhausted = threading.Event()
         self.released = threading.Event()
 
     def watch_unless(
-        self, round_key: str | None, resource_version: str | None, timeout_seconds: int
+        self,
+        round_key: str | None,
+        resource_version: str | None,
+        timeout_seconds: int,
+        slice_name: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         self.calls.append((round_key, resource_version))
+        self.watched.append(slice_name)
         if not self._scripts:
             self.exhausted.set()
             self.released.wait(timeout_seconds)  # an idle watch, until the test ends
@@ -103,6 +110,44 @@ def test_a_change_that_keeps_the_round_key_re_arms_a_stale_filter() -> None:
     assert client.calls == [(None, None), ("1-Reforming", "7"), ("2-Sealed", "10")]
     latest = watcher.latest
     assert latest is not None and latest["metadata"]["resourceVersion"] == "10"
+
+
+def test_a_sliced_rendezvous_is_watched_through_the_nodes_own_slice() -> None:
+    slices = 3
+    members = tuple(state.Member(f"n-{i}", f"i-{i}", 1, f"10.0.0.{i}") for i in range(8))
+    sealed = state.RendezvousStatus(
+        state.RoundState.SEALED, 1, members, state.Master("10.0.0.0", 29500), slices=slices
+    )
+    index = state.slice_index("n-0", slices)
+    own = state.slice_name("r", index)
+    forming = {"kind": state.KIND, **rendezvous(7, None)}
+    forming["status"] = state.RendezvousStatus(slices=slices).to_dict()
+    piece = {
+        "kind": state.SLICE_KIND,
+        # Written before the Rendezvous' last bookkeeping: an older version, still taken.
+        "metadata": {
+            "name": own,
+            "resourceVersion": "4",
+            "ownerReferences": [{"kind": state.KIND, "name": "r", "uid": "u-1"}],
+        },
+        "spec": {},
+        "status": {k: v for k, v in sealed.slice_fields()[index].items() if v is not None},
+    }
+    client = ScriptedWatches(
+        [("ADDED", forming), ("MODIFIED", {"kind": state.KIND, **rendezvous(8, "1-Sealed")})],
+        [("ADDED", piece)],
+    )
+    watcher = watch_until_idle(client)
+    # The Rendezvous said "sliced": the stream was left at once, for the node's own slice,
+    # from its current state; the slice's stream then ran to its end.
+    assert client.watched == [None, own, own]
+    assert client.calls[:2] == [(None, None), (None, None)]
+    status = watcher.status
+    assert status is not None
+    assert (status.round_key, status.world_size) == ("1-Sealed", 8)
+    assert status.rank_of(state.NodeEntry("i-0", 1, "10.0.0.0", 1)) == 0
+    latest = watcher.latest
+    assert latest is not None and state.rendezvous_uid(latest) == "u-1"
 
 
 def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:

@@ -228,15 +228,18 @@ def test_a_member_is_taken_exactly_when_each_of_its_fields_is_valid(
     ),
     round_state=st.sampled_from(list(state.RoundState)),
     node=st.sampled_from("abcd"),
+    slices=st.integers(0, 3),
 )
 def test_a_node_view_answers_as_the_whole_status_does(
     members: list[tuple[str, str, int]],
     left_behind: list[tuple[str, str, int]],
     round_state: state.RoundState,
     node: str,
+    slices: int,
 ) -> None:
-    """A node decodes only its own entries, and answers every question the handler asks
-    as the full decode would (a pod may hold two entries: an agent restarted unnoticed)."""
+    """A node decodes only its own entries, of the status or of its own slice, and answers
+    every question the handler asks as the full decode would (a pod may hold two entries:
+    an agent restarted unnoticed)."""
 
     def member(fields: tuple[str, str, int]) -> state.Member:
         return state.Member(fields[0], fields[1], fields[2], f"10.0.0.{ord(fields[0])}")
@@ -252,26 +255,66 @@ def test_a_node_view_answers_as_the_whole_status_does(
         left_behind=tuple(member(fields) for fields in left_behind),
         closed_reason="Done",
         closed_message="finished",
+        slices=slices,
     )
     view = state.NodeView.from_dict(json.loads(json.dumps(status.to_dict())), node)
     assert view.member_nodes == tuple(m.node for m in status.members)
-    assert (view.state, view.round, view.round_key, view.world_size) == (
-        status.state,
-        status.round,
-        status.round_key,
-        status.world_size,
+    views = [view]
+    if slices:
+        own = status.slice_fields()[state.slice_index(node, slices)]
+        stored = {key: value for key, value in own.items() if value is not None}
+        views.append(state.NodeView.from_dict(json.loads(json.dumps(stored)), node))
+    for view in views:
+        assert (view.state, view.round, view.round_key, view.world_size, view.slices) == (
+            status.state,
+            status.round,
+            status.round_key,
+            status.world_size,
+            status.slices,
+        )
+        assert (view.master, view.nodes_waiting, view.closed_reason, view.closed_message) == (
+            status.master,
+            status.nodes_waiting,
+            status.closed_reason,
+            status.closed_message,
+        )
+        assert view.rank_zero_node == (status.members[0].node if status.members else None)
+        for instance in "xy":
+            for attempt in (1, 2):
+                entry = state.NodeEntry(instance, attempt, "10.0.0.9", 29500)
+                assert view.rank_of(entry) == status.rank_of(node, entry)
+                assert view.left_behind_with(entry) == status.left_behind_with(node, entry)
+
+
+def test_slices_hold_each_member_once_and_only_above_a_hundred_nodes() -> None:
+    assert [state.slice_count(n) for n in (1, 100, 101, 200, 201, 1000)] == [0, 0, 2, 2, 3, 10]
+    members = tuple(
+        state.Member(f"worker-{i}", "x", 1, f"10.0.{i // 256}.{i % 256}") for i in range(1000)
     )
-    assert (view.master, view.nodes_waiting, view.closed_reason, view.closed_message) == (
-        status.master,
-        status.nodes_waiting,
-        status.closed_reason,
-        status.closed_message,
+    status = state.RendezvousStatus(
+        state.RoundState.SEALED, 4, members, state.Master("10.0.0.0", 29500), slices=10
     )
-    for instance in "xy":
-        for attempt in (1, 2):
-            entry = state.NodeEntry(instance, attempt, "10.0.0.9", 29500)
-            assert view.rank_of(entry) == status.rank_of(node, entry)
-            assert view.left_behind_with(entry) == status.left_behind_with(node, entry)
+    pieces = status.slice_fields()
+    ranks = sorted(member["rank"] for piece in pieces for member in piece["members"])
+    assert ranks == list(range(1000))
+    sizes = [len(piece["members"]) for piece in pieces]
+    assert max(sizes) < 150, f"a pod-name hash spreads the members: {sizes}"
+    whole = len(json.dumps(status.to_dict()))
+    assert max(len(json.dumps(piece)) for piece in pieces) < whole / 5
+
+
+def test_a_slice_member_ranked_beyond_the_world_is_refused() -> None:
+    status = state.RendezvousStatus(
+        state.RoundState.SEALED,
+        1,
+        (state.Member("a", "x", 1, "10.0.0.1"),),
+        state.Master("10.0.0.1", 29500),
+        slices=2,
+    )
+    piece = status.slice_fields()[state.slice_index("a", 2)]
+    piece["members"][0]["rank"] = 1
+    with pytest.raises(state.DecodeError, match=r"status.members\[0\].rank: must be at most 0"):
+        state.NodeView.from_dict(piece, "a")
 
 
 def test_a_node_view_checks_its_own_entry_and_every_pod_name() -> None:
