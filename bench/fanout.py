@@ -9,11 +9,13 @@ no store: one status write by the admin, watched on the real API server.
 
 The watchers are threads in worker processes, as the scale section's simulated nodes are;
 the probe varies how they are packed (1 node alone; 125 in one process; 1000 in 8
-processes of 125, the scale section's layout; 1000 in 16 of 63). For each it reports the
-time from the status write to the last node holding the round, and the CPU that each
-node's watch thread spent (``time.thread_time()``) from the write to holding it. A node in
-a pod of its own pays the first figure; the difference is what packing nodes into
-threads on two cores adds.
+processes of 125, the scale section's layout; 1000 in 16 of 63), and whether the round is
+delivered whole or, as the operator publishes a rendezvous above 100 nodes, in 10
+RendezvousSlices, each node watching its own. For each it reports the time from the
+status write to the last node holding the round (the slices' writes included), and the
+CPU that each node's watch thread spent (``time.thread_time()``) from the write to
+holding it. A node in a pod of its own pays the first figure; the difference is what
+packing nodes into threads on two cores adds.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from pathlib import Path
 from typing import Any
 
 MEMBERS = 1000
-LAYOUTS = ((1, 1), (1, 125), (8, 125), (16, 63))
+LAYOUTS = ((1, 1, 0), (1, 125, 0), (8, 125, 0), (16, 63, 0), (8, 125, 10), (16, 63, 10))
+"""(processes, watching nodes in each, slices: 0 for the round whole)"""
 REPEATS = 2
 RESULTS = Path(__file__).parent / "results" / "fanout.json"
 
 
-def watch_in_threads(host: str, ca: str, cert: str, key: str, namespace: str, count: int) -> None:
+def watch_in_threads(
+    host: str, ca: str, cert: str, key: str, namespace: str, count: int, slices: int
+) -> None:
     """Child process: ``count`` watching nodes; prints READY, then their CPU seconds."""
     import kubernetes.client
 
@@ -53,7 +58,13 @@ def watch_in_threads(host: str, ca: str, cert: str, key: str, namespace: str, co
         # Connect first (TCP and TLS, about 3 ms of CPU), so that the figure is the round's
         # delivery alone: the watch takes this connection back from the pool.
         kubernetes.client.VersionApi(api).get_code()
-        events = client.watch_unless("1-Sealed", None, timeout_seconds=120)
+        own = state.slice_index(member_name(index), slices) if slices else None
+        events = client.watch_unless(
+            "1-Sealed",
+            None,
+            timeout_seconds=120,
+            slice_name=None if own is None else state.slice_name("fanout", own),
+        )
         armed.wait()
         started = time.thread_time()  # the request goes out on the first next(), below
         # The round enters the filter as ADDED; a BOOKMARK may come first.
@@ -76,19 +87,19 @@ def watch_in_threads(host: str, ca: str, cert: str, key: str, namespace: str, co
 
 
 def open_watches(admin: Any) -> float:
-    """The watches of Rendezvous the API server serves (its own gauge)."""
+    """The watches of Rendezvous and their slices the API server serves (its own gauge)."""
     metrics = admin.call_api("GET", f"{admin.configuration.host}/metrics").read()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.decode().splitlines()
         if line.startswith("apiserver_longrunning_requests{")
-        and 'resource="rendezvous"' in line
+        and ('resource="rendezvous"' in line or 'resource="rendezvousslices"' in line)
         and 'verb="WATCH"' in line
     )
 
 
 def wait_for_watches(admin: Any, count: float) -> None:
-    """Until the API server serves ``count`` watches of Rendezvous."""
+    """Until the API server serves ``count`` watches of Rendezvous and slices."""
     deadline = time.monotonic() + 120
     while (found := open_watches(admin)) < count:
         if time.monotonic() > deadline:
@@ -107,18 +118,22 @@ def member_address(index: int) -> str:
 def measure(
     admin: Any,
     namespace: str,
-    layouts: tuple[tuple[int, int], ...] = LAYOUTS,
+    layouts: tuple[tuple[int, int, int], ...] = LAYOUTS,
     repeats: int = REPEATS,
     members: int = MEMBERS,
 ) -> dict[str, Any]:
     """Deliver one sealed round of ``members`` to each layout of (processes, watchers in
-    each); the Rendezvous CRD must be installed."""
+    each, slices); the CRDs must be installed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import kubernetes.client
 
     from k8s_rendezvous import state
+    from k8s_rendezvous_operator.kube import OperatorApi
 
     objects = kubernetes.client.CustomObjectsApi(admin)
-    objects.create_namespaced_custom_object(
+    operator_api = OperatorApi(admin)
+    rendezvous = objects.create_namespaced_custom_object(
         state.GROUP,
         state.VERSION,
         namespace,
@@ -134,12 +149,14 @@ def measure(
         state.Member(member_name(i), f"{i:016x}", 1, member_address(i)) for i in range(members)
     )
 
-    def seal(round_number: int) -> None:
+    def seal(round_number: int, slices: int) -> None:
+        """Write the round as the operator does: the status, then its slices at once."""
         status = state.RendezvousStatus(
             state=state.RoundState.SEALED,
             round=round_number,
             members=round_members,
             master=state.Master(round_members[0].addr, 29500),
+            slices=slices,
         )
         objects.patch_namespaced_custom_object_status(
             state.GROUP,
@@ -150,6 +167,16 @@ def measure(
             {"status": status.operator_fields()},
             _content_type="application/merge-patch+json",
         )
+        pieces = [{"spec": rendezvous["spec"], "status": f} for f in status.slice_fields()]
+        with ThreadPoolExecutor(max(1, slices)) as writers:
+            list(
+                writers.map(
+                    lambda index: operator_api.write_slice(
+                        namespace, rendezvous, index, pieces[index]
+                    ),
+                    range(slices),
+                )
+            )
 
     configuration = admin.configuration
     found: dict[str, Any] = {
@@ -157,9 +184,9 @@ def measure(
         "members": members,
         "layouts": [],
     }
-    for processes, per_process in layouts:
+    for processes, per_process, slices in layouts:
         for repeat in range(repeats):
-            seal(1)
+            seal(1, slices)
             already_open = open_watches(admin)
             children = [
                 subprocess.Popen(
@@ -174,6 +201,7 @@ def measure(
                         configuration.key_file,
                         namespace,
                         str(per_process),
+                        str(slices),
                     ],
                     stdout=subprocess.PIPE,
                     text=True,
@@ -184,7 +212,7 @@ def measure(
                 assert child.stdout is not None and child.stdout.readline().strip() == "READY"
             wait_for_watches(admin, already_open + processes * per_process)
             written = time.monotonic()
-            seal(2)
+            seal(2, slices)
             cpu: list[float] = []
             for child in children:
                 assert child.stdout is not None
@@ -198,6 +226,7 @@ def measure(
                 {
                     "processes": processes,
                     "nodes_per_process": per_process,
+                    "slices": slices,
                     "repeat": repeat + 1,
                     "write_to_last_node_seconds": round(delivered, 3),
                     "watch_cpu_ms_per_node_median": round(statistics.median(cpu) * 1000, 2),
@@ -226,6 +255,6 @@ def main() -> dict[str, Any]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["child"]:
-        watch_in_threads(*sys.argv[2:7], int(sys.argv[7]))
+        watch_in_threads(*sys.argv[2:7], int(sys.argv[7]), int(sys.argv[8]))
     else:
         RESULTS.write_text(json.dumps(main(), indent=1) + "\n")

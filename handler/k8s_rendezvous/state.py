@@ -542,7 +542,9 @@ class RendezvousStatus:
         """The status of each slice: the round's fields, and the members and left behind
         whose pods hash to it (with their ranks). ``None`` where unset, so that a merge
         patch removes it. A node's :class:`NodeView` of its slice answers as the whole
-        status does."""
+        status does. None if the round is not sliced."""
+        if not self.slices:
+            return []
         round_fields = {
             "schemaVersion": SCHEMA_VERSION,
             "state": self.state.value,
