@@ -33,7 +33,9 @@ from k8s_rendezvous import state
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "manifests" / "crds"
 RBAC = REPO / "manifests" / "rbac"
-POLICY = REPO / "manifests" / "policy"  # what a production install adds (CEL admission)
+# What a production install adds: CEL admission, API Priority and Fairness for Leases.
+POLICY = REPO / "manifests" / "policy"
+FLOW_CONTROL = REPO / "manifests" / "flowcontrol"
 WORKER_ROLE = "k8s-rendezvous-worker"
 
 Log = Callable[[str], None]
@@ -128,8 +130,8 @@ class Cluster:
             "--timeout=60s",
         )
         self.plane.kubectl("apply", "--server-side", "-f", str(RBAC))
-        if POLICY.is_dir():
-            self.plane.kubectl("apply", "--server-side", "-f", str(POLICY))
+        for extra in (POLICY, FLOW_CONTROL):
+            self.plane.kubectl("apply", "--server-side", "-f", str(extra))
         self._admin = self.plane.api_client()
         self._admin.configuration.connection_pool_maxsize = 64
         self.operator = Operator(self.plane.kubeconfig, self.workdir / "operator.log")

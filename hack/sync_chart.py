@@ -7,10 +7,11 @@
 - manifests/crds/*.yaml                  -> charts/k8s-rendezvous/crds/ (byte for byte)
 - manifests/rbac/*-clusterrole.yaml      -> charts/k8s-rendezvous/files/ (the chart templates
   them: the worker and the creator role)
-- the chart, rendered with its defaults  -> manifests/operator/ (namespace, operator) and
-  manifests/policy/ (the admission policies), for installs without Helm:
+- the chart, rendered with its defaults  -> manifests/operator/ (namespace, operator),
+  manifests/policy/ (the admission policies) and manifests/flowcontrol/ (API Priority and
+  Fairness for the nodes' Leases), for installs without Helm:
       kubectl apply --server-side -f manifests/crds/ -f manifests/rbac/ \\
-        -f manifests/operator/ -f manifests/policy/
+        -f manifests/operator/ -f manifests/policy/ -f manifests/flowcontrol/
 
 helm comes from --helm, $HELM, or tests/cluster/build.sh (which builds it once, for the
 pinned Kubernetes version: the chart's kubeVersion needs no --kube-version then; a release
@@ -83,7 +84,8 @@ def rendered(helm: str) -> dict[Path, bytes]:
         + f"  name: {NAMESPACE}\n  labels:\n    app.kubernetes.io/part-of: k8s-rendezvous\n"
     )
     # The CRD and the worker and creator roles come from manifests/crds and manifests/rbac;
-    # the policy has a directory of its own, so that it can be left out.
+    # the policy and the flow control have directories of their own, so that they can be
+    # left out.
     operator = render(
         helm,
         "--set",
@@ -92,12 +94,16 @@ def rendered(helm: str) -> dict[Path, bytes]:
         "creatorRole.create=false",
         "--set",
         "admissionPolicy.enabled=false",
+        "--set",
+        "flowControl.enabled=false",
     )
     policy = render(helm, "--show-only", "templates/admission-policy.yaml")
+    flow_control = render(helm, "--show-only", "templates/flowcontrol.yaml")
     return {
         REPO / "manifests" / "operator" / "namespace.yaml": namespace.encode(),
         REPO / "manifests" / "operator" / "operator.yaml": operator.encode(),
         REPO / "manifests" / "policy" / "admission-policy.yaml": policy.encode(),
+        REPO / "manifests" / "flowcontrol" / "flow-control.yaml": flow_control.encode(),
     }
 
 
@@ -106,6 +112,7 @@ GENERATED_DIRS = (
     CHART / "files",
     REPO / "manifests" / "operator",
     REPO / "manifests" / "policy",
+    REPO / "manifests" / "flowcontrol",
 )
 
 

@@ -43,7 +43,8 @@ NON_DEFAULT = sets(
 INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 CLUSTER_KINDS = (
     "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,"
-    "mutatingwebhookconfigurations,validatingwebhookconfigurations"
+    "mutatingwebhookconfigurations,validatingwebhookconfigurations,flowschemas,"
+    "prioritylevelconfigurations"
 )
 NAMESPACED_KINDS = "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases,services"
 
@@ -70,7 +71,7 @@ def test_plain_manifests_pass_a_server_side_dry_run(control_plane: ControlPlane)
     ensure_namespace(control_plane)
     manifests = "\n---\n".join(
         path.read_text()
-        for directory in ("crds", "rbac", "operator", "policy")
+        for directory in ("crds", "rbac", "operator", "policy", "flowcontrol")
         for path in sorted((REPO / "manifests" / directory).glob("*.yaml"))
     )
     text = "\n".join(dry_run(control_plane, manifests))
@@ -82,6 +83,7 @@ def test_plain_manifests_pass_a_server_side_dry_run(control_plane: ControlPlane)
         f"service/{WEBHOOK_SERVICE}",
         f"mutatingwebhookconfiguration.admissionregistration.k8s.io/{WEBHOOK_CONFIG}",
         "validatingadmissionpolicy.admissionregistration.k8s.io/k8s-rendezvous-pod-leases",
+        "flowschema.flowcontrol.apiserver.k8s.io/k8s-rendezvous-pod-leases",
     ):
         assert expected in text
 
@@ -152,6 +154,8 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+            ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
+            ("FlowSchema", "k8s-rendezvous-pod-leases"),
         }
         missing = [describe(o) for o in objects if not exists(control_plane, o)]
         assert not missing, f"installed but not there: {missing}"

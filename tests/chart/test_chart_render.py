@@ -86,6 +86,8 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+        ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
+        ("FlowSchema", "k8s-rendezvous-pod-leases"),
     }, "the metrics Service and ServiceMonitor are opt-in"
     deployment = find(objects, "Deployment", OPERATOR)
     spec = deployment["spec"]
@@ -154,6 +156,7 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
                 "creatorRole.create": "false",
                 "webhook.enabled": "false",
                 "admissionPolicy.enabled": "false",
+                "flowControl.enabled": "false",
                 "image.repository": "registry.example/rdzv",
                 "image.tag": "9.9.9",
                 "liveness.port": 9090,
@@ -209,6 +212,30 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "existing", "namespace": NAMESPACE}
     ]
+
+
+def test_flow_control_queues_a_join_storm_of_one_service_account(helm: Helm) -> None:
+    objects = helm.template_objects(
+        *sets({"flowControl.queuing.handSize": 8, "flowControl.queuing.queueLengthLimit": 500})
+    )
+    level = find(objects, "PriorityLevelConfiguration", "k8s-rendezvous-pod-leases")
+    assert level["spec"]["limited"]["limitResponse"] == {
+        "type": "Queue",
+        "queuing": {"queues": 16, "handSize": 8, "queueLengthLimit": 500},
+    }
+    schema = find(objects, "FlowSchema", "k8s-rendezvous-pod-leases")["spec"]
+    assert schema["priorityLevelConfiguration"] == {"name": "k8s-rendezvous-pod-leases"}
+    assert schema["distinguisherMethod"] == {"type": "ByUser"}, "one flow per ServiceAccount"
+    assert schema["matchingPrecedence"] < 9000, "before the built-in service-accounts schema"
+    (rule,) = schema["rules"]
+    assert rule["resourceRules"] == [
+        {
+            "verbs": ["create", "patch"],
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "namespaces": ["*"],
+        }
+    ], "never update: leader elections keep their own priority level"
 
 
 def test_without_leader_election_one_replica_is_recreated_never_overlapped(helm: Helm) -> None:

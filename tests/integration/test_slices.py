@@ -73,6 +73,9 @@ def test_a_large_rendezvous_seals_through_each_nodes_own_slice(
     returned = {node.pod: info.rank for node, info in zip(nodes, infos, strict=True)}
     assert returned == {member.node: rank for rank, member in enumerate(status.members)}
     assert_published(admin_api, rdzv, status)
+    # Written when the round began forming (or at once sealed) and at the seal: never per
+    # join, though the twelve joins came one by one.
+    assert [p["metadata"]["generation"] <= 2 for p in slices_of(admin_api, rdzv)] == [True] * 3
     fixtures.wait_watching_own_slice(nodes, rdzv.name, 3)
     table = control_plane.kubectl("get", "rdzvslice", "-n", rdzv.namespace).stdout
     assert f"{rdzv.name}.slice-2" in table and "Sealed" in table
