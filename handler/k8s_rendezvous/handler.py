@@ -514,7 +514,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 obj = self._read_or_create()
                 self._watcher.offer(obj)
         spec = self._check_spec(obj)
-        owner_uid = state.rendezvous_uid(obj)
+        owner_uid = self._owner_uid(obj)
         # The watch began before this write: the seal that admits this entry cannot be
         # missed.
         since = self._watcher.mark()
@@ -658,7 +658,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._node,
             self._instance,
             spec.heartbeat_timeout_seconds,
-            state.rendezvous_uid(obj),
+            self._owner_uid(obj),
             entry,
         )
 
@@ -700,6 +700,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             f"{owner['kind']}/{owner['name']}" if owner else "none",
         )
         return True
+
+    def _owner_uid(self, obj: Mapping[str, Any]) -> str:
+        """The uid of the Rendezvous, which owns this node's Lease."""
+        try:
+            return state.rendezvous_uid(obj)
+        except state.DecodeError as error:
+            raise KubernetesRendezvousStateError(f"{self._client.reference}: {error}") from error
 
     def _check_spec(self, obj: Mapping[str, Any]) -> state.RendezvousSpec:
         try:

@@ -45,7 +45,7 @@ SLICE_PLURAL: Final = "rendezvousslices"
 SLICE_MEMBERS: Final = 100
 """A rendezvous admitting more nodes than this is published in slices of about this many
 members. Every node receives every sealed round: whole, that is O(N) bytes per node and
-O(N^2) per round (122 MB at 1000 nodes); sliced, about 12 kB per node. Smaller rendezvous
+O(N^2) per round (122 MB at 1000 nodes); sliced, about 14 kB per node. Smaller rendezvous
 are not sliced: a slice costs one more write after each round change."""
 
 ROUND_KEY_FIELD: Final = "status.roundKey"
@@ -94,17 +94,23 @@ def slice_name(rendezvous: str, index: int) -> str:
     return f"{rendezvous}.slice-{index}"
 
 
+class DecodeError(ValueError):
+    """A stored object does not match the wire format; the message names the field."""
+
+
 def rendezvous_uid(obj: Mapping[str, Any]) -> str:
     """The uid of the Rendezvous ``obj`` is, or is a slice of (its owner)."""
     metadata = obj.get("metadata") or {}
-    if obj.get("kind") == SLICE_KIND:
-        owners = metadata.get("ownerReferences") or []
-        return next(str(owner["uid"]) for owner in owners if owner.get("kind") == KIND)
-    return str(metadata["uid"])
-
-
-class DecodeError(ValueError):
-    """A stored object does not match the wire format; the message names the field."""
+    if obj.get("kind") != SLICE_KIND:
+        return str(metadata["uid"])
+    for owner in metadata.get("ownerReferences") or []:
+        if owner.get("kind") == KIND and owner.get("uid"):
+            return str(owner["uid"])
+    raise DecodeError(
+        f"metadata.ownerReferences: RendezvousSlice {metadata.get('name')!r} names no "
+        "Rendezvous. Slices are written by the k8s-rendezvous operator alone: delete this "
+        "one, and the operator writes it anew at the next round change or restart"
+    )
 
 
 class RoundState(str, enum.Enum):
@@ -542,7 +548,7 @@ class RendezvousStatus:
         """The status of each slice: the round's fields, and the members and left behind
         whose pods hash to it (with their ranks). ``None`` where unset, so that a merge
         patch removes it. A node's :class:`NodeView` of its slice answers as the whole
-        status does. None if the round is not sliced."""
+        status does. Empty if the round is not sliced."""
         if not self.slices:
             return []
         round_fields = {

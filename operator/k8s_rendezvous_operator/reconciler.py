@@ -384,7 +384,8 @@ class Reconciler:
         body = self._bodies.get(key)
         if body is None or not status.slices:
             return
-        # Everything slice_fields() reads: joins and bookkeeping within a round change none.
+        # The status without what no slice carries: a forming round's bookkeeping (its
+        # first join, its last call, conditions) writes no slice.
         inputs = (
             spec,
             dataclasses.replace(

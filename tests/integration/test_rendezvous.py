@@ -70,19 +70,10 @@ def test_crd_rejects_min_above_max_with_the_rules_message(
     assert "minNodes must be less than or equal to maxNodes" in str(error.value.body)
 
 
-def test_run_id_is_immutable(
-    make_rendezvous: MakeRendezvous, admin_api: kubernetes.client.ApiClient
-) -> None:
+def test_run_id_is_immutable(make_rendezvous: MakeRendezvous) -> None:
     rdzv = make_rendezvous(1, 1)
     with pytest.raises(ApiException) as error:
-        kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object(
-            state.GROUP,
-            state.VERSION,
-            rdzv.namespace,
-            state.PLURAL,
-            rdzv.name,
-            {"spec": {"runId": "other"}},
-        )
+        rdzv.patch_spec({"runId": "other"})
     assert "runId is immutable" in str(error.value.body)
 
 

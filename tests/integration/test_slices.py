@@ -92,15 +92,7 @@ def test_a_lost_member_of_a_sliced_round_is_told_to_every_survivor_through_its_s
     assert rdzv.status().slices == 3
     # Fewer nodes will do from now on, and many more may come: the slices stay as they are
     # (a node's slice must not move under it).
-    kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
-        rdzv.namespace,
-        state.PLURAL,
-        rdzv.name,
-        {"spec": {"minNodes": 5, "maxNodes": 1000}},
-    )
-    generation = rdzv.body()["metadata"]["generation"]
+    generation = rdzv.patch_spec({"minNodes": 5, "maxNodes": 1000})["metadata"]["generation"]
     rdzv.wait(lambda s: s.observed_generation == generation, "the new spec is observed")
     victim, survivors = nodes[0], nodes[1:]
     delete_pod(admin_api, rdzv.namespace, victim.pod)

@@ -123,6 +123,12 @@ class Rendezvous:
     def status(self) -> state.RendezvousStatus:
         return state.RendezvousStatus.from_dict(self.body().get("status"))
 
+    def patch_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """An admin's edit of the spec (a merge patch)."""
+        return self._custom.patch_namespaced_custom_object(  # type: ignore[no-any-return]
+            state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name, {"spec": spec}
+        )
+
     def patch_status(self, status: dict[str, Any]) -> dict[str, Any]:
         """A hand edit of the status (an admin's, not a pod's: only the operator writes it)."""
         return self._custom.patch_namespaced_custom_object_status(  # type: ignore[no-any-return]

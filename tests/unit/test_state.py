@@ -333,3 +333,19 @@ def test_a_node_view_checks_its_own_entry_and_every_pod_name() -> None:
     raw["members"][0]["node"] = 7
     with pytest.raises(state.DecodeError, match=r"status.members\[0\].node: expected a string"):
         state.NodeView.from_dict(raw, "train-job-worker-2-abcde")
+
+
+def test_a_slice_that_names_no_rendezvous_is_refused_with_the_fix() -> None:
+    owned = {
+        "kind": state.SLICE_KIND,
+        "metadata": {
+            "name": "r.slice-0",
+            "uid": "slice-uid",
+            "ownerReferences": [{"kind": state.KIND, "name": "r", "uid": "rdzv-uid"}],
+        },
+    }
+    assert state.rendezvous_uid(owned) == "rdzv-uid"
+    assert state.rendezvous_uid({"kind": state.KIND, "metadata": {"uid": "rdzv-uid"}}) == "rdzv-uid"
+    owned["metadata"]["ownerReferences"] = []
+    with pytest.raises(state.DecodeError, match=r"names no Rendezvous\. .* delete this one"):
+        state.rendezvous_uid(owned)
