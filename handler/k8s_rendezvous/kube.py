@@ -1,10 +1,9 @@
 """The pod side's only door to the Kubernetes API.
 
 It reads the Rendezvous, writes this pod's own Lease (its heartbeat and its entry) and
-watches for round changes (of the Rendezvous, or of its node's RendezvousSlice) with
-server-side filters. Every ``ApiException`` and transport
-error is mapped here, in one place, to the torch error type the agent expects, with a
-message that names the fix.
+watches for round changes (of the Rendezvous, or of this node's RendezvousSlice) with
+server-side filters. Every ``ApiException`` and transport error is mapped here, in one
+place, to the torch error type the agent expects, with a message that names the fix.
 """
 
 from __future__ import annotations
