@@ -306,6 +306,10 @@ class Runner:
             str(count): [r["breakdown"] for r in results if r.get("breakdown")]
             for count, results in raw.get(OURS, {}).items()
         }
+        self.results["seal_nodes_cpu_by_thread"] = {
+            str(count): [r["nodes_cpu_by_thread"] for r in results if "nodes_cpu_by_thread" in r]
+            for count, results in raw.get(OURS, {}).items()
+        }
         self.results["cost"] = {
             str(count): [r["cost"] for r in results if "cost" in r]
             for count, results in raw.get(OURS, {}).items()

@@ -347,9 +347,21 @@ def seal(
                     records, ids, env.cluster.rendezvous(prepared.namespace, "train")
                 )
             result["workers"] = place.pool.each("stats")
+            result["nodes_cpu_by_thread"] = nodes_cpu_by_thread(result["workers"])
     finally:
         teardown(env, prepared)
     return result
+
+
+def nodes_cpu_by_thread(workers: list[Json]) -> Json:
+    """The simulated nodes' CPU seconds since the go, by kind of thread, over all workers:
+    which of a node's jobs (its join, its watch, its connection to rank 0's store) the
+    round's CPU went to."""
+    total: dict[str, float] = {}
+    for stats in workers:
+        for kind, seconds in stats["cpu_seconds_since_join_by_thread"].items():
+            total[kind] = total.get(kind, 0.0) + seconds
+    return {kind: round(seconds, 4) for kind, seconds in sorted(total.items())}
 
 
 def machine_cpu_seconds() -> float:
