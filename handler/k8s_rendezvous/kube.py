@@ -16,13 +16,13 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, TypeVar
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from k8s_rendezvous import state
+from k8s_rendezvous import rest, state
 from k8s_rendezvous.errors import (
     KubernetesRendezvousConnectionError,
     KubernetesRendezvousStateError,
@@ -35,11 +35,7 @@ SERVICE_ACCOUNT_DIR_ENV: Final = "K8S_RENDEZVOUS_SERVICE_ACCOUNT_DIR"
 """Where the pod's service-account files are, if not at the standard path."""
 DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
 
-_MERGE_PATCH: Final = "application/merge-patch+json"
 _TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
-_REQUEST_TIMEOUT: Final = (5, 30)
-"""Connect and read timeouts of every request but watches: a request caught by an API
-server restart must fail and be retried, not hang the join forever."""
 _REFUSAL_GRACE_SECONDS: Final = 5.0
 """How long 401 and 403 are retried (within the retry budget): a kube-apiserver that has
 just restarted refuses requests until its authorizer has loaded the roles. A lasting
@@ -99,10 +95,10 @@ class RendezvousClient:
         self.namespace = namespace
         self.name = name
         self.retry_seconds = retry_seconds
-        self._api = client.CustomObjectsApi(api_client)
-        self._leases = client.CoordinationV1Api(api_client)
+        self._rest = rest.Rest(api_client)
         self._leases_made: set[str] = set()
-        self._server = api_client.configuration.host
+        self._group_path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}"
+        self._leases_path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
     @property
     def reference(self) -> str:
@@ -114,41 +110,33 @@ class RendezvousClient:
         and TLS handshakes while the other nodes wait for it. Failures are only logged:
         the join connects, and reports, on its own."""
         try:
-            client.VersionApi(self._api.api_client).get_code(_request_timeout=_REQUEST_TIMEOUT)
+            self._rest.request("GET", "/version")
         except Exception as error:  # urllib3's and the client's; nothing depends on this
-            log.debug("could not open a connection to %s ahead: %s", self._server, error)
+            log.debug("could not open a connection to %s ahead: %s", self._rest.server, error)
 
     def get(self) -> dict[str, Any]:
-        return self._call_for_object(
-            "read",
-            lambda: self._api.get_namespaced_custom_object(
-                state.GROUP,
-                state.VERSION,
-                self.namespace,
-                state.PLURAL,
-                self.name,
-                _request_timeout=_REQUEST_TIMEOUT,
-            ),
-        )
+        path = f"{self._group_path}/{state.PLURAL}/{self.name}"
+        return self._call("read", lambda: self._rest.request("GET", path))
 
     def controller_of(self, pod: str) -> dict[str, Any] | None:
         """The ownerReference of ``pod``'s controller (a Job, StatefulSet, ...), or ``None``
         if it has none or this service account may not read pods."""
-        core = client.CoreV1Api(self._api.api_client)
         try:
-            found = core.read_namespaced_pod(pod, self.namespace, _request_timeout=_REQUEST_TIMEOUT)
+            found = self._rest.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
         except ApiException as error:
             if error.status in (403, 404):
                 log.info("cannot read pod %s (%s): the Rendezvous gets no owner", pod, error.status)
                 return None
             raise self._error(f"read pod {pod} for", error) from error
-        for owner in (found.metadata.owner_references if found.metadata else None) or []:
-            if owner.controller:
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._error(f"read pod {pod} for", error) from error
+        for owner in (found.get("metadata") or {}).get("ownerReferences") or []:
+            if owner.get("controller"):
                 return {
-                    "apiVersion": owner.api_version,
-                    "kind": owner.kind,
-                    "name": owner.name,
-                    "uid": owner.uid,
+                    "apiVersion": owner["apiVersion"],
+                    "kind": owner["kind"],
+                    "name": owner["name"],
+                    "uid": owner["uid"],
                     "controller": True,
                     "blockOwnerDeletion": False,
                 }
@@ -166,14 +154,7 @@ class RendezvousClient:
 
         def create() -> bool:
             try:
-                self._api.create_namespaced_custom_object(
-                    state.GROUP,
-                    state.VERSION,
-                    self.namespace,
-                    state.PLURAL,
-                    body,
-                    _request_timeout=_REQUEST_TIMEOUT,
-                )
+                self._rest.request("POST", f"{self._group_path}/{state.PLURAL}", body)
             except ApiException as error:
                 if error.status == 409:
                     return True
@@ -226,11 +207,7 @@ class RendezvousClient:
 
         def create() -> bool:
             try:
-                self._leases.create_namespaced_lease(
-                    self.namespace,
-                    lease,  # type: ignore[arg-type]
-                    _request_timeout=_REQUEST_TIMEOUT,
-                )
+                self._rest.request("POST", self._leases_path, lease)
             except ApiException as error:
                 if error.status != 409:
                     raise
@@ -248,12 +225,11 @@ class RendezvousClient:
                 if created:
                     return
             try:
-                self._leases.patch_namespaced_lease(
-                    name,
-                    self.namespace,
+                self._rest.request(
+                    "PATCH",
+                    f"{self._leases_path}/{name}",
                     {"metadata": {"annotations": annotations}, "spec": spec},
-                    _content_type=_MERGE_PATCH,
-                    _request_timeout=_REQUEST_TIMEOUT,
+                    content_type=rest.MERGE_PATCH,
                 )
             except ApiException as error:
                 if error.status != 404 or not create():
@@ -280,22 +256,16 @@ class RendezvousClient:
         decodes it three times: loads, dumps, loads; a sealed round of 1000 members is
         about 130 kB, and every node receives it.)
         """
-        response = cast(
-            urllib3.HTTPResponse,
-            self._api.list_namespaced_custom_object(
-                state.GROUP,
-                state.VERSION,
-                self.namespace,
-                state.PLURAL if slice_name is None else state.SLICE_PLURAL,
-                field_selector=self._selector(slice_name or self.name, round_key),
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=timeout_seconds,
-                watch=True,
-                _preload_content=False,  # a non-2xx answer still raises ApiException
-                _request_timeout=(10, timeout_seconds + 10),
-            ),
-        )
+        path = f"{self._group_path}/{state.PLURAL if slice_name is None else state.SLICE_PLURAL}"
+        query = [
+            ("fieldSelector", self._selector(slice_name or self.name, round_key)),
+            ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", str(timeout_seconds)),
+            ("watch", "true"),
+        ]
+        if resource_version is not None:
+            query.append(("resourceVersion", resource_version))
+        response = self._rest.stream(path, query, timeout=(10, timeout_seconds + 10))
         try:
             for line in _lines(response.stream(amt=None, decode_content=False)):
                 event = json.loads(line)
@@ -318,9 +288,6 @@ class RendezvousClient:
         if round_key is not None:
             selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
         return selector
-
-    def _call_for_object(self, what: str, request: Callable[[], object]) -> dict[str, Any]:
-        return cast(dict[str, Any], self._call(what, request))
 
     def _call(self, what: str, request: Callable[[], _T]) -> _T:
         started = time.monotonic()
@@ -382,7 +349,7 @@ class RendezvousClient:
                 f"answered {status} ({reason})."
             )
         return KubernetesRendezvousConnectionError(
-            f"could not {target}: the API server at {self._server} was unreachable for "
+            f"could not {target}: the API server at {self._rest.server} was unreachable for "
             f"{self.retry_seconds:.0f} s ({error}). Check the pod's network and that the API "
             "server is up."
         )

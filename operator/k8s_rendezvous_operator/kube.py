@@ -5,17 +5,14 @@ Calls are blocking (the official client); the reconciler runs them in worker thr
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, cast
+from typing import Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from k8s_rendezvous import state
-
-_MERGE_PATCH: Final = "application/merge-patch+json"
+from k8s_rendezvous import rest, state
 
 
 class Conflict(Exception):
@@ -34,69 +31,28 @@ def load_api_client() -> client.ApiClient:
         config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     # Many rendezvous may reconcile at once; do not queue them behind a tiny pool.
     configuration.connection_pool_maxsize = 32
-    api = client.ApiClient(configuration)
-    _with_timeouts(api)
-    return api
-
-
-def _with_timeouts(api: client.ApiClient) -> None:
-    """Give every request connect and read timeouts: one caught by an API server restart
-    must fail (and the reconcile be retried), not block its rendezvous forever."""
-    call = api.call_api
-
-    def call_with_timeout(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("_request_timeout") is None:
-            kwargs["_request_timeout"] = (5, 30)
-        return call(*args, **kwargs)
-
-    api.call_api = call_with_timeout  # type: ignore[method-assign]
+    return client.ApiClient(configuration)
 
 
 class OperatorApi:
     def __init__(self, api_client: client.ApiClient) -> None:
-        self._custom = client.CustomObjectsApi(api_client)
-        self._api_client = api_client
+        # Plain JSON, not the typed clients: they validate every call (bench/FINDINGS.md)
+        # and would cost about 100 MB of memory for their models, for the handful of calls
+        # made here.
+        self._request = rest.Rest(api_client).request
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: object | None = None,
-        content_type: str = "application/json",
-        query: list[tuple[str, str]] | None = None,
-    ) -> dict[str, Any]:
-        """One request for a built-in resource, answered as plain JSON. The typed clients
-        (CoreV1Api and the like) would cost the operator about 100 MB of memory for their
-        models and validators, for the handful of calls made here."""
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type
-        serialized = self._api_client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self._api_client.call_api(*serialized)
-        data = response.read()  # type: ignore[no-untyped-call]
-        if not 200 <= response.status <= 299:
-            raise ApiException.from_response(
-                http_resp=response, body=data.decode(errors="replace"), data=None
-            )
-        return cast(dict[str, Any], json.loads(data))
+    @staticmethod
+    def _path(namespace: str, plural: str, name: str = "") -> str:
+        path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}/{plural}"
+        return f"{path}/{name}" if name else path
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         try:
-            found = self._custom.get_namespaced_custom_object(
-                state.GROUP, state.VERSION, namespace, state.PLURAL, name
-            )
+            return self._request("GET", self._path(namespace, state.PLURAL, name))
         except ApiException as error:
             if error.status == 404:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             raise
-        return cast(dict[str, Any], found)
 
     def write_status(
         self, namespace: str, name: str, resource_version: str, fields: dict[str, Any]
@@ -106,14 +62,11 @@ class OperatorApi:
         """
         body = {"metadata": {"resourceVersion": resource_version}, "status": fields}
         try:
-            written = self._custom.patch_namespaced_custom_object_status(
-                state.GROUP,
-                state.VERSION,
-                namespace,
-                state.PLURAL,
-                name,
+            return self._request(
+                "PATCH",
+                self._path(namespace, state.PLURAL, name) + "/status",
                 body,
-                _content_type=_MERGE_PATCH,
+                content_type=rest.MERGE_PATCH,
             )
         except ApiException as error:
             if error.status == 409:
@@ -121,7 +74,6 @@ class OperatorApi:
             if error.status == 404:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             raise
-        return cast(dict[str, Any], written)
 
     def write_slice(
         self,
@@ -136,10 +88,12 @@ class OperatorApi:
         metadata = rendezvous["metadata"]
         name = state.slice_name(metadata["name"], index)
         try:
-            self._custom.patch_namespaced_custom_object(
-                state.GROUP, state.VERSION, namespace, state.SLICE_PLURAL, name,
-                dict(content), _content_type=_MERGE_PATCH,
-            )  # fmt: skip
+            self._request(
+                "PATCH",
+                self._path(namespace, state.SLICE_PLURAL, name),
+                dict(content),
+                content_type=rest.MERGE_PATCH,
+            )
             return
         except ApiException as error:
             if error.status != 404:
@@ -165,9 +119,7 @@ class OperatorApi:
                 for part, fields in content.items()
             },
         }
-        self._custom.create_namespaced_custom_object(
-            state.GROUP, state.VERSION, namespace, state.SLICE_PLURAL, body
-        )
+        self._request("POST", self._path(namespace, state.SLICE_PLURAL), body)
 
     def list_node_leases(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
         """Every node's Lease, in ``namespaces`` (all if empty), as plain JSON."""
@@ -183,7 +135,12 @@ class OperatorApi:
         """Label a node's pod so the operator's server-side filtered pod watch sees it."""
         body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
         try:
-            self._request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod}", body, _MERGE_PATCH)
+            self._request(
+                "PATCH",
+                f"/api/v1/namespaces/{namespace}/pods/{pod}",
+                body,
+                content_type=rest.MERGE_PATCH,
+            )
         except ApiException as error:
             if error.status == 404:
                 raise NotFound(f"Pod {namespace}/{pod}") from error
@@ -206,24 +163,18 @@ class OperatorApi:
             "spec": spec.to_dict(),
         }
         try:
-            created = self._custom.create_namespaced_custom_object(
-                state.GROUP, state.VERSION, namespace, state.PLURAL, body
-            )
+            return self._request("POST", self._path(namespace, state.PLURAL), body)
         except ApiException as error:
             if error.status == 409:
                 return None
             raise
-        return cast(dict[str, Any], created)
 
     def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
-        self._custom.patch_namespaced_custom_object(
-            state.GROUP,
-            state.VERSION,
-            namespace,
-            state.PLURAL,
-            name,
+        self._request(
+            "PATCH",
+            self._path(namespace, state.PLURAL, name),
             {"spec": spec},
-            _content_type=_MERGE_PATCH,
+            content_type=rest.MERGE_PATCH,
         )
 
     def bind_worker_role(self, namespace: str, service_account: str, cluster_role: str) -> None:

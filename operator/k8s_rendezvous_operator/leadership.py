@@ -35,11 +35,13 @@ import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import aiohttp.web
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from k8s_rendezvous import rest
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,8 @@ class LeaseLock:
     def __init__(self, api_client: client.ApiClient, namespace: str, name: str) -> None:
         self.namespace = namespace
         self.name = name
-        self._api = client.CustomObjectsApi(api_client)
+        self._request = rest.Rest(api_client).request
+        self._path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
 
     @property
     def reference(self) -> str:
@@ -124,14 +127,11 @@ class LeaseLock:
 
     def get(self, timeout: float) -> dict[str, Any] | None:
         try:
-            found = self._api.get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=timeout
-            )
+            return self._request("GET", f"{self._path}/{self.name}", timeout=(timeout, timeout))
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        return cast(dict[str, Any], found)
 
     def create(self, record: Record, timeout: float) -> dict[str, Any]:
         body = {
@@ -141,28 +141,24 @@ class LeaseLock:
             "spec": record.to_spec(),
         }
         try:
-            created = self._api.create_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, body, _request_timeout=timeout
-            )
+            return self._request("POST", self._path, body, timeout=(timeout, timeout))
         except ApiException as error:
             if error.status == 409:
                 raise Taken(self.reference) from error
             raise
-        return cast(dict[str, Any], created)
 
     def update(self, lease: Mapping[str, Any], record: Record, timeout: float) -> dict[str, Any]:
         """Replace the spec of ``lease`` (as read) if nobody wrote it since."""
         metadata = {k: v for k, v in lease["metadata"].items() if k != "managedFields"}
         body = {**lease, "metadata": metadata, "spec": record.to_spec()}
         try:
-            replaced = self._api.replace_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, body, _request_timeout=timeout
+            return self._request(
+                "PUT", f"{self._path}/{self.name}", body, timeout=(timeout, timeout)
             )
         except ApiException as error:
             if error.status in (404, 409):
                 raise Taken(self.reference) from error
             raise
-        return cast(dict[str, Any], replaced)
 
 
 def _micro_time() -> str:
@@ -479,15 +475,10 @@ def run_elected(
     """
     import kopf
 
-    from k8s_rendezvous_operator import kube
-
     elector = Elector(
         LeaseLock(api_client, namespace or default_namespace(), name), default_identity(), timings
     )
     log.info("leader election: %s as %s", elector.lock.reference, elector.identity)
-    # The generated client's API classes take seconds to import; pay that while standing
-    # by, not after taking over.
-    kube.OperatorApi(api_client)
 
     async def operate(stop_flag: asyncio.Event, ready_flag: asyncio.Event) -> None:
         await kopf.operator(stop_flag=stop_flag, ready_flag=ready_flag, **kopf_options)

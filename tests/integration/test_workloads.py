@@ -390,7 +390,7 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
         60,
         "2 StatefulSet pods running",
     )
-    handlers = []
+    nodes = []
     for index, pod in enumerate(pods):
         token = control_plane.token_for(
             workers_namespace,
@@ -398,20 +398,17 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
             pod_name=pod["metadata"]["name"],
             pod_uid=pod["metadata"]["uid"],
         )
-        client = kube.RendezvousClient(
-            control_plane.client_for_token(token), workers_namespace, "sts-train", retry_seconds=20
+        api = control_plane.client_for_token(token)
+        client = kube.RendezvousClient(api, workers_namespace, "sts-train", retry_seconds=20)
+        handler = KubernetesRendezvousHandler(
+            client,
+            run_id="sts-train",
+            node=pod["metadata"]["name"],
+            addr=f"127.0.0.{50 + index}",
+            min_nodes=2,
+            max_nodes=2,
         )
-        handlers.append(
-            KubernetesRendezvousHandler(
-                client,
-                run_id="sts-train",
-                node=pod["metadata"]["name"],
-                addr=f"127.0.0.{50 + index}",
-                min_nodes=2,
-                max_nodes=2,
-            )
-        )
-    nodes = [Node(h._node, h._addr, h, h._client._api.api_client) for h in handlers]
+        nodes.append(Node(handler._node, handler._addr, handler, api))
     try:
         infos = join_all(nodes)
         assert sorted(i.rank for i in infos) == [0, 1]
@@ -429,8 +426,9 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
             "sts-train",
         )
     finally:
-        for handler in handlers:
-            handler.shutdown()
+        for node in nodes:
+            node.handler.shutdown()
+            node.api.close()
 
 
 def test_rank_order_groups_newcomers_by_zone(

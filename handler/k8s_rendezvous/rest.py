@@ -1,0 +1,95 @@
+"""One request to the Kubernetes API server, answered as plain JSON: through the official
+client's connection pool and credentials, not through its typed API classes.
+
+The typed classes validate every call with pydantic. Each method builds its validator at
+its first call, for about 3 ms of CPU, and each thread that makes that first call at the
+same moment builds its own. Every body also goes to a model and back. A node paid that on
+the write of its first join, while the other nodes waited for it; the operator paid the
+validation on every status write (bench/FINDINGS.md). Both sides' ``kube`` modules send
+their requests through here.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any, Final, cast
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+JSON: Final = "application/json"
+MERGE_PATCH: Final = "application/merge-patch+json"
+DEFAULT_TIMEOUT: Final = (5.0, 30.0)
+"""Connect and read timeouts of every request but watches: a request caught by an API
+server restart must fail and be retried, not hang forever."""
+
+Query = Sequence[tuple[str, str]]
+
+
+class Rest:
+    """Requests on behalf of one authenticated ``ApiClient`` (its pool, TLS and token)."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+        self.server: str = api_client.configuration.host
+        self._pool: urllib3.PoolManager = api_client.rest_client.pool_manager
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: object | None = None,
+        *,
+        content_type: str = JSON,
+        query: Query = (),
+        timeout: tuple[float, float] = DEFAULT_TIMEOUT,
+    ) -> dict[str, Any]:
+        """The answer's JSON; ``ApiException`` for a non-2xx answer, urllib3's errors for
+        a failed transport."""
+        response = self._send(method, path, body, content_type, query, timeout)
+        return cast(dict[str, Any], json.loads(response.data))
+
+    def stream(
+        self, path: str, query: Query, timeout: tuple[float, float]
+    ) -> urllib3.BaseHTTPResponse:
+        """A GET whose body is left to read as it arrives (a watch); the caller closes it."""
+        return self._send("GET", path, None, JSON, query, timeout, preload=False)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: object | None,
+        content_type: str,
+        query: Query,
+        timeout: tuple[float, float],
+        preload: bool = True,
+    ) -> urllib3.BaseHTTPResponse:
+        headers = {**self.api_client.default_headers, "Accept": JSON}
+        # Asked per request: in a pod the configuration re-reads a rotated token.
+        for setting in self.api_client.configuration.auth_settings().values():
+            if setting["in"] == "header" and setting["value"]:
+                headers[setting["key"]] = setting["value"]
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body).encode()
+        url = self.server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        response = self._pool.request(
+            method,
+            url,
+            body=data,
+            headers=headers,
+            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+            preload_content=preload,
+        )
+        if not 200 <= response.status <= 299:
+            error = ApiException(status=response.status, reason=response.reason)
+            error.body = response.data.decode(errors="replace")
+            error.headers = response.headers
+            response.release_conn()
+            raise error
+        return response
