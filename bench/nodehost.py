@@ -169,9 +169,9 @@ class Host:
 
     def ready(self, within: float) -> Json:
         """Wait until what building our handlers started in the background is done: the
-        watch has delivered the Rendezvous, the first store server is made, the connection
-        ahead is open. Timed rounds then start from built handlers for every backend, as
-        torch's, which connect to their store while being built, always do."""
+        watch has delivered the Rendezvous, the connection ahead is open. Timed rounds then
+        start from built handlers for every backend, as torch's, which connect to their
+        store while being built, always do."""
         started = time.monotonic()
         deadline = started + within
         pending = 0
@@ -180,7 +180,7 @@ class Host:
             if watcher is not None and watcher.wait_for_object(deadline) is None:
                 pending += 1
         for thread in threading.enumerate():
-            if thread.name.startswith(("k8s-rendezvous-connect", "k8s-rendezvous-store")):
+            if thread.name.startswith("k8s-rendezvous-connect"):
                 thread.join(max(0.0, deadline - time.monotonic()))
                 pending += thread.is_alive()
         return {"seconds": time.monotonic() - started, "pending": pending}
@@ -272,7 +272,7 @@ class Host:
 
     def _cpu_since_join_by_thread(self) -> Json:
         """CPU seconds since the last ``join`` command by kind of thread: which of a node's
-        jobs (its join, its watch, its heartbeat, the store made for its next round) pays.
+        jobs (its join, its watch, its heartbeat, its connection to rank 0's store) pays.
         Live threads are read from /proc; Python threads that ended reported their CPU as
         they ended; threads not started by Python (torch's C++ threads) go by their OS
         name. What is left is native threads that ended."""
@@ -404,7 +404,6 @@ _THREAD_KINDS = (
     "rejoin-",
     "k8s-rendezvous-watch",
     "k8s-rendezvous-heartbeat",
-    "k8s-rendezvous-store",
     "k8s-rendezvous-round-store",
     "k8s-rendezvous-connect",
     "MainThread",

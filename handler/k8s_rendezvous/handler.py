@@ -2,9 +2,9 @@
 
 A node joins by writing its entry into its own Lease and waits, on a watch of the
 Rendezvous filtered by the API server, for the operator to seal a round that includes it.
-Each join offers a fresh TCPStore and reports its port; the one of the round's rank 0
-serves the round (the agents' keys prefixed per round) and its workers, who expect a new
-store every round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never
+Each join offers a fresh listening socket and reports its port; the round's rank 0 serves
+the round's TCPStore on it (the agents' keys prefixed per round) for its workers too, who
+expect a new store every round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never
 from a cache.
 """
 
@@ -22,6 +22,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Final
+
+import torch
 
 # Exported by torch.distributed at run time but missing from its type stubs.
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
@@ -59,6 +61,9 @@ _FIRST_EVENT_SECONDS: Final = 2.0
 """How long the first join waits for the watch to deliver the Rendezvous before reading it
 (the watch says nothing while the Rendezvous is missing, e.g. until a pod creates it)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_LIBUV_SERVES_A_GIVEN_SOCKET: Final = torch.__version__ >= "2.8"
+"""torch's libuv store server listens on a socket it is handed only since 2.8 (pytorch
+#150215); before, only its classic server does."""
 
 
 def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
@@ -347,45 +352,50 @@ class Heartbeat:
                 log.warning("node %s could not renew its heartbeat: %s", self._node, error)
 
 
-class _NextStore:
-    """The TCPStore server this node offers to its next round, made ahead in a background
-    thread: a server costs a socket, a thread and, as torch formats its address, a reverse
-    DNS lookup (5 s where a resolver drops a burst of them), none of which belongs between
-    a join and its round."""
+def _listen_for_store() -> socket.socket:
+    """A socket listening on every address, at a port the kernel picks, that a join offers
+    as its store: the round's rank 0 serves the round's TCPStore on it (torch takes it
+    over), the other members close it. The kernel completes their connects to rank 0 even
+    before rank 0 serves, so none of them waits for it to be ready. A listening socket
+    costs microseconds; a TCPStore server, made by every node for every join, cost about
+    1 ms of CPU, a thread and a reverse DNS lookup, for a store one node of the round uses.
+    """
+    try:  # dual-stack, as torch's own server listens
+        return _listening(socket.AF_INET6, "::")
+    except OSError:  # this pod has no IPv6
+        return _listening(socket.AF_INET, "0.0.0.0")
 
-    def __init__(self, make: Callable[[], TCPStore]) -> None:
-        self._make = make
-        self._pending: tuple[threading.Thread, list[TCPStore | Exception]] | None = None
 
-    def prepare(self) -> None:
-        outcome: list[TCPStore | Exception] = []
+def _listening(family: socket.AddressFamily, address: str) -> socket.socket:
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind((address, 0))
+        # Every other member may connect before rank 0 serves; the kernel caps this at
+        # net.core.somaxconn.
+        listener.listen(65535)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
-        def make() -> None:
-            try:
-                outcome.append(self._make())
-            except Exception as error:  # torch's store errors; take() raises it
-                outcome.append(error)
 
-        # Not a daemon: a daemon thread still inside TCPStore's C++ when the interpreter
-        # finalizes aborts the process (SIGABRT) as it tries to take the GIL back.
-        thread = threading.Thread(target=make, name="k8s-rendezvous-store", daemon=False)
-        thread.start()
-        self._pending = (thread, outcome)
-
-    def take(self) -> TCPStore:
-        """The prepared server (or its error), or a new one if none was prepared."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return self._make()
-        thread, outcome = pending
-        thread.join()
-        if isinstance(outcome[0], Exception):
-            raise outcome[0]
-        return outcome[0]
-
-    def discard(self) -> None:
-        """Forget the prepared server; one still being made is dropped when done."""
-        self._pending = None
+def _serve_store(listener: socket.socket, timeout: float) -> TCPStore:
+    """The round's TCPStore, served by this node (its rank 0) on the socket it offered."""
+    port = int(listener.getsockname()[1])
+    # host_name is only where the server's own client connects: loopback always answers,
+    # whether or not this node can reach the address it advertises to the others.
+    return TCPStore(
+        host_name=_LOOPBACK,
+        port=port,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        master_listen_fd=listener.detach(),
+        use_libuv=_LIBUV_SERVES_A_GIVEN_SOCKET,
+    )
 
 
 @dataclasses.dataclass
@@ -438,10 +448,6 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
         ).start()
         self._heartbeat = Heartbeat(client, node, self._instance)
-        # torch's workers expect a new store every round (they write their keys unprefixed):
-        # each join offers a fresh server, kept only if this node becomes the round's rank 0.
-        self._next_store = _NextStore(self._new_store_server)
-        self._next_store.prepare()
         self._serving: TCPStore | None = None
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
@@ -496,15 +502,23 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
+        # torch's workers expect a new store every round (they write their keys unprefixed):
+        # each join offers a fresh socket, served on only if this node becomes rank 0.
         try:
-            return self._next_round()
+            offered = _listen_for_store()
+        except OSError as error:
+            raise KubernetesRendezvousConnectionError(
+                f"node {self._node} could not open a port for its store to join "
+                f"{self._client.reference}: {error}. Check the pod's open-file limit."
+            ) from error
+        try:
+            return self._next_round(offered)
         finally:
-            self._next_store.prepare()
+            offered.close()  # a no-op once the round's store has taken it over
 
-    def _next_round(self) -> RendezvousInfo:
-        offered = self._next_store.take()
+    def _next_round(self, offered: socket.socket) -> RendezvousInfo:
         self._attempt += 1
-        self._entry_port = int(offered.port)
+        self._entry_port = int(offered.getsockname()[1])
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
         started = time.monotonic()
         obj = self._watcher.latest
@@ -569,8 +583,16 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             time.monotonic() - started,
         )
         if rank == 0:
-            self._retired, self._serving = self._serving, offered
-            round_store: Store = offered
+            try:
+                served = _serve_store(offered, self._read_timeout)
+            except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
+                raise KubernetesRendezvousConnectionError(
+                    f"node {self._node} is rank 0 of round {status.round} of "
+                    f"{self._client.reference} but could not serve the round's store on port "
+                    f"{self._entry_port}: {error}. The next next_rendezvous() joins a new round."
+                ) from error
+            self._retired, self._serving = self._serving, served
+            round_store: Store = served
         else:
             self._retired, self._serving = self._serving, None
             try:
@@ -623,7 +645,6 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             log.warning("node %s could not record leaving: %s", self._node, error)
             return False
         finally:
-            self._next_store.discard()
             self._serving = self._retired = None
 
     # -- internals ------------------------------------------------------------------------
@@ -633,19 +654,6 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         # waiting for one: else the watch could take the idle connection this leaves.
         self._watcher.wait_for_object(time.monotonic() + _FIRST_EVENT_SECONDS)
         self._client.open_connection()
-
-    def _new_store_server(self) -> TCPStore:
-        # The server listens on every address; host_name is only where the server's own
-        # client connects, and loopback always answers, whether or not this node can reach
-        # the address it advertises to the others.
-        return TCPStore(
-            host_name=_LOOPBACK,
-            port=0,
-            is_master=True,
-            multi_tenant=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self._read_timeout),
-        )
 
     def _write_intent(self, intent: state.NodeIntent) -> None:
         # The store port only matters to a Join; Leave and Close repeat the last one.

@@ -65,18 +65,6 @@ def test_torch_registry_builds_our_handler(pod_env: None, built: list[Rendezvous
     assert handler._addr == "10.1.2.3" and handler._node == "trainer-0"
 
 
-def test_the_store_server_is_made_even_if_the_advertised_address_is_unreachable_here(
-    pod_env: None, built: list[RendezvousHandler]
-) -> None:
-    # 10.1.2.3 routes nowhere from this machine; the store's own client must not go there.
-    handler = rendezvous_handler_registry.create_handler(params(read_timeout="5"))
-    built.append(handler)
-    assert isinstance(handler, KubernetesRendezvousHandler)
-    store = handler._next_store.take()
-    store.set("probe", "ok")
-    assert store.get("probe") == b"ok" and store.port > 0
-
-
 def test_local_addr_overrides_the_pod_ip(pod_env: None, built: list[RendezvousHandler]) -> None:
     handler = KubernetesRendezvousHandler.from_parameters(
         RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr="fd00::7")
