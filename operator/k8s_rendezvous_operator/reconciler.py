@@ -593,9 +593,26 @@ class Reconciler:
 # -- kopf registrations ------------------------------------------------------------------
 
 
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: only low-level event handlers are registered, and nothing reads one.
+    kopf builds it for every event anyway, from a deep copy of the whole body (a pod, a
+    sealed status of every member), and reads the last one back from an annotation: that
+    was most of the operator's CPU per event (bench/FINDINGS.md)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: object = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        pass
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.reporting_component = "k8s-rendezvous-operator"
+    settings.persistence.diffbase_storage = _NoDiffBase()
     settings.posting.level = logging.INFO
     # Only pods we labelled (nodes of some rendezvous) are streamed to us, not every pod.
     settings.watching.label_selectors["pods"] = state.NODE_LABEL
