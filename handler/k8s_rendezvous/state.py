@@ -481,7 +481,9 @@ class RendezvousStatus:
     it so (waiting to be admitted, plus members lost), counted once then. More than 0 tells
     healthy agents to re-rendezvous now."""
     forming_since: datetime.datetime | None = None
-    """When the round now forming got its first join request (operator's clock)."""
+    """When the round now forming got its first join request, or went stale (operator's
+    clock). Written with the round's other changes, never on its own: at a first join that
+    write would cost every waiting node an event of the round it is waiting for."""
     last_call_deadline: datetime.datetime | None = None
     """Seal no later than this once minNodes have joined (operator's clock)."""
     sealed_at: datetime.datetime | None = None

@@ -39,6 +39,10 @@ def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def _without_forming_since(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in fields.items() if name != "formingSince"}
+
+
 class Reconciler:
     """Holds what the watches told us and runs one reconcile per rendezvous at a time."""
 
@@ -73,6 +77,8 @@ class Reconciler:
         """Per rendezvous: what each of its RendezvousSlices was last written with."""
         self._published: dict[Key, tuple[state.RendezvousSpec, state.RendezvousStatus]] = {}
         """Per rendezvous: what its slices were last brought in step with."""
+        self._forming_since: dict[Key, datetime.datetime] = {}
+        """Per rendezvous: when its forming round began, if not written yet."""
         self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
@@ -89,6 +95,7 @@ class Reconciler:
             self._waiting.pop(key, None)
             self._slices.pop(key, None)
             self._published.pop(key, None)
+            self._forming_since.pop(key, None)
             if timer := self._timers.pop(key, None):
                 timer.cancel()
             return
@@ -308,10 +315,13 @@ class Reconciler:
                     await self._refuse(key, body, error)
                 return
             self._unreadable.pop(key, None)
-            if "state" not in (body.get("status") or {}):
+            first_write = "state" not in (body.get("status") or {})
+            if first_write:
                 # The first write fixes how the rounds are published, for good: a node's
                 # slice must not move under it.
                 current = dataclasses.replace(current, slices=state.slice_count(spec.max_nodes))
+            if current.state is not state.RoundState.SEALED and current.forming_since is None:
+                current = dataclasses.replace(current, forming_since=self._forming_since.get(key))
             requests = dict(self._entries.get(key, {}))
             self._label_pods(namespace, name, requests)
             pods = {
@@ -349,8 +359,14 @@ class Reconciler:
                 # old request is gone: never seal such a request in before the answer.
                 await asyncio.wait(unseen, timeout=10)
                 continue
+            if decision.status.forming_since is None:
+                self._forming_since.pop(key, None)
+            else:
+                self._forming_since[key] = decision.status.forming_since
             fields = decision.status.operator_fields()
-            if fields != current.operator_fields() or "state" not in (body.get("status") or {}):
+            if first_write or _without_forming_since(fields) != _without_forming_since(
+                current.operator_fields()
+            ):
                 try:
                     written = await asyncio.to_thread(
                         self._api.write_status,

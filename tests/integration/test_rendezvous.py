@@ -11,6 +11,8 @@ without the worker role gets an error that names the fix.
 
 from __future__ import annotations
 
+import re
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -137,18 +139,35 @@ def test_waiting_node_receives_no_other_nodes_joins(
     rdzv = make_rendezvous(6, 6)
     nodes = make_nodes(rdzv, 6)
     watcher = nodes[0].handler._watcher
+    wait_for(
+        lambda: "state" in ((watcher.latest or {}).get("status") or {}),
+        10,
+        "node 0 holds the operator's first status, written before any join",
+        interval=0.02,
+    )
     offers = []
     original = watcher.offer
     watcher.offer = lambda obj: (offers.append(obj), original(obj))[1]  # type: ignore[method-assign]
+    started = time.monotonic()
     first = nodes[0].join_in_background()
     rdzv.wait_requests(lambda r: nodes[0].pod in r, "first node joined")
     for node in nodes[1:]:  # one after another: five more joins while node 0 waits
         node.join_in_background()
         rdzv.wait_requests(lambda r, pod=node.pod: pod in r, f"{node.pod} joined")
     first.wait()
-    # Node 0 saw the object it read before joining, the operator's first status if it raced
-    # with it, and the sealed round: never one object per join of the other five.
-    assert len(offers) <= 3, [o.get("status", {}).get("roundKey") for o in offers]
+    took = time.monotonic() - started
+    # Of the forming round, node 0 received the sealed round alone: nothing per join of the
+    # other five, and nothing at its own (the round's start is written with the seal)...
+    assert [o.get("status", {}).get("roundKey") for o in offers] == ["1-Sealed"]
+    # ... and the operator, which kept it, still reports how long the round formed.
+    sealed = wait_for(
+        lambda: next((m for _, reason, m in rdzv.events() if reason == "RoundSealed"), None),
+        10,
+        "the RoundSealed Event",
+    )
+    formed = re.search(r" ([0-9.]+) s after the first join;", sealed)
+    assert formed is not None, sealed
+    assert 0 < float(formed.group(1)) <= took, (sealed, took)
 
 
 def test_deleted_pod_is_dropped_and_survivors_reform_fast(
