@@ -27,6 +27,8 @@ DEFAULT_TIMEOUT: Final = (5.0, 30.0)
 server restart must fail and be retried, not hang forever."""
 
 Query = Sequence[tuple[str, str]]
+Timeout = float | tuple[float, float]
+"""Seconds for the whole request, or (connect, read), as the client's ``_request_timeout``."""
 
 
 class Rest:
@@ -45,16 +47,14 @@ class Rest:
         *,
         content_type: str = JSON,
         query: Query = (),
-        timeout: tuple[float, float] = DEFAULT_TIMEOUT,
+        timeout: Timeout = DEFAULT_TIMEOUT,
     ) -> dict[str, Any]:
         """The answer's JSON; ``ApiException`` for a non-2xx answer, urllib3's errors for
         a failed transport."""
         response = self._send(method, path, body, content_type, query, timeout)
         return cast(dict[str, Any], json.loads(response.data))
 
-    def stream(
-        self, path: str, query: Query, timeout: tuple[float, float]
-    ) -> urllib3.BaseHTTPResponse:
+    def stream(self, path: str, query: Query, timeout: Timeout) -> urllib3.BaseHTTPResponse:
         """A GET whose body is left to read as it arrives (a watch); the caller closes it."""
         return self._send("GET", path, None, JSON, query, timeout, preload=False)
 
@@ -65,7 +65,7 @@ class Rest:
         body: object | None,
         content_type: str,
         query: Query,
-        timeout: tuple[float, float],
+        timeout: Timeout,
         preload: bool = True,
     ) -> urllib3.BaseHTTPResponse:
         headers = {**self.api_client.default_headers, "Accept": JSON}
@@ -83,7 +83,11 @@ class Rest:
             url,
             body=data,
             headers=headers,
-            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+            timeout=(
+                urllib3.Timeout(connect=timeout[0], read=timeout[1])
+                if isinstance(timeout, tuple)
+                else urllib3.Timeout(total=timeout)
+            ),
             preload_content=preload,
         )
         if not 200 <= response.status <= 299:

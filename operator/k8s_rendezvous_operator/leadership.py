@@ -127,7 +127,7 @@ class LeaseLock:
 
     def get(self, timeout: float) -> dict[str, Any] | None:
         try:
-            return self._request("GET", f"{self._path}/{self.name}", timeout=(timeout, timeout))
+            return self._request("GET", f"{self._path}/{self.name}", timeout=timeout)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -141,7 +141,7 @@ class LeaseLock:
             "spec": record.to_spec(),
         }
         try:
-            return self._request("POST", self._path, body, timeout=(timeout, timeout))
+            return self._request("POST", self._path, body, timeout=timeout)
         except ApiException as error:
             if error.status == 409:
                 raise Taken(self.reference) from error
@@ -152,9 +152,7 @@ class LeaseLock:
         metadata = {k: v for k, v in lease["metadata"].items() if k != "managedFields"}
         body = {**lease, "metadata": metadata, "spec": record.to_spec()}
         try:
-            return self._request(
-                "PUT", f"{self._path}/{self.name}", body, timeout=(timeout, timeout)
-            )
+            return self._request("PUT", f"{self._path}/{self.name}", body, timeout=timeout)
         except ApiException as error:
             if error.status in (404, 409):
                 raise Taken(self.reference) from error

@@ -1,0 +1,93 @@
+"""The transport both sides send their requests through (``k8s_rendezvous.rest``), against
+a local HTTP server: the answer comes back as JSON, the credentials are the client's and
+are asked for at every request, a failed answer raises the client's ApiException with its
+body and headers, and a timeout given as one number bounds the whole request."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from k8s_rendezvous import rest
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Answers ``GET /ok`` with ``{"ok": true}`` and anything else with a 409 Status;
+    records each request's headers (names lowercased: HTTP's are case-insensitive)."""
+    seen: list[dict[str, str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append({name.lower(): value for name, value in self.headers.items()})
+            ok = self.path == "/ok"
+            data = json.dumps({"ok": True} if ok else {"kind": "Status", "code": 409}).encode()
+            self.send_response(200 if ok else 409)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Retry-After", "2")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def configuration(host: str, token: str) -> client.Configuration:
+    made = client.Configuration(host=host)
+    made.api_key = {"BearerToken": token}
+    made.api_key_prefix = {"BearerToken": "Bearer"}
+    made.retries = 0
+    return made
+
+
+def test_each_request_carries_the_token_the_configuration_holds_then(
+    server: tuple[str, list[dict[str, str]]],
+) -> None:
+    host, seen = server
+    settings = configuration(host, "first")
+    transport = rest.Rest(client.ApiClient(settings))
+    assert transport.request("GET", "/ok") == {"ok": True}
+    settings.api_key = {"BearerToken": "rotated"}  # as a pod's refreshed token file does
+    transport.request("GET", "/ok")
+    assert [headers["authorization"] for headers in seen] == ["Bearer first", "Bearer rotated"]
+    assert all(headers["accept"] == "application/json" for headers in seen)
+
+
+def test_a_failed_answer_raises_the_clients_exception_with_its_body_and_headers(
+    server: tuple[str, list[dict[str, str]]],
+) -> None:
+    host, _ = server
+    with pytest.raises(ApiException) as raised:
+        rest.Rest(client.ApiClient(configuration(host, "t"))).request("GET", "/taken")
+    assert raised.value.status == 409
+    assert json.loads(raised.value.body) == {"kind": "Status", "code": 409}
+    assert raised.value.headers["Retry-After"] == "2"
+
+
+@pytest.mark.timeout(30, method="thread")
+def test_one_number_bounds_the_whole_request() -> None:
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        host = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        transport = rest.Rest(client.ApiClient(configuration(host, "t")))
+        with pytest.raises(urllib3.exceptions.HTTPError):
+            transport.request("GET", "/ok", timeout=0.5)
