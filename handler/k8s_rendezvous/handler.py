@@ -4,8 +4,8 @@ A node joins by writing its entry into its own Lease and waits, on a watch of th
 Rendezvous filtered by the API server, for the operator to seal a round that includes it.
 Each join offers a fresh listening socket and reports its port; the round's rank 0 serves
 the round's TCPStore on it (the agents' keys prefixed per round) for its workers too, who
-expect a new store every round. MASTER_ADDR and MASTER_PORT come from the resource, per round, never
-from a cache.
+expect a new store every round. MASTER_ADDR and MASTER_PORT come from the resource, per
+round, never from a cache.
 """
 
 from __future__ import annotations
