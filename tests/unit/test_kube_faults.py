@@ -13,16 +13,15 @@ resourceVersion (joins never conflict), and re-creates it if it was deleted.
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
+from tests.support.local_http import QuietHandler, serving
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousStateError,
@@ -54,7 +53,7 @@ class Script:
 def server() -> Iterator[tuple[str, Script]]:
     script = Script([])
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def _answer(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
@@ -77,17 +76,8 @@ def server() -> Iterator[tuple[str, Script]]:
 
         do_GET = do_PATCH = do_POST = _answer
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", script
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(Handler) as host:
+        yield host, script
 
 
 def rendezvous_client(host: str, retry_seconds: float = 5) -> kube.RendezvousClient:

@@ -5,16 +5,15 @@ body and headers, and a timeout given as one number bounds the whole request."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from tests.support.local_http import QuietHandler, serving
 
 from k8s_rendezvous import rest
 
@@ -25,7 +24,7 @@ def server() -> Iterator[tuple[str, list[dict[str, str]]]]:
     records each request's headers (names lowercased: HTTP's are case-insensitive)."""
     seen: list[dict[str, str]] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             seen.append({name.lower(): value for name, value in self.headers.items()})
             ok = self.path == "/ok"
@@ -37,17 +36,8 @@ def server() -> Iterator[tuple[str, list[dict[str, str]]]]:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(Handler) as host:
+        yield host, seen
 
 
 def configuration(host: str, token: str) -> client.Configuration:
