@@ -60,6 +60,8 @@ _LOOPBACK: Final = "127.0.0.1"
 _FIRST_EVENT_SECONDS: Final = 2.0
 """How long the first join waits for the watch to deliver the Rendezvous before reading it
 (the watch says nothing while the Rendezvous is missing, e.g. until a pod creates it)."""
+_STALE_ROUND_POLL_SECONDS: Final = 0.05
+"""How often a node still connecting to rank 0's store looks whether the round went stale."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _LIBUV_SERVES_A_GIVEN_SOCKET: Final = torch.__version__ >= "2.8"
 """torch's libuv store server listens on a socket it is handed only since 2.8 (pytorch
@@ -89,9 +91,17 @@ def _route_address(towards: str | None) -> str:
         return str(probe.getsockname()[0])
 
 
-def _connect_to_store(master: state.Master, timeout: float) -> TCPStore:
-    """A client of rank 0's store, or ``RuntimeError`` by ``timeout`` (and a second, to
-    let torch's own error through when connecting fails).
+def _connect_to_store(
+    master: state.Master, timeout: float, round_is_stale: Callable[[], bool]
+) -> TCPStore | None:
+    """A client of rank 0's store; ``None`` as soon as ``round_is_stale()`` while still
+    connecting; or ``RuntimeError`` by ``timeout`` (and a second, to let torch's own error
+    through when connecting fails).
+
+    A round goes stale when the operator learns its rank 0 is gone (pod deleted, evicted,
+    its node lost): refused, or accepted by a kernel whose process will never serve, the
+    connection would otherwise only end at ``timeout`` and take the agent down with a
+    connection error, where joining the next round takes a fraction of a second.
 
     torch bounds connecting by ``timeout`` but then waits for the server's first answer
     without a bound: against a rank 0 frozen after the seal (SIGSTOP, a stalled host),
@@ -117,7 +127,12 @@ def _connect_to_store(master: state.Master, timeout: float) -> TCPStore:
 
     connecting = threading.Thread(target=connect, name="k8s-rendezvous-round-store", daemon=True)
     connecting.start()
-    connecting.join(timeout + 1)
+    deadline = time.monotonic() + timeout + 1
+    while not made and (remaining := deadline - time.monotonic()) > 0:
+        # Returns the moment the client is made: the poll only bounds noticing staleness.
+        connecting.join(min(remaining, _STALE_ROUND_POLL_SECONDS))
+        if not made and round_is_stale():
+            return None
     if not made:
         raise RuntimeError("it accepted the connection but did not answer")
     if isinstance(made[0], RuntimeError):
@@ -552,18 +567,43 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             if status.state is state.RoundState.CLOSED:
                 raise self._closed_error(status)
             rank = status.rank_of(entry)
-            if rank is not None:
-                break
-            # Admitted to a round this watch never showed (it lost track, e.g. across an
-            # API server restart) and left behind when the next sealed without us: that
-            # request is spent, so ask again rather than wait out the join timeout.
-            log.warning(
-                "node %s was admitted to a round it never saw, and round %d of %s sealed "
-                "without it; joining again",
-                self._node,
-                status.round,
-                self._client.reference,
-            )
+            if rank is None:
+                # Admitted to a round this watch never showed (it lost track, e.g. across
+                # an API server restart) and left behind when the next sealed without us:
+                # that request is spent, so ask again rather than wait out the join timeout.
+                log.warning(
+                    "node %s was admitted to a round it never saw, and round %d of %s "
+                    "sealed without it; joining again",
+                    self._node,
+                    status.round,
+                    self._client.reference,
+                )
+            else:
+                assert status.master is not None
+                log.info(
+                    "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
+                    self._node,
+                    rank,
+                    status.world_size,
+                    status.round,
+                    self._client.reference,
+                    status.master.endpoint,
+                    time.monotonic() - started,
+                )
+                round_store = self._round_store(status, rank, offered)
+                if round_store is not None:
+                    break
+                # Its rank 0 went before serving (the operator saw the pod go): this
+                # round is spent, and the next forms without waiting out read_timeout.
+                log.warning(
+                    "node %s: round %d of %s went stale before its rank 0 (pod %s) answered "
+                    "at %s; joining again",
+                    self._node,
+                    status.round,
+                    self._client.reference,
+                    status.rank_zero_node,
+                    status.master.endpoint,
+                )
             self._attempt += 1
             entry = dataclasses.replace(entry, attempt=self._attempt)
             since = self._watcher.mark()
@@ -572,16 +612,20 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
         assert status.master is not None
         self._joined = _Joined(status.round, rank)
-        log.info(
-            "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
-            self._node,
+        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
+        return RendezvousInfo(
+            store,
             rank,
             status.world_size,
-            status.round,
-            self._client.reference,
-            status.master.endpoint,
-            time.monotonic() - started,
+            RendezvousStoreInfo(status.master.addr, status.master.port),
         )
+
+    def _round_store(
+        self, status: state.NodeView, rank: int, offered: socket.socket
+    ) -> Store | None:
+        """The round's store: served on the offered socket by rank 0, else reached at rank
+        0's; ``None`` if the round went stale before rank 0 answered."""
+        assert status.master is not None
         if rank == 0:
             try:
                 served = _serve_store(offered, self._read_timeout)
@@ -592,26 +636,28 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                     f"{self._entry_port}: {error}. The next next_rendezvous() joins a new round."
                 ) from error
             self._retired, self._serving = self._serving, served
-            round_store: Store = served
-        else:
+            return served
+        try:
+            client = _connect_to_store(
+                status.master, self._read_timeout, lambda: self._is_stale(status.round)
+            )
+        except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
+            raise KubernetesRendezvousConnectionError(
+                f"node {self._node} is rank {rank} of round {status.round} of "
+                f"{self._client.reference} but could not reach the round's store at "
+                f"{status.master.endpoint} (rank 0, pod {status.rank_zero_node}) within "
+                f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left, died or "
+                "stalled since the round was sealed; the next next_rendezvous() joins a new "
+                "round."
+            ) from error
+        if client is not None:
             self._retired, self._serving = self._serving, None
-            try:
-                round_store = _connect_to_store(status.master, self._read_timeout)
-            except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
-                raise KubernetesRendezvousConnectionError(
-                    f"node {self._node} is rank {rank} of round {status.round} of "
-                    f"{self._client.reference} but could not reach the round's store at "
-                    f"{status.master.endpoint} (rank 0, pod {status.rank_zero_node}) within "
-                    f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left, died or "
-                    "stalled since the round was sealed; the next next_rendezvous() joins a "
-                    "new round."
-                ) from error
-        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
-        return RendezvousInfo(
-            store,
-            rank,
-            status.world_size,
-            RendezvousStoreInfo(status.master.addr, status.master.port),
+        return client
+
+    def _is_stale(self, round_number: int) -> bool:
+        status = self._watcher.status
+        return status is not None and not (
+            status.round == round_number and status.state is state.RoundState.SEALED
         )
 
     def num_nodes_waiting(self) -> int:

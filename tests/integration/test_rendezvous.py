@@ -12,6 +12,7 @@ without the worker role gets an error that names the fix.
 from __future__ import annotations
 
 import re
+import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -209,6 +210,52 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
     }
 
 
+@pytest.mark.parametrize("rank0_store", ["refuses", "accepts-and-never-answers"])
+def test_rank0_gone_between_seal_and_store_sends_the_others_on_to_the_next_round(
+    rank0_store: str,
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    # The soak found it: rank 0's pod deleted just after the seal, before the others
+    # reached its store. Told by the operator that the round is stale, they must not
+    # wait out read_timeout (and then fail their agents) but join the next round.
+    rdzv = make_rendezvous(1, 2, lastCallTimeoutSeconds=60)
+    gone, survivor = make_nodes(rdzv, 2, read_timeout=120)
+    with socket.socket() as rank0_socket:
+        rank0_socket.bind((gone.addr, 0))
+        if rank0_store == "accepts-and-never-answers":  # a process killed before serving
+            rank0_socket.listen(8)
+        port = int(rank0_socket.getsockname()[1])
+        if rank0_store == "refuses":
+            rank0_socket.close()
+        # Rank 0 joins as its handler would (its name sorts first), then never serves.
+        kube.RendezvousClient(gone.api, rdzv.namespace, rdzv.name, retry_seconds=10).write_lease(
+            gone.pod,
+            "gone-instance",
+            state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+            rdzv.body()["metadata"]["uid"],
+            state.NodeEntry("gone-instance", 1, gone.addr, port),
+        )
+        joining = survivor.join_in_background()
+        wait_for(
+            lambda: (s := survivor.handler._watcher.status) is not None and s.round == 1,
+            30,
+            "the survivor sees round 1 sealed, the gone node its rank 0",
+        )
+        assert rdzv.status().members[0].node == gone.pod
+        delete_pod(admin_api, rdzv.namespace, gone.pod)
+        info = joining.wait(60)  # read_timeout is 120 s: only the stale round ends its wait
+    assert (info.rank, info.world_size) == (0, 1)
+    assert survivor.handler._joined is not None and survivor.handler._joined.round == 2
+    assert survivor.handler._attempt == 2  # its first request was spent on round 1
+    assert info.bootstrap_store_info is not None
+    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
+        survivor.addr,
+        survivor.handler._serving.port,  # type: ignore[union-attr]
+    )
+
+
 def test_scale_up_is_signalled_and_rank0_stays(
     make_rendezvous: MakeRendezvous, make_nodes: MakeNodes
 ) -> None:
@@ -320,14 +367,17 @@ def test_pod_without_the_worker_role_is_told_how_to_fix_it(
     token = control_plane.token_for(
         rdzv.namespace, "no-role", pod_name="unbound", pod_uid=pod["metadata"]["uid"]
     )
-    client = kube.RendezvousClient(
-        control_plane.client_for_token(token), rdzv.namespace, rdzv.name, retry_seconds=2
-    )
+    api = control_plane.client_for_token(token)
+    client = kube.RendezvousClient(api, rdzv.namespace, rdzv.name, retry_seconds=2)
     handler = KubernetesRendezvousHandler(
         client, run_id=rdzv.name, node="unbound", addr="127.0.0.99", min_nodes=1, max_nodes=1
     )
-    with pytest.raises(RendezvousConnectionError, match="k8s-rendezvous-worker") as error:
-        handler.next_rendezvous()
+    try:
+        with pytest.raises(RendezvousConnectionError, match="k8s-rendezvous-worker") as error:
+            handler.next_rendezvous()
+    finally:  # its watch would retry, refused, for the rest of the session
+        handler.shutdown()
+        api.close()
     assert "403" in str(error.value)
 
 
