@@ -99,8 +99,8 @@ def _connect_to_store(
     through when connecting fails).
 
     A round goes stale when the operator learns its rank 0 is gone (pod deleted, evicted,
-    its node lost): refused, or accepted by a kernel whose process will never serve, the
-    connection would otherwise only end at ``timeout`` and take the agent down with a
+    node lost). Without this check a connection refused, or accepted by a kernel whose
+    process will never serve, would end only at ``timeout`` and fail the agent with a
     connection error, where joining the next round takes a fraction of a second.
 
     torch bounds connecting by ``timeout`` but then waits for the server's first answer
@@ -593,8 +593,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 round_store = self._round_store(status, rank, offered)
                 if round_store is not None:
                     break
-                # Its rank 0 went before serving (the operator saw the pod go): this
-                # round is spent, and the next forms without waiting out read_timeout.
+                # Stale before rank 0 answered (most likely its pod is gone): this round
+                # is spent, and the next forms without waiting out read_timeout.
                 log.warning(
                     "node %s: round %d of %s went stale before its rank 0 (pod %s) answered "
                     "at %s; joining again",
