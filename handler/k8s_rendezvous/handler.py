@@ -65,7 +65,8 @@ _STALE_ROUND_POLL_SECONDS: Final = 0.05
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _LIBUV_SERVES_A_GIVEN_SOCKET: Final = torch.__version__ >= "2.8"
 """torch's libuv store server listens on a socket it is handed only since 2.8 (pytorch
-#150215); before, only its classic server does."""
+#150215); before, only its classic server does. (``torch.__version__`` is a TorchVersion:
+it compares as a version, so 2.13 is above 2.8.)"""
 
 
 def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
