@@ -220,6 +220,86 @@ def _enum(enum_type: type[enum.Enum], data: Mapping[str, Any], key: str, field: 
 # Spec.
 
 
+class SelectorOperator(enum.Enum):
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelRequirement:
+    key: str
+    operator: SelectorOperator
+    values: tuple[str, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.operator is SelectorOperator.EXISTS:
+            return self.key in labels
+        if self.operator is SelectorOperator.DOES_NOT_EXIST:
+            return self.key not in labels
+        inside = self.key in labels and labels[self.key] in self.values
+        return inside if self.operator is SelectorOperator.IN else not inside
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSelector:
+    """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``), as in a
+    Deployment's ``spec.selector``: every term must hold."""
+
+    match_labels: tuple[tuple[str, str], ...] = ()
+    match_expressions: tuple[LabelRequirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(key) == value for key, value in self.match_labels) and all(
+            requirement.matches(labels) for requirement in self.match_expressions
+        )
+
+    def __str__(self) -> str:
+        terms = [f"{key}={value}" for key, value in self.match_labels]
+        for requirement in self.match_expressions:
+            values = ",".join(requirement.values)
+            terms.append(f"{requirement.key} {requirement.operator.value} ({values})")
+        return ", ".join(terms)
+
+    def to_dict(self) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        if self.match_labels:
+            result["matchLabels"] = dict(self.match_labels)
+        if self.match_expressions:
+            result["matchExpressions"] = [
+                {"key": r.key, "operator": r.operator.value}
+                | ({"values": list(r.values)} if r.values else {})
+                for r in self.match_expressions
+            ]
+        return result
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> LabelSelector:
+        data = _mapping(value, field)
+        labels = _mapping(data.get("matchLabels") or {}, f"{field}.matchLabels")
+        for key, label in labels.items():
+            if not isinstance(label, str):
+                raise DecodeError(f"{field}.matchLabels.{key}: expected a string, got {label!r}")
+        requirements = []
+        for index, item in enumerate(_list(data, "matchExpressions", field)):
+            where = f"{field}.matchExpressions[{index}]"
+            term = _mapping(item, where)
+            operator = _enum(SelectorOperator, term, "operator", where)
+            values = tuple(_list(term, "values", where))
+            if not all(isinstance(v, str) for v in values):
+                raise DecodeError(f"{where}.values: expected strings, got {list(values)!r}")
+            with_values = operator in (SelectorOperator.IN, SelectorOperator.NOT_IN)
+            if with_values != bool(values):
+                need = "needs values" if with_values else "takes no values"
+                raise DecodeError(f"{where}: operator {operator.value} {need}")
+            requirements.append(LabelRequirement(_str(term, "key", where), operator, values))
+        selector = cls(tuple(sorted(labels.items())), tuple(requirements))
+        if not selector.match_labels and not selector.match_expressions:
+            raise DecodeError(f"{field}: an empty selector would match every pod; name labels")
+        return selector
+
+
 @dataclasses.dataclass(frozen=True)
 class RendezvousSpec:
     """``spec``: what the user (or the operator, from a Job's annotations) asked for."""
@@ -234,6 +314,8 @@ class RendezvousSpec:
     rank_order_node_label: str | None = None
     """Order newcomers by this label of their Kubernetes node (e.g. a zone or rack), so
     that neighbours in the ring are neighbours in the network."""
+    pod_selector: LabelSelector | None = None
+    """Which pods may join, for a Rendezvous that no workload controls (made by hand)."""
 
     @property
     def heartbeat_interval_seconds(self) -> float:
@@ -246,15 +328,20 @@ class RendezvousSpec:
             if self.rank_order_node_label is None
             else {"rankOrder": {"nodeLabel": self.rank_order_node_label}}
         )
-        return order | {
-            "minNodes": self.min_nodes,
-            "maxNodes": self.max_nodes,
-            "runId": self.run_id,
-            "joinTimeoutSeconds": self.join_timeout_seconds,
-            "lastCallTimeoutSeconds": self.last_call_timeout_seconds,
-            "closeTimeoutSeconds": self.close_timeout_seconds,
-            "heartbeatTimeoutSeconds": self.heartbeat_timeout_seconds,
-        }
+        selector = {} if self.pod_selector is None else {"podSelector": self.pod_selector.to_dict()}
+        return (
+            order
+            | selector
+            | {
+                "minNodes": self.min_nodes,
+                "maxNodes": self.max_nodes,
+                "runId": self.run_id,
+                "joinTimeoutSeconds": self.join_timeout_seconds,
+                "lastCallTimeoutSeconds": self.last_call_timeout_seconds,
+                "closeTimeoutSeconds": self.close_timeout_seconds,
+                "heartbeatTimeoutSeconds": self.heartbeat_timeout_seconds,
+            }
+        )
 
     @classmethod
     def from_dict(cls, value: object, field: str = "spec") -> RendezvousSpec:
@@ -287,6 +374,11 @@ class RendezvousSpec:
                     "nodeLabel",
                     f"{field}.rankOrder",
                 )
+            ),
+            pod_selector=(
+                None
+                if data.get("podSelector") is None
+                else LabelSelector.from_dict(data["podSelector"], f"{field}.podSelector")
             ),
         )
         if spec.min_nodes > spec.max_nodes:

@@ -131,11 +131,12 @@ class OperatorApi:
             for lease in self._request("GET", path, query=query)["items"]
         ]
 
-    def label_pod(self, namespace: str, pod: str, rendezvous: str) -> None:
-        """Label a node's pod so the operator's server-side filtered pod watch sees it."""
+    def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]:
+        """Label a node's pod so the operator's server-side filtered pod watch sees it;
+        returns the pod as labelled."""
         body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
         try:
-            self._request(
+            return self._request(
                 "PATCH",
                 f"/api/v1/namespaces/{namespace}/pods/{pod}",
                 body,

@@ -28,6 +28,16 @@ WRITE_CONFLICTS: Final = Counter(
     "k8s_rendezvous_write_conflicts_total",
     "Status writes refused because the object changed since it was read (then retried).",
 )
+NODES_REFUSED: Final = Counter(
+    "k8s_rendezvous_nodes_refused_total",
+    "Requests never counted: the pod is not of the rendezvous' workload, or offers an "
+    "address that is not its own.",
+    ["reason"],
+)
+EVENTS_SUPPRESSED: Final = Counter(
+    "k8s_rendezvous_events_suppressed_total",
+    "Warning Events about bad node input left out because a rendezvous exceeded its budget.",
+)
 QUEUE_DEPTH: Final = Gauge(
     "k8s_rendezvous_reconcile_queue_depth", "Rendezvous being reconciled or waiting to be."
 )

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import job_annotations, rounds
+from k8s_rendezvous_operator import job_annotations, membership, rounds
 
 
 def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.PodObservation:
@@ -21,16 +21,17 @@ def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.Pod
         int(container.get("restartCount") or 0)
         for container in status.get("containerStatuses") or []
     )
+    identity = membership.identify_pod(body)
+    gone = None
     if deleted:
-        return rounds.PodObservation(rounds.LOST_POD_DELETED, restarts)
-    if (body.get("metadata") or {}).get("deletionTimestamp"):
-        return rounds.PodObservation(rounds.LOST_POD_TERMINATING, restarts)
-    phase = status.get("phase")
-    if phase == "Failed":
-        return rounds.PodObservation(rounds.LOST_POD_FAILED, restarts)
-    if phase == "Succeeded":
-        return rounds.PodObservation(rounds.LOST_POD_SUCCEEDED, restarts)
-    return rounds.PodObservation(None, restarts)
+        gone = rounds.LOST_POD_DELETED
+    elif (body.get("metadata") or {}).get("deletionTimestamp"):
+        gone = rounds.LOST_POD_TERMINATING
+    elif status.get("phase") == "Failed":
+        gone = rounds.LOST_POD_FAILED
+    elif status.get("phase") == "Succeeded":
+        gone = rounds.LOST_POD_SUCCEEDED
+    return rounds.PodObservation(gone, restarts, identity=identity)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, metrics, observe, rounds
+from k8s_rendezvous_operator import kube, membership, metrics, observe, rounds
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,33 @@ def _version(body: Mapping[str, Any]) -> int:
 
 def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
+
+
+WARNING_BUDGET = 10
+"""Warning Events about bad node input per rendezvous and WARNING_WINDOW: a pod writing
+request after request must not turn into as many Events."""
+WARNING_WINDOW = datetime.timedelta(minutes=1)
+
+
+class WarningBudget:
+    """At most :data:`WARNING_BUDGET` Events per rendezvous in any :data:`WARNING_WINDOW`;
+    the rest are counted (``k8s_rendezvous_events_suppressed_total``) and logged."""
+
+    def __init__(self) -> None:
+        self._sent: dict[Key, list[datetime.datetime]] = {}
+
+    def allow(self, key: Key, now: datetime.datetime) -> bool:
+        recent = [moment for moment in self._sent.get(key, ()) if now - moment < WARNING_WINDOW]
+        allowed = len(recent) < WARNING_BUDGET
+        if allowed:
+            recent.append(now)
+        else:
+            metrics.EVENTS_SUPPRESSED.inc()
+        self._sent[key] = recent
+        return allowed
+
+    def forget(self, key: Key) -> None:
+        self._sent.pop(key, None)
 
 
 def _without_forming_since(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -79,6 +106,10 @@ class Reconciler:
         """Per rendezvous: what its slices were last brought in step with."""
         self._forming_since: dict[Key, datetime.datetime] = {}
         """Per rendezvous: when its forming round began, if not written yet."""
+        self._pod_versions: dict[Key, int] = {}
+        self._refused: dict[Key, dict[str, str]] = {}
+        """Per rendezvous: the pods whose requests are refused, with the reason reported."""
+        self._warnings = WarningBudget()
         self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
@@ -88,7 +119,7 @@ class Reconciler:
             self._bodies.pop(key, None)
             for node in self._entries.pop(key, {}):
                 pod = (key[0], node)
-                for memory in (self._pods, self._heartbeats, self._pod_nodes):
+                for memory in (self._pods, self._heartbeats, self._pod_nodes, self._pod_versions):
                     memory.pop(pod, None)
                 self._labelled.discard(pod)
             self._unreadable.pop(key, None)
@@ -96,6 +127,8 @@ class Reconciler:
             self._slices.pop(key, None)
             self._published.pop(key, None)
             self._forming_since.pop(key, None)
+            self._refused.pop(key, None)
+            self._warnings.forget(key)
             if timer := self._timers.pop(key, None):
                 timer.cancel()
             return
@@ -108,7 +141,14 @@ class Reconciler:
         observation: rounds.PodObservation,
         rendezvous: str | None,
         node_name: str | None = None,
+        version: int = -1,
     ) -> None:
+        """A pod changed: its watch event, or the answer to our labelling of it (whichever
+        is older than what we know is dropped)."""
+        if version >= 0:
+            if version < self._pod_versions.get(key, -1):
+                return
+            self._pod_versions[key] = version
         if node_name:
             self._pod_nodes[key] = node_name
         if self._pods.get(key) == observation:
@@ -215,6 +255,15 @@ class Reconciler:
             job = observe.observe_job(body) if body is not None else None
         if job is None or job.spec is None or job.uid != owner.get("uid"):
             return None
+        rendezvous = self._bodies.get(key)
+        if rendezvous is None:
+            try:
+                rendezvous = await asyncio.to_thread(self._api.get_rendezvous, *key)
+            except kube.NotFound:
+                return owner["name"], job.spec  # not made yet: it will be, owned by the Job
+        owners = (rendezvous.get("metadata") or {}).get("ownerReferences") or []
+        if not any(o.get("uid") == job.uid for o in owners):
+            return None  # someone else's: its pods must not be sent there (RendezvousNotOwned)
         return owner["name"], job.spec
 
     def lease_seen(
@@ -234,16 +283,14 @@ class Reconciler:
         problem = None if deleted else lease.problem
         if problem is None:
             self._lease_problems.pop(pod, None)
-        elif self._lease_problems.get(pod) != problem:  # said once per distinct problem
+        elif self._lease_problems.get(pod) is None:  # said once, until the pod writes a good one
             self._lease_problems[pod] = problem
             message = (
                 f"pod {lease.node} wrote a request this operator cannot read, so it is not "
                 f"counted: {problem}. Run the same k8s-rendezvous version in the pods as in "
                 "the operator."
             )
-            log.warning("Rendezvous %s/%s: %s", *key, message)
-            target = self._bodies.get(key) or body
-            kopf.warn(kopf.Body(cast(kopf.RawBody, target)), reason="InvalidEntry", message=message)
+            self._warn(key, self._bodies.get(key) or body, "InvalidEntry", message)
         entry = None if deleted else lease.entry
         entries = self._entries.get(key)
         if entries is None:
@@ -257,6 +304,22 @@ class Reconciler:
         else:
             entries[lease.node] = entry
         self.request(key)
+
+    def _warn(self, key: Key, body: Mapping[str, Any], reason: str, message: str) -> None:
+        log.warning("Rendezvous %s/%s: %s: %s", *key, reason, message)
+        if self._warnings.allow(key, self._clock()):
+            kopf.warn(kopf.Body(cast(kopf.RawBody, body)), reason=reason, message=message)
+
+    def _report_refusals(
+        self, key: Key, body: Mapping[str, Any], refused: Mapping[str, membership.Refusal]
+    ) -> None:
+        """Say once per pod and reason why its request does not count."""
+        reported = self._refused.get(key, {})
+        for pod, refusal in refused.items():
+            if reported.get(pod) != refusal.reason:
+                metrics.NODES_REFUSED.labels(refusal.reason).inc()
+                self._warn(key, body, "NodeRefused", refusal.message)
+        self._refused[key] = {pod: refusal.reason for pod, refusal in refused.items()}
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
         known = self._bodies.get(key)
@@ -329,6 +392,15 @@ class Reconciler:
                 for node in requests
                 if (observation := self._pods.get((namespace, node))) is not None
             }
+            admission = membership.admit(
+                membership.workload_of(body, spec),
+                requests,
+                {node: observation.identity for node, observation in pods.items()},
+                frozenset(m.node for m in (*current.members, *current.left_behind)),
+            )
+            self._report_refusals(key, body, admission.refused)
+            requests = admission.counted
+            pods = {node: observation for node, observation in pods.items() if node in requests}
             liveness = rounds.Liveness(
                 {
                     node: beat
@@ -415,7 +487,9 @@ class Reconciler:
         if self._published.get(key) == inputs:
             return
         written = self._slices.setdefault(key, {})
-        spec_fields = {"rankOrder": None} | spec.to_dict()
+        spec_fields = {"rankOrder": None} | {
+            field: value for field, value in spec.to_dict().items() if field != "podSelector"
+        }
         changed = {
             index: content
             for index, fields in enumerate(status.slice_fields())
@@ -596,8 +670,16 @@ class Reconciler:
 
     async def _label_pod(self, pod: Key, rendezvous: str) -> None:
         try:
-            await asyncio.to_thread(self._api.label_pod, pod[0], pod[1], rendezvous)
+            body = await asyncio.to_thread(self._api.label_pod, pod[0], pod[1], rendezvous)
             self._labelled.add(pod)
+            # The answer is the pod as it is now: no need to wait for its watch event.
+            self.pod_seen(
+                pod,
+                observe.observe_pod(body),
+                rendezvous,
+                node_name=(body.get("spec") or {}).get("nodeName"),
+                version=_version(body),
+            )
         except kube.NotFound:
             self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
         except Exception:
@@ -684,6 +766,7 @@ async def pod_event(
         observation,
         labels.get(state.NODE_LABEL),
         node_name=(body.get("spec") or {}).get("nodeName"),
+        version=_version(body),
     )
 
 

@@ -36,6 +36,7 @@ from k8s_rendezvous.state import (
     RendezvousStatus,
     RoundState,
 )
+from k8s_rendezvous_operator.membership import PodIdentity
 
 CONDITION_READY: Final = "Ready"
 """True while a sealed round is current and complete."""
@@ -70,6 +71,8 @@ class PodObservation:
     """Sum of its containers' restart counts."""
     topology: str | None = None
     """The value of the spec's ``rankOrder.nodeLabel`` on the pod's node, if any."""
+    identity: PodIdentity | None = None
+    """Who the pod is and where it can be reached (``None``: never observed)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,176 @@
+"""Who may be a node of a rendezvous: a pure check of a node's request against what
+Kubernetes itself says about the pod behind it. No I/O here.
+
+A pod can write only its own Lease (the admission policy ties the Lease to the pod's
+bound token), but it can name any Rendezvous in it and any address. So the operator counts
+a request only when:
+
+1. the pod belongs to the Rendezvous' workload: its controller is the Rendezvous'
+   controller owner (the annotated Job, or the workload whose pod created it), and its
+   labels match ``spec.podSelector`` if one is set. A Rendezvous with neither (made by
+   hand, without a selector) admits nobody: there is no workload to check against;
+2. the address it offers is one of its pod's IPs (its node's, for a host-network pod), so
+   that rank 0's store is where that pod is and nowhere else.
+
+Anything else is never counted, ranked or allowed to close the rendezvous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Mapping
+from typing import Any
+
+from k8s_rendezvous import state
+
+REFUSED_NO_RULE = "NoWorkload"
+REFUSED_OTHER_WORKLOAD = "OtherWorkload"
+REFUSED_SELECTOR = "SelectorMismatch"
+REFUSED_ADDRESS = "AddressNotThePods"
+
+
+@dataclasses.dataclass(frozen=True)
+class PodIdentity:
+    """What the Pod object says about who a pod is and where it can be reached."""
+
+    uid: str
+    controller_uid: str | None
+    controller: str | None
+    """``Kind/name`` of its controller, for messages."""
+    labels: tuple[tuple[str, str], ...]
+    addresses: frozenset[str]
+    """Its ``status.podIPs`` (its node's ``status.hostIPs`` on the host network), in
+    canonical form."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Whose pods a Rendezvous admits."""
+
+    name: str
+    owner_uid: str | None
+    owner: str | None
+    selector: state.LabelSelector | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    reason: str
+    message: str
+
+
+def canonical_address(text: str) -> str | None:
+    """The canonical form of an IP literal (IPv6 compressed, lower case), else ``None``."""
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        return None
+
+
+def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
+    metadata = body.get("metadata") or {}
+    status = body.get("status") or {}
+    controller = next(
+        (o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None
+    )
+    if (body.get("spec") or {}).get("hostNetwork"):
+        listed = [item.get("ip") for item in status.get("hostIPs") or []] or [status.get("hostIP")]
+    else:
+        listed = [item.get("ip") for item in status.get("podIPs") or []] or [status.get("podIP")]
+    addresses = frozenset(
+        address
+        for text in listed
+        if isinstance(text, str) and (address := canonical_address(text)) is not None
+    )
+    labels = metadata.get("labels") or {}
+    return PodIdentity(
+        uid=str(metadata.get("uid") or ""),
+        controller_uid=controller.get("uid") if controller else None,
+        controller=f"{controller.get('kind')}/{controller.get('name')}" if controller else None,
+        labels=tuple(sorted((k, v) for k, v in labels.items() if k != state.NODE_LABEL)),
+        addresses=addresses,
+    )
+
+
+def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:
+    metadata = rendezvous.get("metadata") or {}
+    owner = next((o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None)
+    return Workload(
+        name=str(metadata.get("name") or ""),
+        owner_uid=owner.get("uid") if owner else None,
+        owner=f"{owner.get('kind')}/{owner.get('name')}" if owner else None,
+        selector=spec.pod_selector,
+    )
+
+
+def refusal(
+    workload: Workload, pod: str, identity: PodIdentity, entry: state.NodeEntry
+) -> Refusal | None:
+    """Why ``pod``'s request may not count in ``workload``'s rendezvous, or ``None``."""
+    where = f"Rendezvous {workload.name}"
+    if workload.owner_uid is None and workload.selector is None:
+        return Refusal(
+            REFUSED_NO_RULE,
+            f"{where} has no controller owner and no spec.podSelector, so no pod can be "
+            f"checked as one of its workload's and pod {pod} is not admitted. Set "
+            "spec.podSelector to the labels of the job's pods.",
+        )
+    if workload.owner_uid is not None and identity.controller_uid != workload.owner_uid:
+        return Refusal(
+            REFUSED_OTHER_WORKLOAD,
+            f"pod {pod} is controlled by {identity.controller or 'nothing'}, not by "
+            f"{workload.owner}, which owns {where}: only that workload's pods may join it.",
+        )
+    if workload.selector is not None and not workload.selector.matches(dict(identity.labels)):
+        return Refusal(
+            REFUSED_SELECTOR,
+            f"pod {pod}'s labels do not match spec.podSelector of {where} "
+            f"({workload.selector}): only the pods it selects may join it.",
+        )
+    if canonical_address(entry.addr) not in identity.addresses:
+        ips = ", ".join(sorted(identity.addresses)) or "none yet"
+        return Refusal(
+            REFUSED_ADDRESS,
+            f"pod {pod} offers address {entry.addr!r}, which is not one of its pod's IPs "
+            f"({ips}): other nodes would connect there. Leave --local-addr unset, or set it "
+            "to one of the pod's IPs.",
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    counted: dict[str, state.NodeEntry]
+    """The requests the round decisions see."""
+    refused: dict[str, Refusal]
+    """Pods whose request is never counted, and why."""
+
+
+def admit(
+    workload: Workload,
+    requests: Mapping[str, state.NodeEntry],
+    identities: Mapping[str, PodIdentity | None],
+    admitted_before: frozenset[str],
+) -> Admission:
+    """Split the requests into those that count and those refused.
+
+    A request whose pod has not been observed yet is held back (neither counted nor
+    refused) until it is: nobody is admitted unchecked. The exception is a node already
+    admitted to the current round (``admitted_before``): it was checked then, and a
+    restarted operator that has not seen its pod again must not count it as gone.
+    """
+    counted: dict[str, state.NodeEntry] = {}
+    refused: dict[str, Refusal] = {}
+    for pod, entry in requests.items():
+        identity = identities.get(pod)
+        if identity is None:
+            if pod in admitted_before:
+                counted[pod] = entry
+            continue
+        problem = refusal(workload, pod, identity, entry)
+        if problem is None:
+            counted[pod] = entry
+        else:
+            refused[pod] = problem
+    return Admission(counted, refused)

@@ -1,0 +1,185 @@
+"""Who may be a node of a rendezvous: the pod's workload and its own IPs decide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from k8s_rendezvous import state
+from k8s_rendezvous_operator import membership, observe
+
+JOB_UID = "job-uid-1"
+
+
+def pod(
+    name: str = "train-0",
+    *,
+    controller_uid: str | None = JOB_UID,
+    ips: tuple[str, ...] = ("10.1.0.5",),
+    labels: dict[str, str] | None = None,
+    host_network: bool = False,
+) -> dict[str, Any]:
+    owners = (
+        [{"kind": "Job", "name": "train", "uid": controller_uid, "controller": True}]
+        if controller_uid
+        else []
+    )
+    return {
+        "metadata": {
+            "name": name,
+            "uid": f"uid-{name}",
+            "labels": labels or {},
+            "ownerReferences": owners,
+        },
+        "spec": {"hostNetwork": host_network},
+        "status": {
+            "phase": "Running",
+            "podIP": ips[0] if ips else None,
+            "podIPs": [{"ip": ip} for ip in ips],
+            "hostIP": "192.0.2.1",
+            "hostIPs": [{"ip": "192.0.2.1"}, {"ip": "2001:db8::1"}],
+        },
+    }
+
+
+def rendezvous(owner_uid: str | None = JOB_UID, **spec: Any) -> tuple[dict[str, Any], Any]:
+    owners = [{"kind": "Job", "name": "train", "uid": owner_uid, "controller": True}]
+    body = {
+        "metadata": {"name": "train", "ownerReferences": owners if owner_uid else []},
+        "spec": {"minNodes": 1, "maxNodes": 4, "runId": "train", **spec},
+    }
+    return body, state.RendezvousSpec.from_dict(body["spec"])
+
+
+def entry(addr: str = "10.1.0.5") -> state.NodeEntry:
+    return state.NodeEntry("i-1", 1, addr, 29500)
+
+
+def refusal(body_spec: tuple[dict[str, Any], Any], pod_body: dict[str, Any], addr: str) -> Any:
+    workload = membership.workload_of(*body_spec)
+    identity = membership.identify_pod(pod_body)
+    return membership.refusal(workload, pod_body["metadata"]["name"], identity, entry(addr))
+
+
+def test_a_pod_of_the_owning_job_offering_its_own_ip_is_admitted() -> None:
+    assert refusal(rendezvous(), pod(), "10.1.0.5") is None
+
+
+def test_a_pod_of_another_job_is_refused_naming_both_workloads() -> None:
+    found = refusal(rendezvous(), pod("other-0", controller_uid="job-uid-2"), "10.1.0.5")
+    assert found.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert "pod other-0 is controlled by Job/train, not by Job/train" in found.message
+
+
+def test_a_bare_pod_is_refused_by_an_owned_rendezvous() -> None:
+    found = refusal(rendezvous(), pod(controller_uid=None), "10.1.0.5")
+    assert found.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert "controlled by nothing" in found.message
+
+
+def test_an_address_that_is_not_the_pods_is_refused_with_the_fix() -> None:
+    found = refusal(rendezvous(), pod(), "10.9.9.9")
+    assert found.reason == membership.REFUSED_ADDRESS
+    assert "'10.9.9.9', which is not one of its pod's IPs (10.1.0.5)" in found.message
+    assert "--local-addr" in found.message
+
+
+def test_a_hostname_is_no_address_of_the_pod() -> None:
+    found = refusal(rendezvous(), pod(), "train-0.train.svc")
+    assert found.reason == membership.REFUSED_ADDRESS
+
+
+@pytest.mark.parametrize("written", ["fd00::0:7", "FD00::7", "[fd00::7]"])
+def test_ipv6_addresses_compare_in_canonical_form(written: str) -> None:
+    assert refusal(rendezvous(), pod(ips=("10.1.0.5", "fd00::7")), written) is None
+
+
+def test_a_host_network_pod_may_offer_its_nodes_addresses_only() -> None:
+    on_host = pod(host_network=True)
+    assert refusal(rendezvous(), on_host, "2001:db8::1") is None
+    assert refusal(rendezvous(), on_host, "10.1.0.5").reason == membership.REFUSED_ADDRESS
+
+
+def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_why() -> None:
+    found = refusal(rendezvous(owner_uid=None), pod(), "10.1.0.5")
+    assert found.reason == membership.REFUSED_NO_RULE
+    assert "Set spec.podSelector" in found.message
+
+
+def test_a_hand_made_rendezvous_admits_the_pods_its_selector_matches() -> None:
+    selected = rendezvous(
+        owner_uid=None,
+        podSelector={
+            "matchLabels": {"app": "train"},
+            "matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["spare"]}],
+        },
+    )
+    assert refusal(selected, pod(labels={"app": "train"}), "10.1.0.5") is None
+    found = refusal(selected, pod(labels={"app": "train", "tier": "spare"}), "10.1.0.5")
+    assert found.reason == membership.REFUSED_SELECTOR
+    assert "app=train, tier NotIn (spare)" in found.message
+
+
+def test_the_operators_own_label_cannot_satisfy_a_selector() -> None:
+    selected = rendezvous(owner_uid=None, podSelector={"matchLabels": {state.NODE_LABEL: "train"}})
+    labelled = pod(labels={state.NODE_LABEL: "train"})
+    assert refusal(selected, labelled, "10.1.0.5").reason == membership.REFUSED_SELECTOR
+
+
+@pytest.mark.parametrize(
+    ("selector", "message"),
+    [
+        ({}, "an empty selector would match every pod"),
+        ({"matchExpressions": [{"key": "a", "operator": "In"}]}, "operator In needs values"),
+        (
+            {"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]},
+            "operator Exists takes no values",
+        ),
+        ({"matchLabels": {"a": 1}}, "matchLabels.a: expected a string"),
+    ],
+)
+def test_a_malformed_selector_is_named(selector: dict[str, Any], message: str) -> None:
+    with pytest.raises(state.DecodeError, match=message):
+        rendezvous(podSelector=selector)
+
+
+def test_the_selector_round_trips() -> None:
+    selector = {
+        "matchLabels": {"app": "train"},
+        "matchExpressions": [{"key": "zone", "operator": "Exists"}],
+    }
+    _, spec = rendezvous(podSelector=selector)
+    assert spec.to_dict()["podSelector"] == selector
+
+
+def test_unobserved_pods_are_held_back_unless_already_admitted() -> None:
+    body, spec = rendezvous()
+    identities = {"seen": membership.identify_pod(pod("seen")), "member": None, "new": None}
+    requests = {name: entry() for name in identities}
+    admission = membership.admit(
+        membership.workload_of(body, spec), requests, identities, frozenset({"member"})
+    )
+    assert sorted(admission.counted) == ["member", "seen"]
+    assert admission.refused == {}
+
+
+def test_a_refused_pod_cannot_close_the_rendezvous() -> None:
+    body, spec = rendezvous()
+    closing = state.NodeEntry("i-1", 1, "10.1.0.5", 29500, state.NodeIntent.CLOSE)
+    stranger = membership.identify_pod(pod("stranger", controller_uid="job-uid-2"))
+    admission = membership.admit(
+        membership.workload_of(body, spec),
+        {"stranger": closing},
+        {"stranger": stranger},
+        frozenset(),
+    )
+    assert admission.counted == {}
+    assert admission.refused["stranger"].reason == membership.REFUSED_OTHER_WORKLOAD
+
+
+def test_the_pod_observation_carries_its_identity() -> None:
+    observation = observe.observe_pod(pod())
+    assert observation.identity is not None
+    assert observation.identity.controller_uid == JOB_UID
+    assert observation.identity.addresses == frozenset({"10.1.0.5"})
