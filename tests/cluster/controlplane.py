@@ -42,7 +42,13 @@ BUILD_SCRIPT = CLUSTER_DIR / "build.sh"
 
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.0.0.0/24"  # Service ClusterIPs
-POD_CIDR = "10.244.0.0/16"  # kwok's pod IPs; must not overlap SERVICE_CIDR
+# kwok's pod IPs: loopback, so that whatever a test runs "in" a pod (a handler, a torchrun
+# agent) listens at its pod's real IP, as the operator checks it does. Must not overlap
+# SERVICE_CIDR.
+POD_CIDR = "127.244.0.0/16"
+POD_IP_ANNOTATION = "kwok.k8s-rendezvous.dev/pod-ip"
+"""A test that must choose a pod's IP (one of POD_CIDR's or any loopback address) sets
+it here when it creates the pod; kwok then reports it as the pod's IP."""
 FALLBACK_ADVERTISE_ADDRESS = "192.0.2.10"  # TEST-NET-1, used when the host has no global IPv4
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
@@ -125,6 +131,24 @@ def build_binaries(*, stream_log: bool = False) -> Path:
     if not lines or not Path(lines[-1]).is_dir():
         raise ControlPlaneError(f"{BUILD_SCRIPT} printed no directory: {proc.stdout!r}")
     return Path(lines[-1])
+
+
+def _with_chosen_pod_ip(stage: str) -> str:
+    """kwok's pod-ready stage, giving the pod the IP of its POD_IP_ANNOTATION if it has
+    one (as a CNI plugin would hand out a requested address), else one of POD_CIDR's."""
+    lines = stage.splitlines()
+    found = [i for i, line in enumerate(lines) if line.strip().startswith("{{ $podIPs := ")]
+    if len(found) != 1:
+        raise ControlPlaneError("kwok's pod-ready stage no longer assigns $podIPs once")
+    (index,) = found
+    line = lines[index]
+    indent = line[: len(line) - len(line.lstrip())]
+    chosen = (
+        f'{{{{ with $.metadata.annotations }}}}{{{{ with index . "{POD_IP_ANNOTATION}" }}}}'
+        "{{ $podIPs = list . }}{{ end }}{{ end }}"
+    )
+    lines.insert(index + 1, indent + chosen)
+    return "\n".join(lines) + "\n"
 
 
 def _advertise_address() -> str:
@@ -583,7 +607,8 @@ class ControlPlane:
             path = stages_dir / stage
             if not path.is_file():
                 raise ControlPlaneError(f"kwok stage {path} is missing (rerun build.sh)")
-            documents.append(path.read_text())
+            text = path.read_text()
+            documents.append(_with_chosen_pod_ip(text) if path.name == "pod-ready.yaml" else text)
         (self.workdir / "kwok.yaml").write_text("\n---\n".join(documents) + "\n")
 
     def _kubeconfig_path(self, stem: str) -> Path:

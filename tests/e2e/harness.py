@@ -320,7 +320,9 @@ class LocalPods:
     ) -> list[LocalPod]:
         """Create pods ``{name: loopback address}``, wait until Running, start their torchrun
         (``options`` go to :meth:`LocalPod.start`)."""
-        created = create_pods(self.admin_api, self.namespace, list(addresses))
+        created = create_pods(
+            self.admin_api, self.namespace, list(addresses), addresses=dict(addresses)
+        )
         pods = [
             LocalPod(
                 self.control_plane,

@@ -2,7 +2,7 @@
 anywhere, only what the operator's webhook injected. The harness stands in for the
 kubelet: for each Running pod of the Job it runs the container's command, plain
 ``torchrun`` on examples/elastic_train.py, with the container's env (fieldRefs resolved;
-the pod IP replaced by a reachable loopback address), and when the Job controller deletes
+the pod IP is a loopback address, so reachable), and when the Job controller deletes
 a pod, it kills that pod's processes.
 
 Aspects: the world forms from the Job's pods alone; lowering parallelism shrinks it and
@@ -11,7 +11,6 @@ raising it grows it again, and the job trains on through both.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,6 @@ class JobPods:
         self.namespace = namespace
         self.workdir = workdir
         self.nodes: dict[str, LocalPod] = {}
-        self._addresses = (f"127.0.0.{n}" for n in itertools.count(21))
 
     def pods(self) -> list[dict[str, Any]]:
         found = read_object(
@@ -71,7 +69,7 @@ class JobPods:
             name = pod["metadata"]["name"]
             if name not in self.nodes:
                 node = LocalPod(
-                    self.control_plane, self.api, pod, next(self._addresses), self.workdir
+                    self.control_plane, self.api, pod, pod["status"]["podIP"], self.workdir
                 )
                 node.start_container(pod, script_args=["--steps", "400"])
                 self.nodes[name] = node

@@ -61,7 +61,7 @@ def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
     # "frozen-0" sorts before "node-*": it is rank 0, the round's master, when frozen.
     (pod,) = create_pods(admin_api, workers_namespace, ["frozen-0"])
     survivors = make_nodes(rdzv, 2)
-    env = pod_environment(pod, "127.0.0.50")
+    env = pod_environment(pod, pod["status"]["podIP"])
     with NodeProcess(env, rdzv.name, "2:3", tmp_path / "frozen-0.log") as frozen:
         assert frozen.answer(60)["ready"] == frozen.pid
         frozen.send("next")
@@ -138,7 +138,7 @@ def test_a_node_frozen_while_joining_returns_its_old_round_then_joins_a_later_on
     )
     (pod,) = create_pods(admin_api, workers_namespace, ["zfrozen-0"])
     survivors = make_nodes(rdzv, 2)
-    env = pod_environment(pod, "127.0.0.51")
+    env = pod_environment(pod, pod["status"]["podIP"])
     with NodeProcess(env, rdzv.name, "2:3", tmp_path / "zfrozen-0.log") as frozen:
         assert frozen.answer(60)["ready"] == frozen.pid
         frozen.send("next")

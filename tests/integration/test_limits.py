@@ -17,7 +17,7 @@ import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
 from tests.cluster.waiting import wait_for
-from tests.support.fixtures import Node, Rendezvous, create_pods
+from tests.support.fixtures import WORKLOAD_SELECTOR, Node, Rendezvous, create_pods
 
 from k8s_rendezvous import state
 
@@ -29,7 +29,13 @@ def body(name: str, **spec: Any) -> dict[str, Any]:
         "apiVersion": state.API_VERSION,
         "kind": state.KIND,
         "metadata": {"name": name},
-        "spec": {"minNodes": 2, "maxNodes": 2, "runId": name, **spec},
+        "spec": {
+            "minNodes": 2,
+            "maxNodes": 2,
+            "runId": name,
+            "podSelector": WORKLOAD_SELECTOR,
+            **spec,
+        },
     }
 
 

@@ -391,7 +391,7 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
         "2 StatefulSet pods running",
     )
     nodes = []
-    for index, pod in enumerate(pods):
+    for pod in pods:
         token = control_plane.token_for(
             workers_namespace,
             "default",
@@ -404,7 +404,7 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
             client,
             run_id="sts-train",
             node=pod["metadata"]["name"],
-            addr=f"127.0.0.{50 + index}",
+            addr=pod["status"]["podIP"],
             min_nodes=2,
             max_nodes=2,
         )

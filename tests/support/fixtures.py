@@ -14,7 +14,7 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.support import invariants
 from tests.support.operator import OperatorProcess
@@ -24,6 +24,10 @@ from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 REPO = Path(__file__).resolve().parents[2]
+WORKLOAD_LABELS = {"k8s-rendezvous.dev/test-workload": "trainer"}
+"""On the tests' bare pods; the Rendezvous the tests make select them (spec.podSelector),
+as an admin's hand-made Rendezvous must."""
+WORKLOAD_SELECTOR = {"matchLabels": WORKLOAD_LABELS}
 CRD = REPO / "manifests" / "crds"
 RBAC = REPO / "manifests" / "rbac"
 
@@ -217,7 +221,13 @@ def make_rendezvous(
             "apiVersion": state.API_VERSION,
             "kind": state.KIND,
             "metadata": {"name": name, "namespace": workers_namespace},
-            "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "runId": name, **spec},
+            "spec": {
+                "minNodes": min_nodes,
+                "maxNodes": max_nodes,
+                "runId": name,
+                "podSelector": WORKLOAD_SELECTOR,
+                **spec,
+            },
         }
         rendezvous = recorded(name)
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
@@ -322,18 +332,26 @@ def create_pods(
     names: Sequence[str],
     service_account: str = "default",
     placement: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    addresses: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Bare pods, scheduled by kube-scheduler onto kwok nodes (or placed by ``placement``,
-    pod name to kwok node name); returns them Running."""
+    """Bare pods with :data:`WORKLOAD_LABELS` (or ``labels``), scheduled by kube-scheduler
+    onto kwok nodes (or placed by ``placement``, pod name to kwok node name), each with the
+    IP ``addresses`` gives it or one kwok picks; returns them Running."""
     core = kubernetes.client.CoreV1Api(api)
     for name in names:
         pinned = {"nodeName": placement[name]} if placement else {}
+        chosen = {POD_IP_ANNOTATION: addresses[name]} if addresses else {}
         core.create_namespaced_pod(
             namespace,
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": name},
+                "metadata": {
+                    "name": name,
+                    "labels": WORKLOAD_LABELS if labels is None else labels,
+                    "annotations": chosen,
+                },
                 "spec": {
                     "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
                     "restartPolicy": "Never",
@@ -379,8 +397,7 @@ def attach_nodes(
             client = kube.RendezvousClient(
                 api, rendezvous.namespace, rendezvous.name, retry_seconds=read_timeout
             )
-            # Distinct loopback addresses stand in for pod IPs: the stores must be reachable.
-            addr = f"127.0.0.{len(created) + 2}"
+            addr = pod["status"]["podIP"]  # a loopback address (POD_CIDR): reachable
             handler = KubernetesRendezvousHandler(
                 client,
                 run_id=rendezvous.name,
