@@ -26,7 +26,8 @@ from typing import Any
 import kubernetes.client
 import psutil
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import ControlPlane, build_binaries, read_object
+from tests.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
+from tests.support.fixtures import WORKLOAD_LABELS, WORKLOAD_SELECTOR
 
 from k8s_rendezvous import state
 
@@ -55,6 +56,13 @@ def wait(predicate: Callable[[], Any], timeout: float, what: str, interval: floa
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what} within {timeout:.0f} s (last: {last!r})")
         time.sleep(interval)
+
+
+def pod_ips(pod: dict[str, Any]) -> list[str]:
+    """A pod's ``status.podIPs`` (else its ``podIP``): the addresses the operator admits
+    from its node."""
+    status = pod.get("status") or {}
+    return [item["ip"] for item in status.get("podIPs") or []] or [status.get("podIP", "")]
 
 
 class Operator:
@@ -239,11 +247,17 @@ class Cluster:
             self.log(f"warning: {error}")
 
     def create_pods(
-        self, namespace: str, rendezvous_of: dict[str, str], timeout: float = 600
+        self,
+        namespace: str,
+        rendezvous_of: dict[str, str],
+        addresses: dict[str, str],
+        timeout: float = 600,
     ) -> list[Pod]:
-        """Pods scheduled onto kwok nodes, Running, each with a pod-bound token and labelled
-        with its rendezvous, as the operator's webhook labels an annotated Job's pods at
-        admission (so the operator need not label them itself)."""
+        """Pods scheduled onto kwok nodes, Running, each with a pod-bound token and the IP
+        ``addresses`` gives it (pod name to address, the one its node offers). They carry
+        :data:`WORKLOAD_LABELS`, which the Rendezvous select, and are labelled with their
+        rendezvous, as the operator's webhook labels an annotated Job's pods at admission
+        (so the operator need not label them itself)."""
         core = kubernetes.client.CoreV1Api(self.admin)
         names = list(rendezvous_of)
 
@@ -251,7 +265,11 @@ class Cluster:
             body = {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": name, "labels": {state.NODE_LABEL: rendezvous_of[name]}},
+                "metadata": {
+                    "name": name,
+                    "labels": {**WORKLOAD_LABELS, state.NODE_LABEL: rendezvous_of[name]},
+                    "annotations": {POD_IP_ANNOTATION: addresses[name]},
+                },
                 "spec": {
                     "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
                     "restartPolicy": "Never",
@@ -273,18 +291,26 @@ class Cluster:
             list(executor.map(create, names))
         wanted = set(names)
 
-        def running() -> dict[str, str] | None:
+        def running() -> dict[str, Any] | None:
             found = read_object(core.list_namespaced_pod, namespace)["items"]
             ready = {
-                p["metadata"]["name"]: p["metadata"]["uid"]
+                p["metadata"]["name"]: p
                 for p in found
                 if (p.get("status") or {}).get("phase") == "Running"
                 and (p.get("status") or {}).get("podIP")
             }
             return ready if wanted <= set(ready) else None
 
-        uids: dict[str, str] = wait(running, timeout, f"{len(names)} pods Running", interval=0.5)
-        pods = [Pod(name, uids[name]) for name in names]
+        started: dict[str, Any] = wait(running, timeout, f"{len(names)} pods Running", interval=0.5)
+        elsewhere = {
+            name: ips for name in names if addresses[name] not in (ips := pod_ips(started[name]))
+        }
+        if elsewhere:
+            raise RuntimeError(
+                f"pods not at the IP their {POD_IP_ANNOTATION} annotation asked for "
+                f"(pod: its IPs): {dict(list(elsewhere.items())[:5])}"
+            )
+        pods = [Pod(name, started[name]["metadata"]["uid"]) for name in names]
 
         def token(pod: Pod) -> None:
             request = {
@@ -325,7 +351,13 @@ class Cluster:
             "apiVersion": state.API_VERSION,
             "kind": state.KIND,
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "runId": name, **spec},
+            "spec": {
+                "minNodes": min_nodes,
+                "maxNodes": max_nodes,
+                "runId": name,
+                "podSelector": WORKLOAD_SELECTOR,
+                **spec,
+            },
         }
         kubernetes.client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
             state.GROUP, state.VERSION, namespace, state.PLURAL, body

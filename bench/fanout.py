@@ -127,6 +127,7 @@ def measure(
     from concurrent.futures import ThreadPoolExecutor
 
     import kubernetes.client
+    from tests.support.fixtures import WORKLOAD_SELECTOR
 
     from k8s_rendezvous import state
     from k8s_rendezvous_operator.kube import OperatorApi
@@ -142,7 +143,12 @@ def measure(
             "apiVersion": state.API_VERSION,
             "kind": state.KIND,
             "metadata": {"name": "fanout"},
-            "spec": {"minNodes": members, "maxNodes": members, "runId": "fanout"},
+            "spec": {
+                "minNodes": members,
+                "maxNodes": members,
+                "runId": "fanout",
+                "podSelector": WORKLOAD_SELECTOR,
+            },
         },
     )
     round_members = tuple(

@@ -48,7 +48,7 @@ class Env:
 
 
 def address(node: int) -> str:
-    """A distinct loopback address per node (its store binds there), like a pod IP."""
+    """A distinct loopback address per node (its store binds there), for ours its pod's IP."""
     return f"127.100.{node // 250}.{node % 250 + 1}"
 
 
@@ -168,12 +168,14 @@ class Setup:
 def setup_ours(
     env: Env, groups: Sequence[tuple[int, int, int]], spec: Json | None = None, prefix: str = "b"
 ) -> Setup:
-    """One namespace; per group ``(nodes, min, max)`` a Rendezvous and its pods."""
+    """One namespace; per group ``(nodes, min, max)`` a Rendezvous and its pods, each pod
+    at its node's :func:`address`."""
     cluster = env.cluster
     assert cluster is not None
     namespace = cluster.new_namespace(prefix)
     specs: list[Json] = []
     rendezvous_of: dict[str, str] = {}
+    address_of: dict[str, str] = {}
     rendezvous: list[str] = []
     node = 0
     plan: list[tuple[int, str, str, int, int]] = []
@@ -185,8 +187,9 @@ def setup_ours(
             pod = f"{rdzv}-node-{i}"
             plan.append((node, pod, rdzv, low, high))
             rendezvous_of[pod] = rdzv
+            address_of[pod] = address(node)
             node += 1
-    pods = {p.name: p for p in cluster.create_pods(namespace, rendezvous_of)}
+    pods = {p.name: p for p in cluster.create_pods(namespace, rendezvous_of, address_of)}
     cluster.wait_initialised(namespace, rendezvous)
     for node_id, pod, rdzv, low, high in plan:
         specs.append(
@@ -196,7 +199,7 @@ def setup_ours(
                 "namespace": namespace,
                 "rendezvous": rdzv,
                 "pod": pod,
-                "addr": address(node_id),
+                "addr": address_of[pod],
                 "min_nodes": low,
                 "max_nodes": high,
             }

@@ -13,6 +13,7 @@ Everything it started is stopped by PID at the end, on error and on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import signal
@@ -29,7 +30,7 @@ sys.path.insert(0, str(REPO))  # the demo reuses the test harness (tests/)
 from tests.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
 from tests.cluster.waiting import wait_for  # noqa: E402
 from tests.e2e.harness import LocalPod, LocalPods, wait_all_exit, wait_world  # noqa: E402
-from tests.support.fixtures import Rendezvous  # noqa: E402
+from tests.support.fixtures import WORKLOAD_LABELS, Rendezvous  # noqa: E402
 from tests.support.operator import OperatorProcess  # noqa: E402
 
 from k8s_rendezvous import state  # noqa: E402
@@ -47,6 +48,8 @@ spec:
   minNodes: 2
   maxNodes: 4
   lastCallTimeoutSeconds: 5   # after minNodes joined, wait this long for more
+  podSelector:                # the pods that may join: the demo's trainers
+    matchLabels: {json.dumps(WORKLOAD_LABELS)}
 """
 FIRST_NODES = {"trainer-0": "127.0.0.11", "trainer-1": "127.0.0.12", "trainer-2": "127.0.0.13"}
 LATE_NODE = {"trainer-3": "127.0.0.14"}

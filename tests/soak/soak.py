@@ -33,7 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import WaitTimeout, wait_for
 from tests.support import invariants
-from tests.support.fixtures import create_pods
+from tests.support.fixtures import WORKLOAD_SELECTOR, create_pods
 from tests.support.operator import OperatorProcess
 
 from k8s_rendezvous import errors, kube, state
@@ -279,6 +279,7 @@ class Soak:
             join_timeout_seconds=config.join_timeout,
             last_call_timeout_seconds=config.last_call_timeout,
             heartbeat_timeout_seconds=config.heartbeat_timeout,
+            pod_selector=state.LabelSelector.from_dict(WORKLOAD_SELECTOR, "podSelector"),
         )
 
     # -- what agents report -----------------------------------------------------------
@@ -444,13 +445,15 @@ class Soak:
         return True
 
     def _add_pods(self, count: int) -> None:
-        names = [next(self._names) for _ in range(count)]
-        for made in create_pods(self.admin_api, self.namespace, names):
+        addresses = {next(self._names): next(self._addresses) for _ in range(count)}
+        for made in create_pods(
+            self.admin_api, self.namespace, list(addresses), addresses=addresses
+        ):
             name = made["metadata"]["name"]
             token = self.control_plane.token_for(
                 self.namespace, "default", pod_name=name, pod_uid=made["metadata"]["uid"]
             )
-            pod = Pod(name, next(self._addresses), self.control_plane.client_for_token(token))
+            pod = Pod(name, addresses[name], self.control_plane.client_for_token(token))
             pod.agent = Agent(name, self._handler(pod), self)
             self._pods[name] = pod
             log.info("pod %s (%s) created", name, pod.addr)
