@@ -76,7 +76,7 @@ async def configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **
     "v1",
     "pods",
     id="torchrun-env",
-    operation="CREATE",
+    operations={"CREATE"},
     ignore_failures=True,
     labels={JOB_NAME_LABEL: kopf.PRESENT},
 )
