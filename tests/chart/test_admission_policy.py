@@ -140,6 +140,64 @@ def test_a_pod_cannot_speak_for_another_node(pod_a: PodClient, rendezvous: Rende
     assert expected in message
 
 
+def test_a_pod_cannot_squat_the_lease_another_pod_will_need(
+    pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    """Held by itself but named after pod-c: pod-c could never write its own Lease."""
+    squat = f"{rendezvous.name}.pod-c"
+    message = denied(lambda: pod_a.create_lease(squat, "pod-a", rendezvous.name))
+    assert (
+        f"pod pod-a may write only the rendezvous Lease named after itself, "
+        f"{rendezvous.name}.pod-a (<rendezvous>.<pod>), not {squat}"
+    ) in message
+    # Under another rendezvous' label, its own Lease is not its own name either.
+    message = denied(lambda: pod_a.create_lease(f"{rendezvous.name}.pod-a", "pod-a", "other"))
+    assert "named after itself, other.pod-a" in message
+
+
+def test_a_pod_cannot_move_its_lease_to_another_rendezvous(
+    pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    own = f"{rendezvous.name}.pod-a"
+    pod_a.create_lease(own, "pod-a", rendezvous.name)
+    message = denied(
+        lambda: pod_a.patch_lease(own, {"metadata": {"labels": {state.NODE_LABEL: "other"}}})
+    )
+    assert f"named after itself, other.pod-a (<rendezvous>.<pod>), not {own}" in message
+
+
+def test_the_long_form_of_a_lease_name_is_the_pods_own_only(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    pod_a: PodClient,
+) -> None:
+    long_pod = "p" * 250
+    (pod,) = create_pods(admin_api, workers_namespace, [long_pod])
+    token = control_plane.token_for(
+        workers_namespace, "default", pod_name=long_pod, pod_uid=pod["metadata"]["uid"]
+    )
+    client = PodClient(control_plane.client_for_token(token), workers_namespace)
+    own = state.lease_name("train", long_pod)
+    assert own != f"train.{long_pod}", "shortened"
+    assert client.create_lease(own, long_pod, "train")["metadata"]["name"] == own
+    # pod-a cannot take that name, even holding it itself.
+    message = denied(
+        lambda: pod_a.create_lease(state.lease_name("train", "q" * 250), "pod-a", "train")
+    )
+    assert "named after itself, train.pod-a" in message
+
+
+def test_the_worker_role_writes_no_lease_outside_the_rendezvous_scheme(pod_a: PodClient) -> None:
+    """Not another controller's leader election Lease, nor any unlabelled one."""
+    message = denied(lambda: pod_a.create_lease("some-controller-lock", "pod-a", rendezvous=None))
+    assert (
+        "pod pod-a writes Leases through the k8s-rendezvous worker role, which covers only its"
+        " own rendezvous Lease"
+    ) in message
+    assert "not Lease some-controller-lock" in message
+
+
 def test_the_status_is_not_the_pods_to_write(pod_a: PodClient, rendezvous: Rendezvous) -> None:
     message = denied(
         lambda: pod_a.custom.patch_namespaced_custom_object_status(
@@ -193,15 +251,25 @@ def test_leases_without_the_rendezvous_label_are_not_concerned(
     )
     client = PodClient(control_plane.client_for_token(token), namespace)
     assert client.create_lease("some-controller-lock", "someone-else", rendezvous=None)
+    # Also when that controller's pods may use the rendezvous too: it updates Leases.
+    control_plane.kubectl(
+        "-n",
+        namespace,
+        "create",
+        "rolebinding",
+        "elector-worker",
+        "--clusterrole=k8s-rendezvous-worker",
+        f"--serviceaccount={namespace}:elector",
+    )
+    assert client.create_lease("another-controller-lock", "someone-else", rendezvous=None)
 
 
+@pytest.mark.parametrize("name", ["k8s-rendezvous-pod-leases", "k8s-rendezvous-worker-leases"])
 def test_the_policy_type_checks_cleanly(
-    chart_release: Release, control_plane: ControlPlane
+    chart_release: Release, control_plane: ControlPlane, name: str
 ) -> None:
     policy = json.loads(
-        control_plane.kubectl(
-            "get", "validatingadmissionpolicy", "k8s-rendezvous-pod-leases", "-o", "json"
-        ).stdout
+        control_plane.kubectl("get", "validatingadmissionpolicy", name, "-o", "json").stdout
     )
     assert policy["status"].get("typeChecking", {}).get("expressionWarnings") is None, policy[
         "status"
