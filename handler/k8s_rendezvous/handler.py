@@ -56,6 +56,21 @@ CONFIG_KEYS: Final = {
     "heartbeat_timeout": _SPEC_TIMEOUT,
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
+C10D_KEYS_NOT_USED: Final = {
+    "is_host": "no node hosts the rendezvous: the operator keeps it in the Rendezvous, and "
+    "the round's rank 0 serves the workers' store",
+    "store_type": "the rendezvous is no store here; the round's store is always rank 0's TCPStore",
+    "use_libuv": "the round's store server is chosen by torch version (libuv where it can "
+    "serve a socket it is handed)",
+    "keep_alive_interval": "liveness is the pod's Lease, renewed three times per "
+    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
+    "keep_alive_max_attempt": "liveness is the pod's Lease, renewed three times per "
+    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
+    "cas_backoff_max_seconds": "nodes never compare-and-set a shared state: each writes its "
+    "own Lease, and only the operator writes the Rendezvous",
+}
+"""Keys torch's c10d backend accepts: taken, so that switching only ``--rdzv-backend``
+works, and each logged once as having no use here, with the reason."""
 _LOOPBACK: Final = "127.0.0.1"
 _FIRST_EVENT_SECONDS: Final = 2.0
 """How long the first join waits for the watch to deliver the Rendezvous before reading it
@@ -475,12 +490,22 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> KubernetesRendezvousHandler:
         """Build a handler from torchrun's parameters and the pod's environment."""
-        unknown = set(params.config) - set(CONFIG_KEYS) - _IGNORED_CONFIG_KEYS
+        unknown = (
+            set(params.config) - set(CONFIG_KEYS) - _IGNORED_CONFIG_KEYS - set(C10D_KEYS_NOT_USED)
+        )
         if unknown:
             valid = "; ".join(f"{key}: {meaning}" for key, meaning in CONFIG_KEYS.items())
+            accepted = ", ".join(sorted(C10D_KEYS_NOT_USED))
             raise ValueError(
                 f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))} for the kubernetes "
-                f"rendezvous backend. Valid keys: {valid}."
+                f"rendezvous backend. Valid keys: {valid}. Also accepted, as torch's c10d "
+                f"backend takes them, but not used here: {accepted}."
+            )
+        for key in sorted(set(params.config) & set(C10D_KEYS_NOT_USED)):
+            log.info(
+                "--rdzv-conf %s is not used by the kubernetes backend: %s",
+                key,
+                (C10D_KEYS_NOT_USED[key]),
             )
         namespace, name = parse_endpoint(params.endpoint, kube.own_namespace())
         read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)

@@ -10,6 +10,7 @@ client nor kopf nor the operator.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -83,9 +84,30 @@ def test_broken_credentials_are_a_connection_error_that_says_where(
 
 
 def test_unknown_rdzv_conf_key_names_the_valid_ones(pod_env: None) -> None:
-    with pytest.raises(ValueError, match=r"unknown --rdzv-conf key.*keep_alive_interval") as error:
-        KubernetesRendezvousHandler.from_parameters(params(keep_alive_interval="1"))
+    with pytest.raises(ValueError, match=r"unknown --rdzv-conf key.*keep_alive_intervall") as error:
+        KubernetesRendezvousHandler.from_parameters(params(keep_alive_intervall="1"))
     assert "read_timeout" in str(error.value)
+    assert "is_host" in str(error.value), "names the c10d keys it accepts too"
+
+
+def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
+    pod_env: None, built: list[RendezvousHandler], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user who switches only --rdzv-backend from c10d keeps torch's own keys."""
+    c10d = {
+        "is_host": "true",
+        "store_type": "tcp",
+        "use_libuv": "1",
+        "keep_alive_interval": "5",
+        "keep_alive_max_attempt": "3",
+        "cas_backoff_max_seconds": "2",
+    }
+    with caplog.at_level(logging.INFO, logger="k8s_rendezvous.handler"):
+        handler = KubernetesRendezvousHandler.from_parameters(params(timeout="900", **c10d))
+    built.append(handler)
+    unused = [r.getMessage() for r in caplog.records if "is not used by" in r.getMessage()]
+    assert sorted(m.split()[1] for m in unused) == sorted(c10d)
+    assert any("is_host is not used" in m and "rank 0 serves" in m for m in unused)
 
 
 @pytest.mark.parametrize(
