@@ -1,0 +1,325 @@
+"""A hostile pod in the same namespace, with its own real pod-bound token, against the real
+operator: it may speak only for itself and only in its own workload's rendezvous."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.cluster.controlplane import ControlPlane, read_object
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import (
+    Node,
+    Rendezvous,
+    create_pods,
+    join_all,
+)
+from tests.support.operator import OperatorProcess
+
+from k8s_rendezvous import state
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+MakeRendezvous = Callable[..., Rendezvous]
+
+
+def annotated_job(
+    api: kubernetes.client.ApiClient, namespace: str, name: str, nodes: str, parallelism: int
+) -> dict[str, Any]:
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "annotations": {"k8s-rendezvous.dev/nodes": nodes}},
+        "spec": {
+            "parallelism": parallelism,
+            "template": {
+                "spec": {
+                    "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
+                    "restartPolicy": "Never",
+                }
+            },
+        },
+    }
+    created = kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, body)
+    return api.sanitize_for_serialization(created)  # type: ignore[no-any-return]
+
+
+def running_job_pods(
+    api: kubernetes.client.ApiClient, namespace: str, job: str, count: int
+) -> list[dict[str, Any]]:
+    def running() -> list[dict[str, Any]] | None:
+        found = read_object(
+            kubernetes.client.CoreV1Api(api).list_namespaced_pod,
+            namespace,
+            label_selector=f"batch.kubernetes.io/job-name={job}",
+        )["items"]
+        pods = [p for p in found if p["status"].get("phase") == "Running"]
+        return pods if len(pods) == count and all(p["status"].get("podIP") for p in pods) else None
+
+    return wait_for(running, 60, f"{count} running pods of Job {job}")
+
+
+class Attacker:
+    """Raw Lease writes with one pod's own bound token, as a hostile container would."""
+
+    def __init__(self, control_plane: ControlPlane, namespace: str, pod: dict[str, Any]) -> None:
+        self.name = pod["metadata"]["name"]
+        self.ip = pod["status"]["podIP"]
+        self.namespace = namespace
+        token = control_plane.token_for(
+            namespace, "default", pod_name=self.name, pod_uid=pod["metadata"]["uid"]
+        )
+        self.api = control_plane.client_for_token(token)
+        self._custom = kubernetes.client.CustomObjectsApi(self.api)
+
+    def request(self, rendezvous: str, intent: state.NodeIntent, addr: str | None = None) -> None:
+        """Write its Lease in ``rendezvous`` asking ``intent``, with ``addr`` (its own IP)."""
+        entry = state.NodeEntry("attacker-1", 1, addr or self.ip, 29500, intent)
+        name = state.lease_name(rendezvous, self.name)
+        annotations = {state.ENTRY_ANNOTATION: entry.to_annotation()}
+        try:
+            self._custom.patch_namespaced_custom_object(
+                "coordination.k8s.io",
+                "v1",
+                self.namespace,
+                "leases",
+                name,
+                {"metadata": {"annotations": annotations}},
+                _content_type="application/merge-patch+json",
+            )
+        except kubernetes.client.exceptions.ApiException as error:
+            if error.status != 404:
+                raise
+            self._custom.create_namespaced_custom_object(
+                "coordination.k8s.io",
+                "v1",
+                self.namespace,
+                "leases",
+                {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {
+                        "name": name,
+                        "labels": {state.NODE_LABEL: rendezvous},
+                        "annotations": annotations,
+                    },
+                    "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 30},
+                },
+            )
+
+
+def refusals(rdzv: Rendezvous) -> list[str]:
+    return [message for _, reason, message in rdzv.events() if reason == "NodeRefused"]
+
+
+def wait_refused(rdzv: Rendezvous, fragment: str) -> str:
+    return wait_for(
+        lambda: next((m for m in refusals(rdzv) if fragment in m), None),
+        30,
+        f"a NodeRefused Event on {rdzv.name} saying {fragment!r}",
+    )
+
+
+@pytest.fixture
+def two_jobs(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    recorded: Callable[[str], Rendezvous],
+    attach_nodes: Callable[..., list[Node]],
+) -> tuple[Rendezvous, list[Node], Attacker]:
+    """Job ``victim`` (2 nodes, its own Rendezvous) and a pod of Job ``attacker``, whose
+    name sorts before the victim's pods: ranked by name, it would be rank 0."""
+    annotated_job(admin_api, workers_namespace, "victim", "2:2", 2)
+    annotated_job(admin_api, workers_namespace, "attacker", "1:1", 1)
+    rdzv = recorded("victim")
+    wait_for(lambda: _exists(rdzv), 30, "the victim Job's Rendezvous")
+    victims = attach_nodes(
+        rdzv, running_job_pods(admin_api, workers_namespace, "victim", 2), min_nodes=2, max_nodes=2
+    )
+    (attacker_pod,) = running_job_pods(admin_api, workers_namespace, "attacker", 1)
+    attacker = Attacker(control_plane, workers_namespace, attacker_pod)
+    assert attacker.name < min(node.pod for node in victims)
+    return rdzv, victims, attacker
+
+
+def _exists(rdzv: Rendezvous) -> bool:
+    try:
+        rdzv.body()
+    except kubernetes.client.exceptions.ApiException as error:
+        if error.status == 404:
+            return False
+        raise
+    return True
+
+
+def test_a_pod_of_another_job_is_never_counted_or_ranked(
+    two_jobs: tuple[Rendezvous, list[Node], Attacker],
+) -> None:
+    rdzv, victims, attacker = two_jobs
+    attacker.request(rdzv.name, state.NodeIntent.JOIN)  # its real pod IP: only its Job differs
+    message = wait_refused(rdzv, f"pod {attacker.name}")
+    assert (
+        f"pod {attacker.name} is controlled by Job/attacker, not by Job/victim, which owns "
+        "Rendezvous victim: only that workload's pods may join it."
+    ) in message
+    infos = join_all(victims)
+    assert sorted(info.rank for info in infos) == [0, 1]
+    sealed = rdzv.status()
+    assert sorted(m.node for m in sealed.members) == sorted(n.pod for n in victims)
+    assert sealed.master is not None and sealed.master.addr in {n.addr for n in victims}
+    assert len(refusals(rdzv)) == 1, "said once per pod"
+
+
+def test_a_pod_of_another_job_cannot_close_its_rendezvous(
+    two_jobs: tuple[Rendezvous, list[Node], Attacker],
+) -> None:
+    rdzv, victims, attacker = two_jobs
+    attacker.request(rdzv.name, state.NodeIntent.CLOSE)
+    wait_refused(rdzv, f"pod {attacker.name} is controlled by Job/attacker")
+    # The operator saw the Close before these joins (one watch, in order): had it counted,
+    # the round would be closed instead.
+    infos = join_all(victims)
+    assert sorted(info.rank for info in infos) == [0, 1]
+    assert rdzv.status().state is state.RoundState.SEALED
+
+
+def test_a_node_offering_an_address_that_is_not_its_pods_is_refused(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: MakeRendezvous,
+    attach_nodes: Callable[..., list[Node]],
+) -> None:
+    rdzv = make_rendezvous(1, 2, lastCallTimeoutSeconds=0)
+    liar_pod, honest_pod = create_pods(admin_api, workers_namespace, ["a-liar", "b-honest"])
+    liar = Attacker(control_plane, workers_namespace, liar_pod)
+    liar.request(rdzv.name, state.NodeIntent.JOIN, addr="127.0.0.99")
+    message = wait_refused(rdzv, "pod a-liar offers address '127.0.0.99'")
+    assert f"which is not one of its pod's IPs ({liar.ip})" in message
+    (honest,) = attach_nodes(rdzv, [honest_pod], min_nodes=1, max_nodes=2)
+    (info,) = join_all([honest])
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.bootstrap_store_info.master_addr == honest.addr
+
+
+def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_how_to_fix_it(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: MakeRendezvous,
+) -> None:
+    rdzv = make_rendezvous(1, 1, podSelector=None)
+    (pod,) = create_pods(admin_api, workers_namespace, ["p-0"])
+    Attacker(control_plane, workers_namespace, pod).request(rdzv.name, state.NodeIntent.JOIN)
+    message = wait_refused(rdzv, "has no controller owner and no spec.podSelector")
+    assert "Set spec.podSelector to the labels of the job's pods." in message
+    assert rdzv.status().state is state.RoundState.FORMING
+
+
+@pytest.mark.metrics
+def test_bad_requests_written_over_and_over_make_a_bounded_number_of_events(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: MakeRendezvous,
+    operator_process: OperatorProcess,
+) -> None:
+    rdzv = make_rendezvous(1, 1)
+    (pod,) = create_pods(admin_api, workers_namespace, ["noisy-0"])
+    noisy = Attacker(control_plane, workers_namespace, pod)
+    name = state.lease_name(rdzv.name, noisy.name)
+    noisy.request(rdzv.name, state.NodeIntent.JOIN, addr="127.0.0.98")
+    custom = kubernetes.client.CustomObjectsApi(noisy.api)
+    for attempt in range(60):  # unreadable, then an address not its own, again and again
+        bad = "{not json" if attempt % 2 else json.dumps({"attempt": attempt})
+        custom.patch_namespaced_custom_object(
+            "coordination.k8s.io",
+            "v1",
+            workers_namespace,
+            "leases",
+            name,
+            {"metadata": {"annotations": {state.ENTRY_ANNOTATION: bad}}},
+            _content_type="application/merge-patch+json",
+        )
+        noisy.request(rdzv.name, state.NodeIntent.JOIN, addr=f"127.0.1.{attempt + 1}")
+    # Then a good request: once it is sealed, the operator has seen every write before it.
+    noisy.request(rdzv.name, state.NodeIntent.JOIN)
+    rdzv.wait(lambda s: s.state is state.RoundState.SEALED, "the good request sealed")
+    suppressed = operator_metric(operator_process, "k8s_rendezvous_events_suppressed_total")
+    assert suppressed >= 100, "120 bad writes, at most 10 Events"
+    warnings = wait_for(
+        lambda: w if len(w := [e for e in rdzv.events() if e[0] == "Warning"]) >= 10 else None,
+        30,
+        "the Events the budget allowed, posted",
+    )
+    assert len(warnings) == 10, warnings
+    assert {"InvalidEntry", "NodeRefused"} == {reason for _, reason, _ in warnings}
+
+
+def operator_metric(operator: OperatorProcess, name: str) -> float:
+    port = next(
+        int(arg.split("=")[1]) for arg in operator.extra_args if arg.startswith("--metrics-port")
+    )
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+    )
+
+
+@pytest.mark.webhook
+def test_the_webhook_sends_no_pod_to_a_rendezvous_its_job_does_not_own(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
+) -> None:
+    wait_for(
+        lambda: (
+            control_plane.kubectl(
+                "get", "mutatingwebhookconfigurations", "-o", "name", check=False
+            ).stdout.count(workers_namespace)
+            == 1
+        ),
+        30,
+        "webhook configuration registered",
+    )
+
+    def env_names(job: str) -> set[str]:
+        (pod,) = running_job_pods(admin_api, workers_namespace, job, 1)
+        return {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
+
+    annotated_job(admin_api, workers_namespace, "mine", "1:1", 1)
+    assert "PET_RDZV_BACKEND" in env_names("mine"), "the webhook serves"
+    kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": "taken"},
+            "spec": {
+                "minNodes": 1,
+                "maxNodes": 1,
+                "runId": "taken",
+                "podSelector": {"matchLabels": {"team": "someone-else"}},
+            },
+        },
+    )
+    annotated_job(admin_api, workers_namespace, "taken", "1:1", 1)
+    assert not {"PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT"} & env_names("taken")
+    core = kubernetes.client.CoreV1Api(admin_api)
+    wait_for(
+        lambda: any(
+            e.reason == "RendezvousNotOwned"
+            for e in core.list_namespaced_event(
+                workers_namespace,
+                field_selector="involvedObject.name=taken,involvedObject.kind=Job",
+            ).items
+        ),
+        30,
+        "RendezvousNotOwned on the Job",
+    )
