@@ -25,22 +25,29 @@ RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
 
 ACCEPTED: Final = {
-    NODES: 'a node count "N" or a range "MIN:MAX" (torchrun --nnodes), 1 <= MIN <= MAX',
+    NODES: 'a node count "N" or a range "MIN:MAX" (torchrun --nnodes), 1 <= MIN <= MAX <= 100000',
     JOIN_TIMEOUT: 'seconds, e.g. "600" or "600s" (default 600)',
     LAST_CALL_TIMEOUT: 'seconds, e.g. "30" or "30s", may be "0" (default 30)',
     CLOSE_TIMEOUT: 'seconds, e.g. "30" or "30s" (default 30)',
     HEARTBEAT_TIMEOUT: f"seconds, at least {state.MIN_HEARTBEAT_TIMEOUT_SECONDS} (default 30)",
-    RUN_ID: "torchrun's --rdzv-id (default: the Job's name)",
+    RUN_ID: "torchrun's --rdzv-id, 1 to 253 printable ASCII characters without spaces "
+    "(default: the Job's name)",
     RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
 }
 """Every annotation we read, with its accepted forms: the one table the docs show."""
 
-_SECONDS = re.compile(r"^\s*(\d{1,9})\s*s?\s*$")
-_NODES = re.compile(r"^\s*(\d{1,6})\s*(?::\s*(\d{1,6})\s*)?$")
+# ASCII digits only: Python's \d and int() also take Arabic-Indic and full-width digits.
+_SECONDS = re.compile(r"^ *([0-9]{1,9}) *s? *\Z")
+_NODES = re.compile(r"^ *([0-9]{1,6}) *(?:: *([0-9]{1,6}) *)?\Z")
 _LABEL_KEY = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?\Z"
 )
+_LABEL_KEY_MAX = 253 + 1 + 63
+_RUN_ID = re.compile(r"^[!-~]{1,253}\Z")
+"""Printable ASCII without spaces: it becomes PET_RDZV_ID and torch's store key prefix."""
+MAX_NODES: Final = 100_000
+"""The CRD's bound on minNodes and maxNodes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +83,10 @@ def parse(
     else:
         low = int(match.group(1))
         high = int(match.group(2) or low)
-        if not 1 <= low <= high:
-            errors.append(AnnotationError(NODES, raw_nodes, "needs 1 <= MIN <= MAX"))
+        if not 1 <= low <= high <= MAX_NODES:
+            errors.append(
+                AnnotationError(NODES, raw_nodes, f"needs 1 <= MIN <= MAX <= {MAX_NODES}")
+            )
         elif parallelism is not None and low > parallelism:
             errors.append(
                 AnnotationError(
@@ -111,8 +120,12 @@ def parse(
         state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         state.MIN_HEARTBEAT_TIMEOUT_SECONDS,
     )
-    run_id = text(RUN_ID, lambda v: 0 < len(v) <= 253, "must be 1 to 253 characters")
-    rank_order = text(RANK_ORDER, lambda v: bool(_LABEL_KEY.match(v)), "not a label key")
+    run_id = text(RUN_ID, lambda v: bool(_RUN_ID.match(v)), "not a run id")
+    rank_order = text(
+        RANK_ORDER,
+        lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
+        "not a label key",
+    )
     if errors or bounds is None:
         return tuple(errors)
     return state.RendezvousSpec(

@@ -60,6 +60,18 @@ def test_every_optional_key() -> None:
         ({"nodes": "2", "join_timeout": "ten"}, "join-timeout", "not a whole number of seconds"),
         ({"nodes": "2", "heartbeat_timeout": "1"}, "heartbeat-timeout", ">= 3"),
         ({"nodes": "2", "rank_order": "not a key!"}, "rank-order", "not a label key"),
+        # What parses but the CRD would refuse is refused here, where the Job shows it.
+        ({"nodes": "1:999999"}, "nodes", "needs 1 <= MIN <= MAX <= 100000"),
+        ({"nodes": "2", "rank_order": "a" * 318 + "/zone"}, "rank-order", "not a label key"),
+        # ASCII digits only.
+        ({"nodes": "\u0663"}, "nodes", "not a count or a range"),
+        ({"nodes": "\uff12:\uff14"}, "nodes", "not a count or a range"),
+        ({"nodes": "2", "join_timeout": "\u0661\u0660"}, "join-timeout", "not a whole number"),
+        ({"nodes": "2\n"}, "nodes", "not a count or a range"),
+        # A run id becomes PET_RDZV_ID and a store key prefix.
+        ({"nodes": "2", "run_id": "exp\n7"}, "run-id", "printable ASCII characters"),
+        ({"nodes": "2", "run_id": "exp\x007"}, "run-id", "printable ASCII characters"),
+        ({"nodes": "2", "run_id": "exp 7"}, "run-id", "without spaces"),
     ],
 )
 def test_bad_annotation_names_key_value_and_accepted_forms(
