@@ -53,6 +53,12 @@ ROUND_KEY_FIELD: Final = "status.roundKey"
 server sends them only the changes that matter to them (a new round, a stale round, a
 close), never another node's join."""
 
+MAX_ROUND: Final = 10**12
+"""The CRD's bound on ``status.round``: a round a second for 30,000 years, and far below
+the API server's integer limit, so that sealing the next round can always be written."""
+MAX_SLICES: Final = 1000
+"""The CRD's bound on ``status.slices``: 100000 nodes (maxNodes' bound) in slices of 100."""
+
 DEFAULT_JOIN_TIMEOUT_SECONDS: Final = 600
 DEFAULT_LAST_CALL_TIMEOUT_SECONDS: Final = 30
 DEFAULT_CLOSE_TIMEOUT_SECONDS: Final = 30
@@ -703,7 +709,7 @@ class RendezvousStatus:
                 Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)
                 for index, item in enumerate(_list(data, "leftBehind", field))
             ),
-            slices=_int(data, "slices", field, default=0),
+            slices=_int(data, "slices", field, default=0, maximum=MAX_SLICES),
         )
 
 
@@ -787,7 +793,7 @@ class NodeView:
                 for index, item in enumerate(_list(data, "leftBehind", field))
                 if type(item) is not dict or item.get("node") == node
             ),
-            slices=_int(data, "slices", field, default=0),
+            slices=_int(data, "slices", field, default=0, maximum=MAX_SLICES),
         )
 
 
@@ -826,7 +832,7 @@ def _round_fields(data: Mapping[str, Any], field: str, *, sealable: bool) -> dic
         raise DecodeError(f"{field}: a Sealed round needs members and a master")
     return {
         "state": state,
-        "round": _int(data, "round", field, default=0),
+        "round": _int(data, "round", field, default=0, maximum=MAX_ROUND),
         "master": None if master_data is None else Master.from_dict(master_data, f"{field}.master"),
         "nodes_waiting": _int(data, "nodesWaiting", field, default=0),
         "closed_reason": optional_str("closedReason"),

@@ -343,7 +343,7 @@ def decide(
     joiners = _joiners(status, requests, pods)
 
     if (
-        status.round > 0
+        status.members
         and not joiners
         and all(
             (entry := requests.get(m.node)) is not None and entry.intent is NodeIntent.LEAVE

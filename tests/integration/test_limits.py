@@ -138,6 +138,18 @@ MEMBER = {"rank": 0, "node": "pod-a", "instance": "i", "attempt": 1, "addr": "10
             id="master-addr-254",
         ),
         pytest.param(
+            {"round": 2**63 - 1},
+            "status.round: Invalid value: 9223372036854775807: round in body should be "
+            "less than or equal to 1000000000000",
+            id="round-2^63-1",
+        ),
+        pytest.param(
+            {"slices": 1001},
+            "status.slices: Invalid value: 1001: slices in body should be less than or equal to "
+            "1000",
+            id="slices-1001",
+        ),
+        pytest.param(
             {"members": [MEMBER] * 2, "conditions": [{"type": "Ready", "status": "Yes"}]},
             'status.conditions[0].status: Unsupported value: "Yes"',
             id="condition-status",
@@ -154,3 +166,43 @@ def test_the_schema_refuses_a_malformed_or_oversized_entry_naming_the_field(
         rdzv.patch_status(status)
     assert error.value.status == 422
     assert message in json.loads(error.value.body)["message"]
+
+
+def test_a_status_whose_next_round_the_api_server_refuses_is_reported_once_not_retried(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    """The last round the schema allows: sealing the next one is refused (422). The
+    operator says so in a condition and one Event, and tries again only when the status
+    changes, not every second. (Not recorded for the invariants: the hand edits move
+    the round back.)"""
+    name = "last-round"
+    kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        body(name, minNodes=1, maxNodes=1),
+    )
+    rdzv = Rendezvous(admin_api, workers_namespace, name)
+    rdzv.patch_status({"state": "Forming", "round": state.MAX_ROUND, "schemaVersion": 1})
+    (node,) = make_nodes(rdzv, 1, read_timeout=5)
+    joining = node.join_in_background()
+    ready = rdzv.wait(
+        lambda s: any(c.reason == "InvalidRendezvous" for c in s.conditions),
+        "the refused seal reported",
+    )
+    (condition,) = [c for c in ready.conditions if c.type == "Ready"]
+    assert "its next status was refused, no round is decided" in condition.message
+    assert "status.round" in condition.message and "kubectl edit rdzv" in condition.message
+    # Fixed by hand: the next decision is written, and the refusal was said once.
+    rdzv.patch_status({"round": 5})
+    assert joining.wait(60).world_size == 1
+    assert rdzv.status().round == 6
+    refusals = wait_for(
+        lambda: [m for _, reason, m in rdzv.events() if reason == "InvalidRendezvous"] or None,
+        30,
+        "the InvalidRendezvous Event posted",
+    )
+    assert len(refusals) == 1, refusals

@@ -517,3 +517,13 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
         admitted = {m.node for m in world.status.members}
         left_out = [name for name in live if name not in admitted]
         assert len(admitted) == bounds[1] or not left_out, f"{left_out} never admitted"
+
+
+def test_a_status_edited_to_a_later_round_without_members_forms_it_instead_of_closing() -> None:
+    """Nobody left: the all-left rule needs members that did."""
+    world = World(spec(1, 2), RendezvousStatus(state=RoundState.FORMING, round=7))
+    assert not world.decide().closed
+    world.join("a")
+    world.tick(31)
+    decision = world.decide()
+    assert decision.sealed and world.status.round == 8
