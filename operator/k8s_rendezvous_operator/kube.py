@@ -5,6 +5,7 @@ Calls are blocking (the official client); the reconciler runs them in worker thr
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -21,6 +22,31 @@ class Conflict(Exception):
 
 class NotFound(Exception):
     """The object does not exist (any more)."""
+
+
+class Invalid(Exception):
+    """The API server refused the object as invalid (422); the message says why."""
+
+
+def _api_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)
+
+
+def job_owner(name: str, uid: str) -> dict[str, Any]:
+    """The ownerReference of what the operator makes for an annotated Job. Not blocking
+    the Job's deletion: that would need update on jobs/finalizers, and nothing made for a
+    Job must outlive it anyway."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": False,
+    }
 
 
 def load_api_client() -> client.ApiClient:
@@ -73,6 +99,8 @@ class OperatorApi:
                 raise Conflict(f"Rendezvous {namespace}/{name}") from error
             if error.status == 404:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
+            if error.status == 422:
+                raise Invalid(_api_message(error)) from error
             raise
 
     def write_slice(
@@ -178,14 +206,27 @@ class OperatorApi:
             content_type=rest.MERGE_PATCH,
         )
 
-    def bind_worker_role(self, namespace: str, service_account: str, cluster_role: str) -> None:
-        """Let ``service_account`` use rendezvous in ``namespace`` (idempotent)."""
+    def service_account_exists(self, namespace: str, name: str) -> bool:
+        try:
+            self._request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    def bind_worker_role(
+        self, namespace: str, job: str, job_uid: str, service_account: str, cluster_role: str
+    ) -> None:
+        """Let ``job``'s ``service_account`` use rendezvous in ``namespace`` (idempotent),
+        with a RoleBinding owned by the Job: garbage collection removes it with the Job."""
         body = {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": {
-                "name": f"{cluster_role}-{service_account}"[:253],
+                "name": f"{cluster_role}-job-{job}"[:253].rstrip("-."),
                 "labels": {"app.kubernetes.io/managed-by": "k8s-rendezvous-operator"},
+                "ownerReferences": [job_owner(job, job_uid)],
             },
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",

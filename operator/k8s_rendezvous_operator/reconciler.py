@@ -88,6 +88,7 @@ class Reconciler:
         self._pod_nodes: dict[Key, str] = {}
         self._node_labels: dict[str, dict[str, str]] = {}
         self._unreadable: dict[Key, str] = {}
+        self._write_refused: dict[Key, str] = {}
         self._waiting: dict[Key, int] = {}
         self._bodies: dict[Key, dict[str, Any]] = {}
         self._pods: dict[Key, rounds.PodObservation] = {}
@@ -110,6 +111,8 @@ class Reconciler:
         self._refused: dict[Key, dict[str, str]] = {}
         """Per rendezvous: the pods whose requests are refused, with the reason reported."""
         self._warnings = WarningBudget()
+        self._starting = True
+        self._unposted: list[tuple[Key, str, str]] = []
         self._started_at = clock()
 
     # -- observations ------------------------------------------------------------------
@@ -123,6 +126,7 @@ class Reconciler:
                     memory.pop(pod, None)
                 self._labelled.discard(pod)
             self._unreadable.pop(key, None)
+            self._write_refused.pop(key, None)
             self._waiting.pop(key, None)
             self._slices.pop(key, None)
             self._published.pop(key, None)
@@ -133,6 +137,8 @@ class Reconciler:
                 timer.cancel()
             return
         self._remember(key, body)
+        if self._unposted:
+            self._post_unposted(key, body)
         self.request(key)
 
     def pod_seen(
@@ -163,10 +169,15 @@ class Reconciler:
         scan of their annotations and nothing else."""
         job = None if deleted else observe.observe_job(body)
         previous = self._jobs.pop(key, None) if job is None else self._jobs.get(key)
-        if job is None or job == previous:
+        if job is None:
+            self._bound.discard(key)
+            return
+        target = kopf.Body(cast(kopf.RawBody, dict(body)))
+        if job.spec is not None and self._worker_role and key not in self._bound:
+            await self._bind_worker_role(key, job, previous, target)
+        if job == previous:
             return
         self._jobs[key] = job
-        target = kopf.Body(cast(kopf.RawBody, dict(body)))
         if job.spec is None:
             if previous is None or previous.errors != job.errors:
                 for error in job.errors:
@@ -174,27 +185,40 @@ class Reconciler:
             return
         if previous is None or previous.spec != job.spec:
             await self._ensure_rendezvous(key, body, job.spec, target)
-        if self._worker_role and (key[0], job.service_account) not in self._bound:
-            await asyncio.to_thread(
-                self._api.bind_worker_role, key[0], job.service_account, self._worker_role
-            )
-            self._bound.add((key[0], job.service_account))
         self.request(key)
+
+    async def _bind_worker_role(
+        self,
+        key: Key,
+        job: observe.JobObservation,
+        previous: observe.JobObservation | None,
+        target: kopf.Body,
+    ) -> None:
+        """Bind the worker role for the Job's ServiceAccount, once it exists: a binding for
+        a name nobody holds yet would be granted to whoever creates that ServiceAccount."""
+        namespace, name = key
+        account = job.service_account
+        if not await asyncio.to_thread(self._api.service_account_exists, namespace, account):
+            if previous is None or previous.service_account != account:
+                kopf.warn(
+                    target,
+                    reason="ServiceAccountNotFound",
+                    message=f"ServiceAccount {account} does not exist, so the worker role "
+                    "is not bound for it (and the Job cannot create pods). Create it, or "
+                    "name an existing one in the pod template; the role is bound then.",
+                )
+            return
+        assert self._worker_role is not None
+        await asyncio.to_thread(
+            self._api.bind_worker_role, namespace, name, job.uid, account, self._worker_role
+        )
+        self._bound.add(key)
 
     async def _ensure_rendezvous(
         self, key: Key, job: Mapping[str, Any], spec: state.RendezvousSpec, target: kopf.Body
     ) -> None:
         namespace, name = key
-        owner = {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "name": name,
-            "uid": job["metadata"]["uid"],
-            "controller": True,
-            # Blocking the Job's deletion would need update on jobs/finalizers; nothing here
-            # must outlive the Job anyway.
-            "blockOwnerDeletion": False,
-        }
+        owner = kube.job_owner(name, job["metadata"]["uid"])
         created = await asyncio.to_thread(self._api.create_rendezvous, namespace, name, spec, owner)
         if created is not None:
             kopf.info(
@@ -306,9 +330,28 @@ class Reconciler:
         self.request(key)
 
     def _warn(self, key: Key, body: Mapping[str, Any], reason: str, message: str) -> None:
+        """A Warning on the Rendezvous (on ``body`` if it is not known), within budget;
+        while starting, kept until the Rendezvous' first event."""
         log.warning("Rendezvous %s/%s: %s: %s", *key, reason, message)
-        if self._warnings.allow(key, self._clock()):
-            kopf.warn(kopf.Body(cast(kopf.RawBody, body)), reason=reason, message=message)
+        if not self._warnings.allow(key, self._clock()):
+            return
+        if self._starting:  # kopf posts no Events from startup, and knows no Rendezvous yet
+            self._unposted.append((key, reason, message))
+            return
+        target = kopf.Body(cast(kopf.RawBody, self._bodies.get(key) or body))
+        kopf.warn(target, reason=reason, message=message)
+
+    def started(self) -> None:
+        self._starting = False
+
+    def _post_unposted(self, key: Key, body: Mapping[str, Any]) -> None:
+        """Post the Warnings about ``key`` found while starting, now that kopf can and the
+        Rendezvous is known (at most the budget's: bounded however long it never shows)."""
+        target = kopf.Body(cast(kopf.RawBody, body))
+        for about, reason, message in self._unposted:
+            if about == key:
+                kopf.warn(target, reason=reason, message=message)
+        self._unposted = [unposted for unposted in self._unposted if unposted[0] != key]
 
     def _report_refusals(
         self, key: Key, body: Mapping[str, Any], refused: Mapping[str, membership.Refusal]
@@ -375,7 +418,7 @@ class Reconciler:
             except state.DecodeError as error:
                 if self._unreadable.get(key) != str(error):
                     self._unreadable[key] = str(error)
-                    await self._refuse(key, body, error)
+                    await self._refuse(key, body, f"cannot be read, no round is decided: {error}")
                 return
             self._unreadable.pop(key, None)
             first_write = "state" not in (body.get("status") or {})
@@ -455,6 +498,17 @@ class Reconciler:
                 except kube.NotFound:
                     self._bodies.pop(key, None)
                     return
+                except kube.Invalid as error:
+                    # Not retried until the next event: the same decision would be refused
+                    # the same way. Said once per distinct refusal, so that the condition
+                    # written here (an event itself) ends in one more refused write.
+                    if self._write_refused.get(key) != str(error):
+                        self._write_refused[key] = str(error)
+                        await self._refuse(
+                            key, body, f"its next status was refused, no round is decided: {error}"
+                        )
+                    return
+                self._write_refused.pop(key, None)
                 self._remember(key, written)
                 self._report(written, current, decision, now)
                 self._count(key, current, decision, now)
@@ -504,14 +558,15 @@ class Reconciler:
         written.update(changed)
         self._published[key] = inputs
 
-    async def _refuse(self, key: Key, body: Mapping[str, Any], error: state.DecodeError) -> None:
-        """A Rendezvous that does not decode (edited by hand, or by a foreign writer) is not
-        guessed at: no round is decided until it is fixed. Say so where users look, once
-        per distinct problem, so that our own write cannot make us loop."""
+    async def _refuse(self, key: Key, body: Mapping[str, Any], problem: str) -> None:
+        """A Rendezvous that does not decode, or whose next status the API server refuses
+        (edited by hand, or by a foreign writer), is not guessed at: no round is decided
+        until it is fixed. Say so where users look, once per distinct problem, so that our
+        own write cannot make us loop."""
         namespace, name = key
         message = (
-            f"cannot be read, no round is decided: {error}. Fix the field (kubectl edit "
-            f"rdzv {name} --subresource=status) or recreate the Rendezvous."
+            f"{problem}. Fix the field (kubectl edit rdzv {name} --subresource=status) or "
+            "recreate the Rendezvous."
         )
         log.warning("Rendezvous %s/%s: %s", namespace, name, message)
         kopf.warn(kopf.Body(cast(kopf.RawBody, body)), reason="InvalidRendezvous", message=message)
@@ -729,6 +784,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     for body in await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ()):
         if (lease := observe.observe_lease(body)) is not None:
             reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
+    reconciler.started()
     memo["reconciler"] = reconciler
 
 

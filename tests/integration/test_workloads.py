@@ -21,6 +21,7 @@ import pytest
 from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous, create_pods, join_all, wait_told_to_rejoin
+from tests.support.jobs import make_job, running_pods, wait_webhook_registered
 
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
@@ -28,59 +29,6 @@ from k8s_rendezvous.handler import KubernetesRendezvousHandler
 pytestmark = pytest.mark.usefixtures("operator_process")
 
 AttachNodes = Callable[..., list[Node]]
-
-
-def make_job(
-    api: kubernetes.client.ApiClient,
-    namespace: str,
-    name: str,
-    parallelism: int,
-    annotations: dict[str, str],
-    **spec: Any,
-) -> dict[str, Any]:
-    body = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "annotations": annotations},
-        "spec": {
-            "parallelism": parallelism,
-            "completions": None,
-            "backoffLimit": spec.pop("backoffLimit", 6),
-            "template": {
-                "spec": {
-                    "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
-                    "restartPolicy": "Never",
-                }
-            },
-            **spec,
-        },
-    }
-    created = kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, body)
-    return api.sanitize_for_serialization(created)  # type: ignore[no-any-return]
-
-
-def job_pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[dict[str, Any]]:
-    core = kubernetes.client.CoreV1Api(api)
-    found = read_object(
-        core.list_namespaced_pod, namespace, label_selector=f"batch.kubernetes.io/job-name={job}"
-    )
-    return [
-        pod
-        for pod in found["items"]
-        if pod["status"].get("phase") == "Running"
-        and pod["status"].get("podIP")
-        and not pod["metadata"].get("deletionTimestamp")
-    ]
-
-
-def running_pods(
-    api: kubernetes.client.ApiClient, namespace: str, job: str, count: int
-) -> list[dict[str, Any]]:
-    return wait_for(
-        lambda: pods if len(pods := job_pods(api, namespace, job)) == count else None,
-        60,
-        f"{count} running pods of Job {job}",
-    )
 
 
 def job_events(
@@ -136,9 +84,12 @@ def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
         "RoundSealed Event on the Job",
     )
     binding = kubernetes.client.RbacAuthorizationV1Api(admin_api).read_namespaced_role_binding(
-        "k8s-rendezvous-worker-default", workers_namespace
+        "k8s-rendezvous-worker-job-train", workers_namespace
     )
     assert binding.role_ref.name == "k8s-rendezvous-worker"
+    assert [s.name for s in binding.subjects] == ["default"]
+    (owner,) = binding.metadata.owner_references
+    assert (owner.kind, owner.uid) == ("Job", job["metadata"]["uid"]), "goes with the Job"
 
 
 def _get(rdzv: Rendezvous) -> dict[str, Any] | None:
@@ -309,16 +260,7 @@ def test_finished_job_closes_the_rendezvous_and_deletion_removes_it(
 def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
 ) -> None:
-    wait_for(
-        lambda: (
-            control_plane.kubectl(
-                "get", "mutatingwebhookconfigurations", "-o", "name", check=False
-            ).stdout.count(workers_namespace)
-            == 1
-        ),
-        30,
-        "webhook configuration registered",
-    )
+    wait_webhook_registered(control_plane, workers_namespace)
     make_job(
         admin_api,
         workers_namespace,

@@ -3,14 +3,14 @@ operator: it may speak only for itself and only in its own workload's rendezvous
 
 from __future__ import annotations
 
-import json
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane, read_object
+from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import (
     Node,
@@ -18,6 +18,7 @@ from tests.support.fixtures import (
     create_pods,
     join_all,
 )
+from tests.support.jobs import make_job, running_pods, wait_webhook_registered
 from tests.support.operator import OperatorProcess
 
 from k8s_rendezvous import state
@@ -25,42 +26,7 @@ from k8s_rendezvous import state
 pytestmark = pytest.mark.usefixtures("operator_process")
 
 MakeRendezvous = Callable[..., Rendezvous]
-
-
-def annotated_job(
-    api: kubernetes.client.ApiClient, namespace: str, name: str, nodes: str, parallelism: int
-) -> dict[str, Any]:
-    body = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "annotations": {"k8s-rendezvous.dev/nodes": nodes}},
-        "spec": {
-            "parallelism": parallelism,
-            "template": {
-                "spec": {
-                    "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
-                    "restartPolicy": "Never",
-                }
-            },
-        },
-    }
-    created = kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, body)
-    return api.sanitize_for_serialization(created)  # type: ignore[no-any-return]
-
-
-def running_job_pods(
-    api: kubernetes.client.ApiClient, namespace: str, job: str, count: int
-) -> list[dict[str, Any]]:
-    def running() -> list[dict[str, Any]] | None:
-        found = read_object(
-            kubernetes.client.CoreV1Api(api).list_namespaced_pod,
-            namespace,
-            label_selector=f"batch.kubernetes.io/job-name={job}",
-        )["items"]
-        pods = [p for p in found if p["status"].get("phase") == "Running"]
-        return pods if len(pods) == count and all(p["status"].get("podIP") for p in pods) else None
-
-    return wait_for(running, 60, f"{count} running pods of Job {job}")
+SUPPRESSED = "k8s_rendezvous_events_suppressed_total"
 
 
 class Attacker:
@@ -134,14 +100,14 @@ def two_jobs(
 ) -> tuple[Rendezvous, list[Node], Attacker]:
     """Job ``victim`` (2 nodes, its own Rendezvous) and a pod of Job ``attacker``, whose
     name sorts before the victim's pods: ranked by name, it would be rank 0."""
-    annotated_job(admin_api, workers_namespace, "victim", "2:2", 2)
-    annotated_job(admin_api, workers_namespace, "attacker", "1:1", 1)
+    make_job(admin_api, workers_namespace, "victim", 2, {"k8s-rendezvous.dev/nodes": "2:2"})
+    make_job(admin_api, workers_namespace, "attacker", 1, {"k8s-rendezvous.dev/nodes": "1:1"})
     rdzv = recorded("victim")
     wait_for(lambda: _exists(rdzv), 30, "the victim Job's Rendezvous")
     victims = attach_nodes(
-        rdzv, running_job_pods(admin_api, workers_namespace, "victim", 2), min_nodes=2, max_nodes=2
+        rdzv, running_pods(admin_api, workers_namespace, "victim", 2), min_nodes=2, max_nodes=2
     )
-    (attacker_pod,) = running_job_pods(admin_api, workers_namespace, "attacker", 1)
+    (attacker_pod,) = running_pods(admin_api, workers_namespace, "attacker", 1)
     attacker = Attacker(control_plane, workers_namespace, attacker_pod)
     assert attacker.name < min(node.pod for node in victims)
     return rdzv, victims, attacker
@@ -222,50 +188,61 @@ def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_how_to
 
 
 @pytest.mark.metrics
-def test_bad_requests_written_over_and_over_make_a_bounded_number_of_events(
+def test_bad_requests_from_many_pods_make_a_bounded_number_of_events(
     control_plane: ControlPlane,
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
     make_rendezvous: MakeRendezvous,
     operator_process: OperatorProcess,
 ) -> None:
+    """15 pods each write a request the operator cannot read: 10 Warnings, 5 counted.
+    (Many writes of one Lease are not the test: kopf hands the operator only the latest
+    of an object's events within its batch window.)"""
     rdzv = make_rendezvous(1, 1)
-    (pod,) = create_pods(admin_api, workers_namespace, ["noisy-0"])
-    noisy = Attacker(control_plane, workers_namespace, pod)
-    name = state.lease_name(rdzv.name, noisy.name)
-    noisy.request(rdzv.name, state.NodeIntent.JOIN, addr="127.0.0.98")
-    custom = kubernetes.client.CustomObjectsApi(noisy.api)
-    for attempt in range(60):  # unreadable, then an address not its own, again and again
-        bad = "{not json" if attempt % 2 else json.dumps({"attempt": attempt})
-        custom.patch_namespaced_custom_object(
+    names = [f"noisy-{index}" for index in range(15)]
+    for pod in create_pods(admin_api, workers_namespace, names):
+        noisy = Attacker(control_plane, workers_namespace, pod)
+        kubernetes.client.CustomObjectsApi(noisy.api).create_namespaced_custom_object(
             "coordination.k8s.io",
             "v1",
             workers_namespace,
             "leases",
-            name,
-            {"metadata": {"annotations": {state.ENTRY_ANNOTATION: bad}}},
-            _content_type="application/merge-patch+json",
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": state.lease_name(rdzv.name, noisy.name),
+                    "labels": {state.NODE_LABEL: rdzv.name},
+                    "annotations": {state.ENTRY_ANNOTATION: "{not json"},
+                },
+                "spec": {"holderIdentity": noisy.name, "leaseDurationSeconds": 30},
+            },
         )
-        noisy.request(rdzv.name, state.NodeIntent.JOIN, addr=f"127.0.1.{attempt + 1}")
-    # Then a good request: once it is sealed, the operator has seen every write before it.
-    noisy.request(rdzv.name, state.NodeIntent.JOIN)
-    rdzv.wait(lambda s: s.state is state.RoundState.SEALED, "the good request sealed")
-    suppressed = operator_metric(operator_process, "k8s_rendezvous_events_suppressed_total")
-    assert suppressed >= 100, "120 bad writes, at most 10 Events"
+    wait_for(
+        lambda: (operator_metric(operator_process, SUPPRESSED) or 0) >= 5,
+        30,
+        "the Warnings past the budget counted",
+    )
     warnings = wait_for(
         lambda: w if len(w := [e for e in rdzv.events() if e[0] == "Warning"]) >= 10 else None,
         30,
-        "the Events the budget allowed, posted",
+        "the Warnings the budget allowed, posted",
     )
     assert len(warnings) == 10, warnings
-    assert {"InvalidEntry", "NodeRefused"} == {reason for _, reason, _ in warnings}
+    assert {reason for _, reason, _ in warnings} == {"InvalidEntry"}
+    assert operator_metric(operator_process, SUPPRESSED) == 5
 
 
-def operator_metric(operator: OperatorProcess, name: str) -> float:
+def operator_metric(operator: OperatorProcess, name: str) -> float | None:
+    """The value of a counter, ``None`` while the endpoint is not serving yet."""
     port = next(
         int(arg.split("=")[1]) for arg in operator.extra_args if arg.startswith("--metrics-port")
     )
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except urllib.error.URLError:
+        return None
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
     )
@@ -275,22 +252,13 @@ def operator_metric(operator: OperatorProcess, name: str) -> float:
 def test_the_webhook_sends_no_pod_to_a_rendezvous_its_job_does_not_own(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
 ) -> None:
-    wait_for(
-        lambda: (
-            control_plane.kubectl(
-                "get", "mutatingwebhookconfigurations", "-o", "name", check=False
-            ).stdout.count(workers_namespace)
-            == 1
-        ),
-        30,
-        "webhook configuration registered",
-    )
+    wait_webhook_registered(control_plane, workers_namespace)
 
     def env_names(job: str) -> set[str]:
-        (pod,) = running_job_pods(admin_api, workers_namespace, job, 1)
+        (pod,) = running_pods(admin_api, workers_namespace, job, 1)
         return {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
 
-    annotated_job(admin_api, workers_namespace, "mine", "1:1", 1)
+    make_job(admin_api, workers_namespace, "mine", 1, {"k8s-rendezvous.dev/nodes": "1:1"})
     assert "PET_RDZV_BACKEND" in env_names("mine"), "the webhook serves"
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
         state.GROUP,
@@ -309,7 +277,7 @@ def test_the_webhook_sends_no_pod_to_a_rendezvous_its_job_does_not_own(
             },
         },
     )
-    annotated_job(admin_api, workers_namespace, "taken", "1:1", 1)
+    make_job(admin_api, workers_namespace, "taken", 1, {"k8s-rendezvous.dev/nodes": "1:1"})
     assert not {"PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT"} & env_names("taken")
     core = kubernetes.client.CoreV1Api(admin_api)
     wait_for(
