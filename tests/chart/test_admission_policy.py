@@ -264,7 +264,14 @@ def test_leases_without_the_rendezvous_label_are_not_concerned(
     assert client.create_lease("another-controller-lock", "someone-else", rendezvous=None)
 
 
-@pytest.mark.parametrize("name", ["k8s-rendezvous-pod-leases", "k8s-rendezvous-worker-leases"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "k8s-rendezvous-pod-leases",
+        "k8s-rendezvous-worker-leases",
+        "k8s-rendezvous-operator-writes",
+    ],
+)
 def test_the_policy_type_checks_cleanly(
     chart_release: Release, control_plane: ControlPlane, name: str
 ) -> None:

@@ -154,6 +154,10 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+            ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
+            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
+            ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
+            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
             ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
             ("FlowSchema", "k8s-rendezvous-pod-leases"),
         }

@@ -86,6 +86,10 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
         ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
         ("FlowSchema", "k8s-rendezvous-pod-leases"),
     }, "the metrics Service and ServiceMonitor are opt-in"

@@ -60,6 +60,7 @@ ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
     ("batch", "jobs", "watch", ""),
     ("k8s-rendezvous.dev", "rendezvous", "create", ""),
     ("k8s-rendezvous.dev", "rendezvous", "patch", ""),  # spec follows the annotations
+    ("", "serviceaccounts", "get", ""),  # a Job's, before binding the worker role to it
     ("rbac.authorization.k8s.io", "rolebindings", "create", ""),
     ("rbac.authorization.k8s.io", "clusterroles", "bind", WORKER_ROLE),
 }
@@ -143,8 +144,12 @@ def operator_log(chart_operator: ChartOperator) -> Iterator[Callable[[], str]]:
     yield written
     # An RBAC denial reads 'x is forbidden: User "system:serviceaccount:..." cannot ...'
     # (kopf only logs failed Event posts; a 403 for a namespace being deleted is no denial).
-    refused = [line for line in written().splitlines() if f'forbidden: User "{SUBJECT}"' in line]
-    assert not refused, "RBAC refused the operator:\n" + "\n".join(refused[:20])
+    refused = [
+        line
+        for line in written().splitlines()
+        if f'forbidden: User "{SUBJECT}"' in line or "-operator-writes' denied" in line
+    ]
+    assert not refused, "RBAC or its policy refused the operator:\n" + "\n".join(refused[:20])
 
 
 def registered_url(control_plane: ControlPlane) -> str:
@@ -364,6 +369,8 @@ def test_an_annotated_job_gets_its_rendezvous_kept_in_step_and_its_role_bound(
         "the operator bound the worker role for the Job's ServiceAccount",
     )
     assert binding.subjects[0].name == "default"
+    (owner,) = binding.metadata.owner_references
+    assert (owner.kind, owner.name) == ("Job", "train"), "removed with the Job"
     batch.patch_namespaced_job(
         "train",
         workers_namespace,
@@ -526,3 +533,149 @@ def test_the_webhook_gives_only_annotated_job_pods_torchruns_environment(
     job = kubernetes.client.BatchV1Api(api).read_namespaced_job("zero-flag", workers_namespace)
     assert job.metadata.annotations["k8s-rendezvous.dev/nodes"] == "1:2"
     assert chart_operator.returncode() is None
+
+
+def operator_api(chart_operator: ChartOperator, control_plane: ControlPlane) -> Any:
+    kubeconfig = json.loads(Path(chart_operator.kubeconfig).read_text())
+    return control_plane.client_for_token(kubeconfig["users"][0]["user"]["token"])
+
+
+def refused_by_policy(call: Callable[[], object]) -> str:
+    with pytest.raises(ApiException) as error:
+        call()
+    assert error.value.status == 403, error.value.body
+    message = str(json.loads(error.value.body)["message"])
+    assert "k8s-rendezvous-operator-writes" in message, message
+    return message
+
+
+def test_the_operators_identity_changes_only_the_rendezvous_label_of_a_pod(
+    chart_operator: ChartOperator,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    (pod,) = fixtures.create_pods(admin_api, workers_namespace, ["victim-0"])
+    core = kubernetes.client.CoreV1Api(operator_api(chart_operator, control_plane))
+    labelled = core.patch_namespaced_pod(
+        "victim-0", workers_namespace, {"metadata": {"labels": {state.NODE_LABEL: "r"}}}
+    )
+    assert labelled.metadata.labels[state.NODE_LABEL] == "r"
+    image = {"spec": {"containers": [{"name": "agent", "image": "example.invalid/evil"}]}}
+    message = refused_by_policy(
+        lambda: core.patch_namespaced_pod("victim-0", workers_namespace, image)
+    )
+    assert "may change only the label k8s-rendezvous.dev/rendezvous of pod victim-0" in message
+    refused_by_policy(
+        lambda: core.patch_namespaced_pod(
+            "victim-0", workers_namespace, {"metadata": {"labels": {"app": "other"}}}
+        )
+    )
+    assert pod["spec"]["containers"][0]["image"] == "example.invalid/trainer"
+
+
+def test_the_operators_identity_binds_only_the_worker_role_to_its_namespaces_accounts(
+    chart_operator: ChartOperator,
+    control_plane: ControlPlane,
+    make_namespace: Callable[[], str],
+) -> None:
+    rbac = kubernetes.client.RbacAuthorizationV1Api(operator_api(chart_operator, control_plane))
+    team = make_namespace()
+
+    def binding(subject: dict[str, str]) -> dict[str, object]:
+        return {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"generateName": "attempt-"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": WORKER_ROLE,
+            },
+            "subjects": [subject],
+        }
+
+    everyone = {
+        "kind": "Group",
+        "name": "system:authenticated",
+        "apiGroup": "rbac.authorization.k8s.io",
+    }
+    message = refused_by_policy(
+        lambda: rbac.create_namespaced_role_binding(team, binding(everyone))  # type: ignore[arg-type]
+    )
+    assert f"and only to ServiceAccounts of namespace {team}" in message
+    elsewhere = {"kind": "ServiceAccount", "name": "default", "namespace": "kube-system"}
+    refused_by_policy(
+        lambda: rbac.create_namespaced_role_binding(team, binding(elsewhere))  # type: ignore[arg-type]
+    )
+    own = {"kind": "ServiceAccount", "name": "default", "namespace": team}
+    assert rbac.create_namespaced_role_binding(team, binding(own))  # type: ignore[arg-type]
+
+
+def test_the_operators_identity_writes_only_its_own_webhook_configuration(
+    chart_operator: ChartOperator, control_plane: ControlPlane
+) -> None:
+    admission = kubernetes.client.AdmissionregistrationV1Api(
+        operator_api(chart_operator, control_plane)
+    )
+    evil = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "evil"},
+        "webhooks": [],
+    }
+    message = refused_by_policy(
+        lambda: admission.create_mutating_webhook_configuration(evil)  # type: ignore[arg-type]
+    )
+    assert f"may write only its own webhook configuration {WEBHOOK_CONFIG}, not evil" in message
+
+
+def test_a_job_naming_a_missing_service_account_gets_no_binding_until_it_exists(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    make_namespace: Callable[[], str],
+) -> None:
+    team = make_namespace()
+    batch = kubernetes.client.BatchV1Api(admin_api)
+    template = {"containers": [{"name": "trainer", "image": "example.invalid/trainer"}]}
+    batch.create_namespaced_job(
+        team,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "ghost", "annotations": {"k8s-rendezvous.dev/nodes": "1"}},
+            "spec": {
+                "template": {
+                    "spec": {**template, "restartPolicy": "Never", "serviceAccountName": "ghost"}
+                }
+            },
+        },
+    )
+    core = kubernetes.client.CoreV1Api(admin_api)
+
+    def warned() -> str | None:
+        events = core.list_namespaced_event(team, field_selector="involvedObject.name=ghost")
+        return next((e.message for e in events.items if e.reason == "ServiceAccountNotFound"), None)
+
+    message = wait_for(warned, 30, "ServiceAccountNotFound on the Job")
+    assert "ServiceAccount ghost does not exist, so the worker role is not bound" in message
+    rbac = kubernetes.client.RbacAuthorizationV1Api(admin_api)
+    assert not [
+        b for b in rbac.list_namespaced_role_binding(team).items if b.role_ref.name == WORKER_ROLE
+    ]
+    control_plane.kubectl("-n", team, "create", "serviceaccount", "ghost")
+    bound = wait_for(
+        lambda: (
+            [
+                b
+                for b in rbac.list_namespaced_role_binding(team).items
+                if b.role_ref.name == WORKER_ROLE
+            ]
+            or None
+        ),
+        60,
+        "the worker role bound once the ServiceAccount exists",
+    )
+    assert [s.name for s in bound[0].subjects] == ["ghost"]
