@@ -68,12 +68,14 @@ def canonical_address(text: str) -> str | None:
         return None
 
 
+def _controller(metadata: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None)
+
+
 def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
     metadata = body.get("metadata") or {}
     status = body.get("status") or {}
-    controller = next(
-        (o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None
-    )
+    controller = _controller(metadata)
     if (body.get("spec") or {}).get("hostNetwork"):
         listed = [item.get("ip") for item in status.get("hostIPs") or []] or [status.get("hostIP")]
     else:
@@ -95,7 +97,7 @@ def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
 
 def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:
     metadata = rendezvous.get("metadata") or {}
-    owner = next((o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None)
+    owner = _controller(metadata)
     return Workload(
         name=str(metadata.get("name") or ""),
         owner_uid=owner.get("uid") if owner else None,

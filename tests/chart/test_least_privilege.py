@@ -571,7 +571,9 @@ def test_the_operators_identity_changes_only_the_rendezvous_label_of_a_pod(
             "victim-0", workers_namespace, {"metadata": {"labels": {"app": "other"}}}
         )
     )
-    assert pod["spec"]["containers"][0]["image"] == "example.invalid/trainer"
+    unchanged = core.read_namespaced_pod("victim-0", workers_namespace)
+    assert unchanged.spec.containers[0].image == pod["spec"]["containers"][0]["image"]
+    assert "app" not in unchanged.metadata.labels
 
 
 def test_the_operators_identity_binds_only_the_worker_role_to_its_namespaces_accounts(
