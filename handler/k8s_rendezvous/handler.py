@@ -11,6 +11,7 @@ round, never from a cache.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -75,6 +76,9 @@ _LOOPBACK: Final = "127.0.0.1"
 _FIRST_EVENT_SECONDS: Final = 2.0
 """How long the first join waits for the watch to deliver the Rendezvous before reading it
 (the watch says nothing while the Rendezvous is missing, e.g. until a pod creates it)."""
+_REMADE_WITHIN_SECONDS: Final = 10.0
+"""How long a node whose Rendezvous was deleted while it waited gives the operator (for an
+annotated Job's) or its own pod's creator role to make it anew, before it gives up."""
 _STALE_ROUND_POLL_SECONDS: Final = 0.05
 """How often a node still connecting to rank 0's store looks whether the round went stale."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -82,6 +86,15 @@ _LIBUV_SERVES_A_GIVEN_SOCKET: Final = torch.__version__ >= "2.8"
 """torch's libuv store server listens on a socket it is handed only since 2.8 (pytorch
 #150215); before, only its classic server does. (``torch.__version__`` is a TorchVersion:
 it compares as a version, so 2.13 is above 2.8.)"""
+
+
+class RendezvousReplaced(Exception):
+    """The Rendezvous a node joined (its uid here) was deleted, perhaps made anew: its
+    rounds are gone with it, and the node's request too."""
+
+    def __init__(self, uid: str) -> None:
+        super().__init__(uid)
+        self.uid = uid
 
 
 def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
@@ -166,7 +179,8 @@ class RoundWatcher:
     no request, and no new connection (a watch left early cannot give its connection
     back). It re-arms with the current key only when a change that keeps a later key gets
     through (the filter is stale), at a stream's end, or when the object stops matching
-    (DELETED: a key back at the filter's, or the object gone). The first watch, from no
+    (DELETED: a key back at the filter's, or the object gone; a read tells which, and a
+    Rendezvous deleted and made anew is followed under its new uid). The first watch, from no
     version, has no filter: the bookkeeping of the round it began in reaches it (the
     forming round, while the nodes join, when a re-arm would cost every node a request).
 
@@ -186,6 +200,10 @@ class RoundWatcher:
         self._version_text: str | None = None
         """The resourceVersion of what we hold, to watch from; None: the current state."""
         self._offered = 0
+        self._uid: str | None = None
+        """The uid of the Rendezvous held: a new one means it was deleted and made anew."""
+        self._gone = False
+        """The Rendezvous held was deleted, and none of its name exists now."""
         self._slice: str | None = None
         """The RendezvousSlice watched instead of the Rendezvous, once it says it has some."""
         self._recent: collections.deque[tuple[int, state.NodeView]] = collections.deque(maxlen=8)
@@ -217,12 +235,27 @@ class RoundWatcher:
         with self._changed:
             return self._object
 
+    @property
+    def uid(self) -> str | None:
+        """The uid of the Rendezvous held, ``None`` if it was deleted and not made anew."""
+        with self._changed:
+            return None if self._gone else self._uid
+
     def offer(self, obj: Mapping[str, Any]) -> None:
         """Take ``obj`` if it is newer than what we hold (watch events, reads)."""
         version = _version_number(obj)
         with self._changed:
             if version <= self._version:
                 return
+            try:
+                uid: str | None = state.rendezvous_uid(obj)
+            except state.DecodeError:
+                uid = self._uid  # a slice naming no Rendezvous: the status says why
+            if uid != self._uid:
+                # Made anew (or the first): its rounds start afresh, its slices too.
+                self._uid, self._gone = uid, False
+                if self._slice is not None and obj.get("kind") != state.SLICE_KIND:
+                    self._slice = None
             self._version = version
             self._object = obj
             self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
@@ -254,20 +287,37 @@ class RoundWatcher:
                 self._changed.wait(remaining)
             return self._object
 
+    def wait_for_other(self, uid: str, deadline: float) -> Mapping[str, Any] | None:
+        """The Rendezvous once it is one other than ``uid`` (made anew), or ``None`` by the
+        monotonic ``deadline``."""
+        with self._changed:
+            while self._gone or self._uid == uid:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+            return self._object
+
     def wait(
         self,
         done: Callable[[state.NodeView], bool],
         deadline: float,
         since: int | None = None,
+        uid: str | None = None,
     ) -> state.NodeView | None:
         """The first status for which ``done(status)``, or ``None`` at the monotonic
         ``deadline``. Statuses are judged in the order they arrived: the latest at
         ``since`` (a :meth:`mark`; default: now) and each after it. So the answer does not
         depend on how far the watch has read ahead of the caller, e.g. a node thawed with
-        several rounds waiting in its socket gets the first that admitted it."""
+        several rounds waiting in its socket gets the first that admitted it.
+
+        Raises :class:`RendezvousReplaced` once the Rendezvous is no longer the one of
+        ``uid`` (deleted, perhaps made anew): its statuses cannot answer for that one's."""
         with self._changed:
             judged = (self._offered if since is None else since) - 1
             while True:
+                if uid is not None and (self._gone or self._uid != uid):
+                    raise RendezvousReplaced(uid)
                 for number, status in self._recent:
                     if number > judged:
                         judged = number
@@ -312,7 +362,7 @@ class RoundWatcher:
                     elif kind == "BOOKMARK":
                         self._bookmark(obj)
                     elif kind == "DELETED":
-                        self._lose_track()
+                        self._after_deleted()
                         break
                 backoff = 0.1
             except Exception as error:  # keep serving the last status; the agent polls us
@@ -332,6 +382,24 @@ class RoundWatcher:
     def _lose_track(self) -> None:
         with self._changed:
             self._version_text = None
+
+    def _after_deleted(self) -> None:
+        """The watched object stopped matching: its key came back to the filter's (the
+        API server sends the object as it was), or it, or the Rendezvous of the slice, is
+        gone. One read tells which, and is where the next watch starts from."""
+        self._lose_track()
+        try:
+            current = self._client.get()
+        except RendezvousNotFoundError:
+            with self._changed:
+                if not self._gone:
+                    log.warning("%s was deleted", self._client.reference)
+                self._gone = True
+                # Watch for one made anew, under any round key, from its creation.
+                self._raw_round_key, self._slice = None, None
+                self._changed.notify_all()
+            return
+        self.offer(current)
 
 
 def _raw_round_key(obj: Mapping[str, Any]) -> str:
@@ -433,6 +501,8 @@ def _serve_store(listener: socket.socket, timeout: float) -> TCPStore:
 class _Joined:
     round: int
     rank: int
+    uid: str
+    """Of the Rendezvous the round belongs to."""
 
 
 class KubernetesRendezvousHandler(RendezvousHandler):
@@ -587,49 +657,57 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
 
         while True:
-            status = self._watcher.wait(decided, started + spec.join_timeout_seconds, since)
-            if status is None:
-                raise self._timed_out(spec)
-            if status.state is state.RoundState.CLOSED:
-                raise self._closed_error(status)
-            rank = status.rank_of(entry)
-            if rank is None:
-                # Admitted to a round this watch never showed (it lost track, e.g. across
-                # an API server restart) and left behind when the next sealed without us:
-                # that request is spent, so ask again rather than wait out the join timeout.
-                log.warning(
-                    "node %s was admitted to a round it never saw, and round %d of %s "
-                    "sealed without it; joining again",
-                    self._node,
-                    status.round,
-                    self._client.reference,
-                )
+            deadline = started + spec.join_timeout_seconds
+            try:
+                status = self._watcher.wait(decided, deadline, since, owner_uid)
+            except RendezvousReplaced as replaced:
+                obj = self._made_anew(replaced.uid, deadline)
+                spec, owner_uid = self._check_spec(obj), self._owner_uid(obj)
+                self._heartbeat.start(spec, owner_uid)
             else:
-                assert status.master is not None
-                log.info(
-                    "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
-                    self._node,
-                    rank,
-                    status.world_size,
-                    status.round,
-                    self._client.reference,
-                    status.master.endpoint,
-                    time.monotonic() - started,
-                )
-                round_store = self._round_store(status, rank, offered)
-                if round_store is not None:
-                    break
-                # Stale before rank 0 answered (most likely its pod is gone): this round
-                # is spent, and the next forms without waiting out read_timeout.
-                log.warning(
-                    "node %s: round %d of %s went stale before its rank 0 (pod %s) answered "
-                    "at %s; joining again",
-                    self._node,
-                    status.round,
-                    self._client.reference,
-                    status.rank_zero_node,
-                    status.master.endpoint,
-                )
+                if status is None:
+                    raise self._timed_out(spec)
+                if status.state is state.RoundState.CLOSED:
+                    raise self._closed_error(status)
+                rank = status.rank_of(entry)
+                if rank is None:
+                    # Admitted to a round this watch never showed (it lost track, e.g.
+                    # across an API server restart) and left behind when the next sealed
+                    # without us: that request is spent, so ask again rather than wait out
+                    # the join timeout.
+                    log.warning(
+                        "node %s was admitted to a round it never saw, and round %d of %s "
+                        "sealed without it; joining again",
+                        self._node,
+                        status.round,
+                        self._client.reference,
+                    )
+                else:
+                    assert status.master is not None
+                    log.info(
+                        "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
+                        self._node,
+                        rank,
+                        status.world_size,
+                        status.round,
+                        self._client.reference,
+                        status.master.endpoint,
+                        time.monotonic() - started,
+                    )
+                    round_store = self._round_store(status, rank, offered)
+                    if round_store is not None:
+                        break
+                    # Stale before rank 0 answered (most likely its pod is gone): this
+                    # round is spent, and the next forms without waiting out read_timeout.
+                    log.warning(
+                        "node %s: round %d of %s went stale before its rank 0 (pod %s) "
+                        "answered at %s; joining again",
+                        self._node,
+                        status.round,
+                        self._client.reference,
+                        status.rank_zero_node,
+                        status.master.endpoint,
+                    )
             self._attempt += 1
             entry = dataclasses.replace(entry, attempt=self._attempt)
             since = self._watcher.mark()
@@ -637,7 +715,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
             )
         assert status.master is not None
-        self._joined = _Joined(status.round, rank)
+        self._joined = _Joined(status.round, rank, owner_uid)
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
         return RendezvousInfo(
             store,
@@ -645,6 +723,35 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             status.world_size,
             RendezvousStoreInfo(status.master.addr, status.master.port),
         )
+
+    def _made_anew(self, uid: str, deadline: float) -> Mapping[str, Any]:
+        """The Rendezvous that replaces the deleted one of ``uid``: made anew by the
+        operator (an annotated Job's) or by this node (its creator role), else
+        :class:`KubernetesRendezvousClosedError` within seconds."""
+        log.warning(
+            "node %s: %s was deleted while this node waited to join; waiting for it to be "
+            "made anew",
+            self._node,
+            self._client.reference,
+        )
+        if self._watcher.uid is None:
+            with contextlib.suppress(RendezvousNotFoundError):  # not ours to make
+                self._watcher.offer(self._read_or_create())
+        obj = self._watcher.wait_for_other(
+            uid, min(deadline, time.monotonic() + _REMADE_WITHIN_SECONDS)
+        )
+        if obj is None:
+            namespace, name = self._client.namespace, self._client.name
+            raise KubernetesRendezvousClosedError(
+                f"{self._client.reference} was deleted while node {self._node} waited to "
+                f"join, and was not made anew within {_REMADE_WITHIN_SECONDS:.0f} s: no "
+                "round can form. An annotated Job's Rendezvous is made anew by the operator "
+                "while the Job runs (check it runs: kubectl get events -n "
+                f"{namespace} --field-selector involvedObject.name={name}); any other is "
+                "made by torchrun when its pod may create it (the creator role), or by "
+                "hand."
+            )
+        return obj
 
     def _round_store(
         self, status: state.NodeView, rank: int, offered: socket.socket
@@ -691,7 +798,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         status = self._watcher.status
         if status is None or self._joined is None or status.state is state.RoundState.CLOSED:
             return 0
-        if status.round == self._joined.round and status.state is state.RoundState.SEALED:
+        uid = self._watcher.uid
+        if uid is None:
+            return 0  # deleted: nothing to join, so the members train on
+        if (
+            uid == self._joined.uid
+            and status.round == self._joined.round
+            and status.state is state.RoundState.SEALED
+        ):
             return status.nodes_waiting
         return max(1, status.nodes_waiting)
 

@@ -96,7 +96,8 @@ class RendezvousClient:
         self.name = name
         self.retry_seconds = retry_seconds
         self._rest = rest.Rest(api_client)
-        self._leases_made: set[str] = set()
+        self._lease_owners: dict[str, str] = {}
+        """The owner uid each Lease this client made or moved was last written with."""
         self._group_path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}"
         self._leases_path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
@@ -185,6 +186,15 @@ class RendezvousClient:
             annotations[state.ENTRY_ANNOTATION] = entry.to_annotation()
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
+        owners = [
+            {
+                "apiVersion": state.API_VERSION,
+                "kind": state.KIND,
+                "name": self.name,
+                "uid": owner_uid,
+                "blockOwnerDeletion": False,
+            }
+        ]
         lease = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
@@ -192,15 +202,7 @@ class RendezvousClient:
                 "name": name,
                 "labels": {state.NODE_LABEL: self.name},
                 "annotations": annotations,
-                "ownerReferences": [
-                    {
-                        "apiVersion": state.API_VERSION,
-                        "kind": state.KIND,
-                        "name": self.name,
-                        "uid": owner_uid,
-                        "blockOwnerDeletion": False,
-                    }
-                ],
+                "ownerReferences": owners,
             },
             "spec": spec,
         }
@@ -219,21 +221,28 @@ class RendezvousClient:
             # a create that was answered makes the Lease known: one refused (429 from API
             # Priority and Fairness when many pods of one ServiceAccount join at once) is
             # retried as a create, not as a patch that fails with 404 and then creates.
-            if name not in self._leases_made:
-                created = create()
-                self._leases_made.add(name)
-                if created:
+            if name not in self._lease_owners:
+                if create():
+                    self._lease_owners[name] = owner_uid
                     return
+                self._lease_owners[name] = ""  # made before this client: owner unknown
+            metadata: dict[str, Any] = {"annotations": annotations}
+            if self._lease_owners[name] != owner_uid:
+                # The Rendezvous was made anew: a Lease still owned by the old one would be
+                # collected with it, and this node's request with it.
+                metadata["ownerReferences"] = owners
             try:
                 self._rest.request(
                     "PATCH",
                     f"{self._leases_path}/{name}",
-                    {"metadata": {"annotations": annotations}, "spec": spec},
+                    {"metadata": metadata, "spec": spec},
                     content_type=rest.MERGE_PATCH,
                 )
+                self._lease_owners[name] = owner_uid
             except ApiException as error:
                 if error.status != 404 or not create():
                     raise
+                self._lease_owners[name] = owner_uid
 
         self._call(f"write the Lease {name} of node {node!r} for", write)
 

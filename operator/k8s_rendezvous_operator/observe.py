@@ -86,6 +86,8 @@ class JobObservation:
     service_account: str
     finished: tuple[str, str] | None
     """``(reason, message)`` once the Job completed or failed."""
+    deleting: bool = False
+    """The Job is being deleted: what it owns goes with it, and is not made again."""
 
 
 def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
@@ -117,4 +119,5 @@ def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
         parallelism=parallelism if isinstance(parallelism, int) else None,
         service_account=pod_spec.get("serviceAccountName") or "default",
         finished=finished,
+        deleting=bool(metadata.get("deletionTimestamp")),
     )

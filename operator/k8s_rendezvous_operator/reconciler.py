@@ -117,29 +117,58 @@ class Reconciler:
 
     # -- observations ------------------------------------------------------------------
 
-    def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
+    async def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         if deleted:
-            self._bodies.pop(key, None)
-            for node in self._entries.pop(key, {}):
-                pod = (key[0], node)
-                for memory in (self._pods, self._heartbeats, self._pod_nodes, self._pod_versions):
-                    memory.pop(pod, None)
-                self._labelled.discard(pod)
-            self._unreadable.pop(key, None)
-            self._write_refused.pop(key, None)
-            self._waiting.pop(key, None)
-            self._slices.pop(key, None)
-            self._published.pop(key, None)
-            self._forming_since.pop(key, None)
-            self._refused.pop(key, None)
-            self._warnings.forget(key)
-            if timer := self._timers.pop(key, None):
-                timer.cancel()
+            self._forget_rendezvous(key)
+            await self._make_again(key, body)
             return
         self._remember(key, body)
         if self._unposted:
             self._post_unposted(key, body)
         self.request(key)
+
+    def _forget_rendezvous(self, key: Key) -> None:
+        self._bodies.pop(key, None)
+        for node in self._entries.pop(key, {}):
+            pod = (key[0], node)
+            for memory in (self._pods, self._heartbeats, self._pod_nodes, self._pod_versions):
+                memory.pop(pod, None)
+            self._labelled.discard(pod)
+        self._unreadable.pop(key, None)
+        self._write_refused.pop(key, None)
+        self._waiting.pop(key, None)
+        self._slices.pop(key, None)
+        self._published.pop(key, None)
+        self._forming_since.pop(key, None)
+        self._refused.pop(key, None)
+        self._warnings.forget(key)
+        if timer := self._timers.pop(key, None):
+            timer.cancel()
+
+    async def _make_again(self, key: Key, deleted: Mapping[str, Any]) -> None:
+        """A running annotated Job's Rendezvous was deleted (by hand: garbage collection
+        takes it only with its Job): make it anew, as a Job makes a deleted pod anew. Its
+        nodes notice the new uid and join its first round. The Job is read first, as its
+        own deletion may not have reached us yet: a Rendezvous made for a Job that is gone
+        would only be collected again."""
+        job = self._jobs.get(key)
+        owners = (deleted.get("metadata") or {}).get("ownerReferences") or []
+        if (
+            job is None
+            or job.spec is None
+            or job.finished is not None
+            or job.deleting
+            or not any(owner.get("uid") == job.uid for owner in owners)
+        ):
+            return
+        body = await asyncio.to_thread(self._api.get_job, *key)
+        current = observe.observe_job(body) if body is not None else None
+        if current is None or current.uid != job.uid or current.deleting or current.finished:
+            return
+        assert body is not None and current.spec is not None
+        await self._ensure_rendezvous(
+            key, body, current.spec, kopf.Body(cast(kopf.RawBody, body)), again=True
+        )
 
     def pod_seen(
         self,
@@ -215,18 +244,28 @@ class Reconciler:
         self._bound.add(key)
 
     async def _ensure_rendezvous(
-        self, key: Key, job: Mapping[str, Any], spec: state.RendezvousSpec, target: kopf.Body
+        self,
+        key: Key,
+        job: Mapping[str, Any],
+        spec: state.RendezvousSpec,
+        target: kopf.Body,
+        again: bool = False,
     ) -> None:
         namespace, name = key
         owner = kube.job_owner(name, job["metadata"]["uid"])
         created = await asyncio.to_thread(self._api.create_rendezvous, namespace, name, spec, owner)
         if created is not None:
-            kopf.info(
-                target,
-                reason="RendezvousCreated",
-                message=f"Rendezvous {name} for {spec.min_nodes}:{spec.max_nodes} nodes, "
-                f"run id {spec.run_id}",
-            )
+            nodes = f"{spec.min_nodes}:{spec.max_nodes}"
+            what = f"Rendezvous {name} for {nodes} nodes, run id {spec.run_id}"
+            if again:
+                kopf.warn(
+                    target,
+                    reason="RendezvousRecreated",
+                    message=f"{what} was deleted while the Job runs, and is made anew: its "
+                    "nodes join its first round. Delete the Job to stop the run.",
+                )
+            else:
+                kopf.info(target, reason="RendezvousCreated", message=what)
             return
         existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
         owners = existing["metadata"].get("ownerReferences") or []
@@ -799,7 +838,7 @@ async def rendezvous_event(
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
-    reconciler.rendezvous_seen(
+    await reconciler.rendezvous_seen(
         (namespace, name), dict(body), deleted=event.get("type") == "DELETED"
     )
 
