@@ -36,6 +36,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="training steps to run")
     parser.add_argument("--step-seconds", type=float, default=0.2, help="sleep per step")
     parser.add_argument("--fail", action="store_true", help="exit 1 at once (a broken node)")
+    parser.add_argument(
+        "--final-seconds",
+        type=float,
+        default=0.0,
+        help="extra work of the rank-0 node's workers after the last step (a final "
+        "evaluation or checkpoint), while the other nodes are done",
+    )
     args = parser.parse_args()
     if args.fail:
         print("elastic_train: failing on purpose (--fail)", file=sys.stderr)
@@ -62,8 +69,10 @@ def main() -> int:
             with open(progress_file, "a") as progress:  # one short write: lines never mix
                 progress.write(line + "\n")
         time.sleep(args.step_seconds)
-    print(f"elastic_train: rank {who['rank']} of {world_size} finished {args.steps} steps")
     dist.destroy_process_group()
+    if who["group_rank"] == 0 and args.final_seconds > 0:
+        time.sleep(args.final_seconds)
+    print(f"elastic_train: rank {who['rank']} of {world_size} finished {args.steps} steps")
     return 0
 
 

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ import torch
 
 # Exported by torch.distributed at run time but missing from its type stubs.
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandler,
@@ -79,6 +81,9 @@ _FIRST_EVENT_SECONDS: Final = 2.0
 _REMADE_WITHIN_SECONDS: Final = 10.0
 """How long a node whose Rendezvous was deleted while it waited gives the operator (for an
 annotated Job's) or its own pod's creator role to make it anew, before it gives up."""
+_AGENT_FRAMES: Final = 4
+"""How far up its callers ``shutdown()`` looks for torch's agent (it is the caller's
+caller at most: ``launch_agent``, or the agent's ``_shutdown`` from its ``run``)."""
 _STALE_ROUND_POLL_SECONDS: Final = 0.05
 """How often a node still connecting to rank 0's store looks whether the round went stale."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -167,6 +172,26 @@ def _connect_to_store(
     if isinstance(made[0], RuntimeError):
         raise made[0]
     return made[0]
+
+
+def _called_by_a_succeeded_agent() -> bool:
+    """Whether the caller is torch's elastic agent ending with its workers succeeded:
+    ``launch_agent`` (which holds it as ``agent``) calls ``shutdown()`` after the agent
+    ran, whether its workers succeeded or failed, and before torch 2.8 so does the agent's
+    own ``_shutdown``. Only the worker group's state tells the two apart."""
+    caller = sys._getframe(1).f_back  # shutdown()'s
+    for _ in range(_AGENT_FRAMES):
+        if caller is None:
+            return False
+        for name in ("agent", "self"):
+            candidate = caller.f_locals.get(name)
+            if isinstance(candidate, ElasticAgent):
+                try:
+                    return candidate.get_worker_group().state is WorkerState.SUCCEEDED
+                except Exception:  # an agent of its own kind, without a worker group
+                    return False
+        caller = caller.f_back
+    return False
 
 
 class RoundWatcher:
@@ -820,12 +845,17 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._closed_locally = True
 
     def shutdown(self) -> bool:
-        """This node leaves; the rendezvous closes only once every member has left."""
+        """This node leaves. If torch's agent calls it because its workers succeeded, the
+        node finished: no further round forms (as torch's c10d closes at any agent's
+        shutdown), and the other members finish their work undisturbed. Otherwise (a
+        failed agent, or any other caller) it is lost to the round, and the others go on
+        in a new one; the rendezvous closes once every member has left."""
         self._watcher.stop()
         self._heartbeat.stop()
+        finished = _called_by_a_succeeded_agent()
         try:
             if self._attempt > 0 and not self._closed_locally:
-                self._write_intent(state.NodeIntent.LEAVE)
+                self._write_intent(state.NodeIntent.FINISH if finished else state.NodeIntent.LEAVE)
             return True
         except RendezvousError as error:
             log.warning("node %s could not record leaving: %s", self._node, error)

@@ -146,7 +146,10 @@ class NodeIntent(str, enum.Enum):
     JOIN = "Join"
     """Admit me to the next round (``attempt`` identifies this request)."""
     LEAVE = "Leave"
-    """I am gone for good (``shutdown()``); do not count me."""
+    """I am gone for good (``shutdown()`` of a failed agent); do not count me."""
+    FINISH = "Finish"
+    """My workers succeeded (``shutdown()`` of an agent that is done): the round's work is
+    ending, so no further round forms, and the other members finish theirs."""
     CLOSE = "Close"
     """The job is done (``set_closed()``): close the rendezvous for everyone."""
 

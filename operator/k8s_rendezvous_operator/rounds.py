@@ -4,10 +4,13 @@ pods, and the operator's clock. No I/O here; :mod:`.reconciler` fetches and writ
 The rules, in the order :func:`decide` applies them:
 
 1. A closed rendezvous stays closed.
-2. A node asking to close (``set_closed()``) closes it; so does every member of the last
-   round having left (``shutdown()``) with nobody waiting: the job is done.
-3. A sealed round goes stale (``Reforming``) as soon as a member is lost (pod deleted,
-   failed or finished, agent restarted, left) or re-joins, or a node waits that fits under
+2. A node asking to close (``set_closed()``) closes it; so does a member of the round
+   finishing (its agent's workers succeeded, or its pod did): the round's work is ending,
+   and a new round would lack that member's part, so the others finish theirs undisturbed
+   (torch's c10d closes at any agent's shutdown alike); and so does every member of the
+   last round having left (a failed agent's ``shutdown()``) with nobody waiting.
+3. A sealed round goes stale (``Reforming``) as soon as a member is lost (pod deleted or
+   failed, agent restarted, left) or re-joins, or a node waits that fits under
    ``maxNodes``. Running agents see ``nodesWaiting > 0`` and re-rendezvous at once.
 4. A round forming seals when at least ``minNodes`` join and either ``maxNodes`` joined,
    every node we know of has joined (after a stale round: all survivors are back), or the
@@ -57,6 +60,7 @@ LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
 
 CLOSED_BY_NODE: Final = "ClosedByNode"
 CLOSED_ALL_LEFT: Final = "AllNodesLeft"
+CLOSED_NODE_FINISHED: Final = "NodeFinished"
 CLOSED_JOB_COMPLETE: Final = "JobComplete"
 CLOSED_JOB_FAILED: Final = "JobFailed"
 
@@ -151,6 +155,25 @@ def _loss_reason(
         return LOST_LEFT
     if expires_at is not None and now >= expires_at and member.admits(entry):
         return LOST_HEARTBEAT_EXPIRED
+    return None
+
+
+def _finished_member(
+    status: RendezvousStatus,
+    requests: Mapping[str, NodeEntry],
+    pods: Mapping[str, PodObservation],
+) -> str | None:
+    """The first member of the round whose agent (this member's instance) said its
+    workers succeeded, or whose pod did."""
+    for member in status.members:
+        entry = requests.get(member.node)
+        pod = pods.get(member.node)
+        if (
+            entry is not None
+            and entry.intent is NodeIntent.FINISH
+            and entry.instance == member.instance
+        ) or (pod is not None and pod.gone_reason == LOST_POD_SUCCEEDED):
+            return member.node
     return None
 
 
@@ -305,6 +328,16 @@ def decide(
     closer = next((n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None)
     if closer is not None:
         closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
+        return Decision(_with_conditions(closed, now, generation), closed=True)
+
+    finisher = _finished_member(status, requests, pods)
+    if finisher is not None:
+        closed = _closed(
+            status,
+            CLOSED_NODE_FINISHED,
+            f"pod {finisher} of round {status.round} finished (its workers succeeded): no "
+            "further round forms, and the other members finish their work",
+        )
         return Decision(_with_conditions(closed, now, generation), closed=True)
 
     status = dataclasses.replace(

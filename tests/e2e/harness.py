@@ -128,11 +128,18 @@ class LocalPod:
         nnodes: str = "2:4",
         max_restarts: int = 3,
         script_args: Sequence[str] = (),
+        exit_barrier_timeout: float | None = None,
     ) -> None:
-        """Start ``torchrun --rdzv-backend=kubernetes`` running examples/elastic_train.py."""
+        """Start ``torchrun --rdzv-backend=kubernetes`` running examples/elastic_train.py
+        (with ``exit_barrier_timeout``: tests/e2e/launch.py, torchrun with that setting)."""
         self._launch(
             {},
             [
+                *(
+                    []
+                    if exit_barrier_timeout is None
+                    else [f"--exit-barrier-timeout={exit_barrier_timeout}"]
+                ),
                 f"--nnodes={nnodes}",
                 f"--nproc-per-node={NPROC_PER_NODE}",
                 "--rdzv-backend=kubernetes",
@@ -168,10 +175,15 @@ class LocalPod:
             PROGRESS_ENV: str(self.progress_path),
         }
         env.pop("KUBECONFIG", None)  # a container has none: in-cluster credentials only
+        launcher = (
+            "tests.e2e.launch"
+            if any(arg.startswith("--exit-barrier-timeout=") for arg in torchrun_args)
+            else "torch.distributed.run"
+        )
         args = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            launcher,
             *torchrun_args,
             str(TRAIN_SCRIPT),
             *script_args,

@@ -7,8 +7,8 @@ and print the time from each event to the new world's first training step
 (``pytest -s`` shows the ``TIMING`` lines).
 
 Scenarios: a world forms; a node dies; the rank-0 node dies; a node arrives late with an
-address that sorts first; a newcomer fails; the rendezvous is closed; the operator dies
-while nodes join.
+address that sorts first; a newcomer fails; a node done first leaves the rank-0 node to
+its final work; the rendezvous is closed; the operator dies while nodes join.
 """
 
 from __future__ import annotations
@@ -209,7 +209,34 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
     after = wait_world(nodes, 4, after=failed, timeout=FORM_TIMEOUT)
     timing("newcomer failed -> first step of the others' new world", after.first_step_at - failed)
     assert_all_finish(nodes)
-    assert rdzv.status().closed_reason == "AllNodesLeft"
+    assert rdzv.status().closed_reason == "NodeFinished"
+
+
+def test_a_node_done_first_leaves_the_rank0_node_to_finish_its_final_work(
+    pods: LocalPods, make_rendezvous: MakeRendezvous
+) -> None:
+    # torch's workers-drift case: rank 0's node does 20 s more (a final evaluation) and
+    # the other node's agent waits only 1 s at the exit barrier before it leaves.
+    rdzv = rendezvous(make_rendezvous)
+    started = time.time()
+    nodes = pods.start(
+        rdzv.name,
+        {"n1": "127.0.0.11", "n2": "127.0.0.12"},
+        script_args=[*STEPS, "--final-seconds", "20"],
+        exit_barrier_timeout=1,
+    )
+    world = wait_world(nodes, 4, after=started, timeout=FORM_TIMEOUT)
+    rank0 = next(node for node in nodes if node.name == world.rank0_pod)
+    (other,) = [node for node in nodes if node is not rank0]
+    assert other.wait_exit(FORM_TIMEOUT) == 0, describe(nodes)
+    assert rdzv.requests()[other.name].intent is state.NodeIntent.FINISH
+    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed", timeout=30)
+    assert closed.closed_reason == "NodeFinished", closed
+    assert rank0.running(), "the rank-0 node is still at its final work"
+    assert rank0.wait_exit(FORM_TIMEOUT) == 0, describe(nodes)
+    workers = {step.pid for step in world.steps if step.pod == rank0.name}
+    assert {step.pid for step in rank0.progress()} == workers, "rank 0's workers restarted"
+    assert "finished 15 steps" in rank0.log()
 
 
 def test_closed_rendezvous_turns_joiners_away_and_lets_running_nodes_finish(

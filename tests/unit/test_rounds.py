@@ -228,7 +228,6 @@ def test_nodes_beyond_max_are_redundant_and_not_counted_as_waiting() -> None:
     ("event", "reason"),
     [
         (lambda w: w.kill("b", rounds.LOST_POD_TERMINATING), rounds.LOST_POD_TERMINATING),
-        (lambda w: w.kill("b", rounds.LOST_POD_SUCCEEDED), rounds.LOST_POD_SUCCEEDED),
         (lambda w: w.restart_agent("b"), rounds.LOST_AGENT_RESTARTED),
         (lambda w: w.leave("b"), rounds.LOST_LEFT),
         (
@@ -236,7 +235,7 @@ def test_nodes_beyond_max_are_redundant_and_not_counted_as_waiting() -> None:
             rounds.LOST_CONTAINER_RESTARTED,
         ),
     ],
-    ids=["terminating", "succeeded", "agent-restarted", "left", "container-restarted"],
+    ids=["terminating", "agent-restarted", "left", "container-restarted"],
 )
 def test_member_loss_reasons(event: object, reason: str) -> None:
     world = World(spec(1, 2))
@@ -289,6 +288,49 @@ def test_one_node_leaving_does_not_close_but_all_leaving_does() -> None:
     decision = world.decide()
     assert decision.closed
     assert world.status.closed_reason == rounds.CLOSED_ALL_LEFT
+
+
+@pytest.mark.parametrize(
+    "finish",
+    [
+        lambda w: w.write("b", dataclasses.replace(w.requests["b"], intent=NodeIntent.FINISH)),
+        lambda w: w.kill("b", rounds.LOST_POD_SUCCEEDED),
+    ],
+    ids=["agent-finished", "pod-succeeded"],
+)
+def test_a_member_finishing_closes_with_the_others_left_to_finish(finish: object) -> None:
+    world = World(spec(2, 3))
+    for node in ("a", "b"):
+        world.join(node)
+    world.decide()
+    world.tick(60)
+    assert world.decide().sealed
+    world.join("c")  # waiting: it would make the round stale
+    finish(world)  # type: ignore[operator]
+    decision = world.decide()
+    assert decision.closed and decision.losses == ()
+    assert world.status.closed_reason == rounds.CLOSED_NODE_FINISHED
+    assert "pod b of round 1 finished" in (world.status.closed_message or "")
+    # The others' agents see nobody waiting: their workers run on to their end.
+    assert world.status.nodes_waiting == 0
+    assert world.ranks() == ["a", "b"]
+
+
+def test_a_finish_of_an_earlier_agent_of_a_member_is_not_its_finish() -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    earlier = world.join("b")
+    world.decide()
+    world.restart_agent("b")
+    world.join("b")
+    world.join("a")
+    world.decide()
+    world.write("b", dataclasses.replace(earlier, intent=NodeIntent.FINISH))
+    decision = world.decide()
+    assert not decision.closed
+    assert [(loss.node, loss.reason) for loss in decision.losses] == [
+        ("b", rounds.LOST_AGENT_RESTARTED)
+    ]
 
 
 def test_conditions_track_state_and_keep_transition_time() -> None:
