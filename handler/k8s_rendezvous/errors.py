@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "KubernetesRendezvousConnectionError",
     "KubernetesRendezvousStateError",
     "KubernetesRendezvousTimeoutError",
+    "NodeNotAPodError",
     "RendezvousNotFoundError",
 ]
 
@@ -37,3 +39,8 @@ class KubernetesRendezvousTimeoutError(RendezvousTimeoutError):
 
 class KubernetesRendezvousClosedError(RendezvousClosedError):
     """The rendezvous is closed; no further round will be formed."""
+
+
+class NodeNotAPodError(RendezvousError):
+    """This node is not the pod it names (``POD_NAME``, else the hostname): the operator
+    admits only pods of the rendezvous' workload, so no round can include it."""

@@ -44,6 +44,7 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousConnectionError,
     KubernetesRendezvousStateError,
     KubernetesRendezvousTimeoutError,
+    NodeNotAPodError,
     RendezvousNotFoundError,
 )
 
@@ -81,6 +82,10 @@ _FIRST_EVENT_SECONDS: Final = 2.0
 _REMADE_WITHIN_SECONDS: Final = 10.0
 """How long a node whose Rendezvous was deleted while it waited gives the operator (for an
 annotated Job's) or its own pod's creator role to make it anew, before it gives up."""
+_NODE_CHECK_SECONDS: Final = 5.0
+"""How long a node waits unadmitted before it checks, once, that it is the pod it names:
+a node no Pod stands for is never admitted, and would otherwise wait out its join
+timeout. Joins admitted sooner (the usual) pay no request for it."""
 _AGENT_FRAMES: Final = 4
 """How far up its callers ``shutdown()`` looks for torch's agent (it is the caller's
 caller at most: ``launch_agent``, or the agent's ``_shutdown`` from its ``run``)."""
@@ -580,6 +585,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """The previous one, kept one more round for agents still finishing with it."""
         self._entry_port = 0
         self._spec_checked = False
+        self._node_checked = False
         self._closed_locally = False
 
     @classmethod
@@ -684,7 +690,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         while True:
             deadline = started + spec.join_timeout_seconds
             try:
-                status = self._watcher.wait(decided, deadline, since, owner_uid)
+                status = self._wait(decided, deadline, since, owner_uid)
             except RendezvousReplaced as replaced:
                 obj = self._made_anew(replaced.uid, deadline)
                 spec, owner_uid = self._check_spec(obj), self._owner_uid(obj)
@@ -748,6 +754,65 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             status.world_size,
             RendezvousStoreInfo(status.master.addr, status.master.port),
         )
+
+    def _wait(
+        self,
+        decided: Callable[[state.NodeView], bool],
+        deadline: float,
+        since: int,
+        uid: str,
+    ) -> state.NodeView | None:
+        """The watcher's wait, with the one check that this node is a pod once it has
+        waited ``_NODE_CHECK_SECONDS`` unadmitted."""
+        if not self._node_checked:
+            soon = min(deadline, time.monotonic() + _NODE_CHECK_SECONDS)
+            status = self._watcher.wait(decided, soon, since, uid)
+            if status is not None or time.monotonic() >= deadline:
+                return status
+            self._node_checked = True
+            if (problem := self._not_this_pod()) is not None:
+                self._withdraw()
+                raise NodeNotAPodError(problem)
+        return self._watcher.wait(decided, deadline, since, uid)
+
+    def _not_this_pod(self) -> str | None:
+        """Why this node is not the pod it names, if it can tell."""
+        namespace = self._client.namespace
+        try:
+            user, pod = self._client.identity()
+            exists = None if pod is not None else self._client.pod_exists(self._node)
+        except RendezvousError as error:
+            log.warning("node %s could not check that it is a pod: %s", self._node, error)
+            return None
+        if pod is not None:
+            if pod != self._node:
+                return (
+                    f"node {self._node} runs with the token of pod {pod}, so it is not the "
+                    f"node it names: no round of {self._client.reference} can include it. "
+                    "Set POD_NAME to the pod's own name (the downward API's "
+                    "metadata.name), or leave it unset where the hostname is the pod's name."
+                )
+            return None  # a token bound to this very pod: it exists
+        if exists is False:
+            return (
+                f"no Pod {self._node} exists in namespace {namespace}, and node "
+                f"{self._node} runs as {user}, not as a pod: the operator admits only pods "
+                f"of the Rendezvous' workload, so no round of {self._client.reference} can "
+                "include it. Run torchrun in the workload's pods, with their service "
+                "account token, and POD_NAME set to the pod's name."
+            )
+        if exists is None:
+            log.warning(
+                "node %s has waited %.0f s to join %s and runs as %s, not as a pod, which "
+                "may not read pods: it cannot check that a Pod %s exists. The operator "
+                "admits only pods of the Rendezvous' workload.",
+                self._node,
+                _NODE_CHECK_SECONDS,
+                self._client.reference,
+                user,
+                self._node,
+            )
+        return None
 
     def _made_anew(self, uid: str, deadline: float) -> Mapping[str, Any]:
         """The Rendezvous that replaces the deleted one of ``uid``: made anew by the
@@ -976,10 +1041,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         status = self._watcher.status or state.NodeView(self._node)
-        try:
-            self._write_intent(state.NodeIntent.LEAVE)
-        except RendezvousError as error:
-            log.warning("node %s could not withdraw its join: %s", self._node, error)
+        self._withdraw()
         members = ", ".join(status.member_nodes) or (
             f"{status.world_size}, listed in its status" if status.world_size else "none"
         )
@@ -993,6 +1055,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             f"check that the operator runs (kubectl describe rdzv {name} -n {namespace}) and "
             "that enough pods are scheduled."
         )
+
+    def _withdraw(self) -> None:
+        """Take back this node's join request, as it stops waiting (best effort)."""
+        try:
+            self._write_intent(state.NodeIntent.LEAVE)
+        except RendezvousError as error:
+            log.warning("node %s could not withdraw its join: %s", self._node, error)
 
     def _closed_error(self, status: state.NodeView) -> KubernetesRendezvousClosedError:
         return KubernetesRendezvousClosedError(

@@ -35,6 +35,8 @@ SERVICE_ACCOUNT_DIR_ENV: Final = "K8S_RENDEZVOUS_SERVICE_ACCOUNT_DIR"
 """Where the pod's service-account files are, if not at the standard path."""
 DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
 
+_POD_NAME_EXTRA: Final = "authentication.kubernetes.io/pod-name"
+"""What the API server adds to the user info of a token bound to a pod: its name."""
 _TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
 _REFUSAL_GRACE_SECONDS: Final = 5.0
 """How long 401 and 403 are retried (within the retry budget): a kube-apiserver that has
@@ -118,6 +120,35 @@ class RendezvousClient:
     def get(self) -> dict[str, Any]:
         path = f"{self._group_path}/{state.PLURAL}/{self.name}"
         return self._call("read", lambda: self._rest.request("GET", path))
+
+    def identity(self) -> tuple[str, str | None]:
+        """Who these credentials are: the user name and, for a pod-bound service-account
+        token, the pod's name (a SelfSubjectReview, which every user may create)."""
+        review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+        answer = self._call(
+            "review this node's credentials for",
+            lambda: self._rest.request(
+                "POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review
+            ),
+        )
+        user = (answer.get("status") or {}).get("userInfo") or {}
+        pods = (user.get("extra") or {}).get(_POD_NAME_EXTRA) or []
+        return str(user.get("username") or "?"), (str(pods[0]) if pods else None)
+
+    def pod_exists(self, pod: str) -> bool | None:
+        """Whether Pod ``pod`` exists in the namespace; ``None`` if these credentials may
+        not read pods (the worker role may not)."""
+        try:
+            self._rest.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            if error.status == 403:
+                return None
+            raise self._error(f"read pod {pod} for", error) from error
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._error(f"read pod {pod} for", error) from error
+        return True
 
     def controller_of(self, pod: str) -> dict[str, Any] | None:
         """The ownerReference of ``pod``'s controller (a Job, StatefulSet, ...), or ``None``

@@ -44,3 +44,15 @@ def inject(pod: Mapping[str, Any], rendezvous: str, spec: state.RendezvousSpec) 
         "metadata": {"labels": {state.NODE_LABEL: rendezvous}},
         "spec": {"containers": containers},
     }
+
+
+def configured_for_rendezvous(pod: Mapping[str, Any]) -> bool:
+    """Whether a container of ``pod`` is told to use this backend: the env the webhook
+    injects (or its user wrote), or torchrun's own flag on its command line."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if any(v.get("name") == "PET_RDZV_BACKEND" for v in container.get("env") or []):
+            return True
+        words = [*(container.get("command") or []), *(container.get("args") or [])]
+        if any("rdzv-backend" in word or "rdzv_backend" in word for word in words):
+            return True
+    return False

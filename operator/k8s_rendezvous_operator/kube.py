@@ -159,6 +159,15 @@ class OperatorApi:
             for lease in self._request("GET", path, query=query)["items"]
         ]
 
+    def unlabelled_job_pods(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
+        """The pods of the Job of ``job_uid`` that carry no rendezvous label (neither the
+        webhook nor the operator has seen them as nodes), as plain JSON with their kind."""
+        selector = f"batch.kubernetes.io/controller-uid={job_uid},!{state.NODE_LABEL}"
+        found = self._request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods", query=[("labelSelector", selector)]
+        )
+        return [{"apiVersion": "v1", "kind": "Pod", **pod} for pod in found["items"]]
+
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]:
         """Label a node's pod so the operator's server-side filtered pod watch sees it;
         returns the pod as labelled."""

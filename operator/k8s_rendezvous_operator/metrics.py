@@ -34,6 +34,10 @@ NODES_REFUSED: Final = Counter(
     "address that is not its own.",
     ["reason"],
 )
+PODS_UNINJECTED: Final = Counter(
+    "k8s_rendezvous_pods_not_injected_total",
+    "Pods of annotated Jobs found made without the rendezvous env (no webhook served).",
+)
 EVENTS_SUPPRESSED: Final = Counter(
     "k8s_rendezvous_events_suppressed_total",
     "Warning Events about bad node input left out because a rendezvous exceeded its budget.",

@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, membership, metrics, observe, rounds
+from k8s_rendezvous_operator import injection, kube, membership, metrics, observe, rounds
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ class WarningBudget:
         self._sent.pop(key, None)
 
 
+_INJECTION_CHECK_DELAY_SECONDS = 1.0
+"""How long after a Job's status change its pods are looked at: a burst of pod starts
+costs one request."""
+
+
 def _without_forming_since(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if name != "formingSince"}
 
@@ -110,6 +115,10 @@ class Reconciler:
         self._pod_versions: dict[Key, int] = {}
         self._refused: dict[Key, dict[str, str]] = {}
         """Per rendezvous: the pods whose requests are refused, with the reason reported."""
+        self._injection_checks: dict[Key, asyncio.Task[None]] = {}
+        """Per annotated Job: the look for its pods made without the env, if one is due."""
+        self._uninjected: dict[Key, set[str]] = {}
+        """Per annotated Job: the uids of its pods reported as made without the env."""
         self._warnings = WarningBudget()
         self._starting = True
         self._unposted: list[tuple[Key, str, str]] = []
@@ -200,7 +209,16 @@ class Reconciler:
         previous = self._jobs.pop(key, None) if job is None else self._jobs.get(key)
         if job is None:
             self._bound.discard(key)
+            self._uninjected.pop(key, None)
+            if check := self._injection_checks.pop(key, None):
+                check.cancel()
             return
+        if (
+            job.spec is not None
+            and job.finished is None
+            and (body.get("status") or {}).get("active")
+        ):
+            self._look_for_uninjected_pods(key, job.uid)
         target = kopf.Body(cast(kopf.RawBody, dict(body)))
         if job.spec is not None and self._worker_role and key not in self._bound:
             await self._bind_worker_role(key, job, previous, target)
@@ -215,6 +233,54 @@ class Reconciler:
         if previous is None or previous.spec != job.spec:
             await self._ensure_rendezvous(key, body, job.spec, target)
         self.request(key)
+
+    def _look_for_uninjected_pods(self, key: Key, job_uid: str) -> None:
+        """Soon, once for however many of the Job's status changes come meanwhile: its pods
+        made while no webhook served (its failure policy lets pods through) have none of
+        the env that points torchrun here, and would train alone, silently."""
+        if key not in self._injection_checks:
+            task = asyncio.get_running_loop().create_task(self._report_uninjected(key, job_uid))
+            self._injection_checks[key] = task
+
+    async def _report_uninjected(self, key: Key, job_uid: str) -> None:
+        try:
+            await asyncio.sleep(_INJECTION_CHECK_DELAY_SECONDS)
+            pods = await asyncio.to_thread(self._api.unlabelled_job_pods, key[0], job_uid)
+        except Exception as error:  # the API's or the transport's: looked at again later
+            log.warning("could not list the pods of Job %s/%s: %s", *key, error)
+            return
+        finally:
+            self._injection_checks.pop(key, None)
+        reported = self._uninjected.setdefault(key, set())
+        job: dict[str, Any] = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"namespace": key[0], "name": key[1], "uid": job_uid},
+        }
+        for pod in pods:
+            metadata = pod.get("metadata") or {}
+            if (
+                metadata.get("uid") in reported
+                or metadata.get("deletionTimestamp")
+                or injection.configured_for_rendezvous(pod)
+            ):
+                continue
+            reported.add(metadata.get("uid", ""))
+            name = metadata.get("name")
+            message = (
+                f"pod {name} of Job {key[1]} was made without the env that points torchrun "
+                f"at Rendezvous {key[1]} (PET_RDZV_BACKEND and the rest): the admission "
+                "webhook did not serve when it was created (its failure policy lets pods "
+                "through, e.g. during an operator rollout or leader change). A plain "
+                f"torchrun in it trains alone. Delete pod {name}: the Job replaces it, "
+                "with the env."
+            )
+            metrics.PODS_UNINJECTED.inc()
+            log.warning("Job %s/%s: %s", *key, message)
+            for target in (job, pod):
+                kopf.warn(
+                    kopf.Body(cast(kopf.RawBody, target)), reason="PodNotInjected", message=message
+                )
 
     async def _bind_worker_role(
         self,
@@ -776,6 +842,17 @@ class Reconciler:
             )
         except kube.NotFound:
             self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
+            key = (pod[0], rendezvous)
+            if (known := self._bodies.get(key)) is not None:
+                self._warn(
+                    key,
+                    known,
+                    "NodeWithoutPod",
+                    f"node {pod[1]} asks to join (Lease {state.lease_name(rendezvous, pod[1])}),"
+                    f" but no Pod {pod[1]} exists in namespace {pod[0]}: only pods of the "
+                    "workload are admitted. Run torchrun in the workload's pods, with POD_NAME "
+                    "set to the pod's name (the downward API's metadata.name).",
+                )
         except Exception:
             log.exception("labelling pod %s/%s failed; it is retried on the next change", *pod)
         finally:

@@ -11,13 +11,12 @@ deleted.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import kubernetes.client
 import pytest
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous, join_all, wait_told_to_rejoin
-from tests.support.jobs import make_job, running_pods
+from tests.support.jobs import job_events, make_job, running_pods
 
 from k8s_rendezvous import state
 from k8s_rendezvous.errors import KubernetesRendezvousClosedError
@@ -52,13 +51,6 @@ def _lease_owners(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> dict[st
     }
 
 
-def _job_events(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[Any]:
-    found = kubernetes.client.CoreV1Api(api).list_namespaced_event(
-        namespace, field_selector=f"involvedObject.name={job},involvedObject.kind=Job"
-    )
-    return [(e.type, e.reason, e.message) for e in found.items]
-
-
 def test_a_running_jobs_deleted_rendezvous_is_made_anew_and_its_nodes_join_it(
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
@@ -84,7 +76,7 @@ def test_a_running_jobs_deleted_rendezvous_is_made_anew_and_its_nodes_join_it(
     assert rdzv.status().round >= 1
     recreated = [
         (kind, message)
-        for kind, reason, message in _job_events(admin_api, workers_namespace, "remade")
+        for kind, reason, message in job_events(admin_api, workers_namespace, "remade")
         if reason == "RendezvousRecreated"
     ]
     assert recreated and recreated[0][0] == "Warning" and "made anew" in recreated[0][1]

@@ -21,7 +21,7 @@ import pytest
 from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous, create_pods, join_all, wait_told_to_rejoin
-from tests.support.jobs import make_job, running_pods, wait_webhook_registered
+from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
 
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
@@ -29,16 +29,6 @@ from k8s_rendezvous.handler import KubernetesRendezvousHandler
 pytestmark = pytest.mark.usefixtures("operator_process")
 
 AttachNodes = Callable[..., list[Node]]
-
-
-def job_events(
-    api: kubernetes.client.ApiClient, namespace: str, job: str
-) -> list[tuple[str, str, str]]:
-    core = kubernetes.client.CoreV1Api(api)
-    found = core.list_namespaced_event(
-        namespace, field_selector=f"involvedObject.name={job},involvedObject.kind=Job"
-    )
-    return [(e.type, e.reason, e.message) for e in found.items]
 
 
 def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
@@ -221,8 +211,10 @@ def test_failed_pod_is_replaced_by_the_job_and_the_replacement_joins(
     assert any(nodes[1].pod in m and "PodFailed" in m for m in lost), lost
 
 
+# A member's pod succeeding closes the rendezvous before the Job's Complete condition
+# comes (NodeFinished); a failed one is lost, and the Job's failure closes it.
 @pytest.mark.parametrize(
-    ("phase", "reason"), [("Succeeded", "JobComplete"), ("Failed", "JobFailed")]
+    ("phase", "reason"), [("Succeeded", "NodeFinished"), ("Failed", "JobFailed")]
 )
 def test_finished_job_closes_the_rendezvous_and_deletion_removes_it(
     admin_api: kubernetes.client.ApiClient,
@@ -392,3 +384,50 @@ def test_rank_order_groups_newcomers_by_zone(
     by_rank = [pod for pod, _ in sorted(infos.items(), key=lambda item: item[1].rank)]
     # zone-a (node-0), zone-b (node-1), zone-c (node-2); natural name order within a zone
     assert by_rank == ["p-2", "p-4", "p-1", "p-3"]
+
+
+def test_pods_made_without_the_webhook_are_reported_on_the_job_and_the_pod(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    # No webhook serves this operator (as in a rollout): the Job's pods get no env.
+    annotations = {"k8s-rendezvous.dev/nodes": "2"}
+    configured = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "example.invalid/trainer",
+                    "env": [{"name": "PET_RDZV_BACKEND", "value": "kubernetes"}],
+                }
+            ],
+            "restartPolicy": "Never",
+        }
+    }
+    make_job(admin_api, workers_namespace, "by-hand", 1, annotations, template=configured)
+    make_job(admin_api, workers_namespace, "uninjected", 2, annotations)
+    pods = running_pods(admin_api, workers_namespace, "uninjected", 2)
+
+    def reported(job: str) -> list[str]:
+        events = job_events(admin_api, workers_namespace, job)
+        return [message for _, reason, message in events if reason == "PodNotInjected"]
+
+    warned = wait_for(
+        lambda: found if len(found := reported("uninjected")) == 2 else None,
+        30,
+        "PodNotInjected on the Job for each of its pods",
+    )
+    core = kubernetes.client.CoreV1Api(admin_api)
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        assert any(name in message and f"Delete pod {name}" in message for message in warned)
+
+        def on_pod(name: str = name) -> list[str] | None:
+            found = core.list_namespaced_event(
+                workers_namespace,
+                field_selector=f"involvedObject.name={name},involvedObject.kind=Pod",
+            )
+            return [e.reason for e in found.items if e.type == "Warning"] or None
+
+        assert wait_for(on_pod, 10, f"the Warning on pod {name}") == ["PodNotInjected"]
+    # The Job that sets the env itself was looked at first, and is not reported.
+    assert reported("by-hand") == []

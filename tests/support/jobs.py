@@ -39,6 +39,17 @@ def make_job(
     return api.sanitize_for_serialization(created)  # type: ignore[no-any-return]
 
 
+def job_events(
+    api: kubernetes.client.ApiClient, namespace: str, job: str
+) -> list[tuple[str, str, str]]:
+    """``(type, reason, message)`` of each Event on Job ``job``."""
+    core = kubernetes.client.CoreV1Api(api)
+    found = core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={job},involvedObject.kind=Job"
+    )
+    return [(e.type, e.reason, e.message) for e in found.items]
+
+
 def job_pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[dict[str, Any]]:
     core = kubernetes.client.CoreV1Api(api)
     found = read_object(
