@@ -1,9 +1,10 @@
 """``torchrun`` with an exit barrier of the caller's choosing.
 
-torch's launcher takes ``exit_barrier_timeout`` (how long an agent whose workers finished
-waits for the others before it leaves; 300 s) in its ``LaunchConfig`` but torchrun has no
-flag for it. This runs exactly what ``python -m torch.distributed.run`` runs (its own
-argument parser, ``config_from_args`` and ``elastic_launch``) with that one field set:
+torch's elastic agent takes ``exit_barrier_timeout`` (how long an agent whose workers
+finished waits for the others before it leaves; 300 s), but neither torchrun nor its
+``LaunchConfig`` passes one: only ``LocalElasticAgent(exit_barrier_timeout=...)`` does.
+This runs exactly what ``python -m torch.distributed.run`` runs (its argument parser and
+``run``), with the agent that ``launch_agent`` builds given that timeout:
 
     python -m tests.e2e.launch --exit-barrier-timeout=1 <torchrun arguments>
 """
@@ -11,20 +12,26 @@ argument parser, ``config_from_args`` and ``elastic_launch``) with that one fiel
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-from torch.distributed.launcher.api import elastic_launch
-from torch.distributed.run import config_from_args, get_args_parser
+import torch.distributed.launcher.api as launcher
+from torch.distributed.run import get_args_parser, run
+
+PREFIX = "--exit-barrier-timeout="
 
 
 def main(argv: list[str]) -> None:
-    prefix = "--exit-barrier-timeout="
-    timeouts = [arg for arg in argv if arg.startswith(prefix)]
-    rest = [arg for arg in argv if not arg.startswith(prefix)]
-    args = get_args_parser().parse_args(rest)
-    config, command, command_args = config_from_args(args)
+    timeouts = [float(arg[len(PREFIX) :]) for arg in argv if arg.startswith(PREFIX)]
     if timeouts:
-        config.exit_barrier_timeout = float(timeouts[-1][len(prefix) :])
-    elastic_launch(config, command)(*command_args)
+        base = launcher.LocalElasticAgent
+        timeout = timeouts[-1]
+
+        class Agent(base):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, exit_barrier_timeout=timeout, **kwargs)
+
+        launcher.LocalElasticAgent = Agent  # what launch_agent builds its agent from
+    run(get_args_parser().parse_args([arg for arg in argv if not arg.startswith(PREFIX)]))
 
 
 if __name__ == "__main__":

@@ -229,6 +229,7 @@ def test_a_node_done_first_leaves_the_rank0_node_to_finish_its_final_work(
     rank0 = next(node for node in nodes if node.name == world.rank0_pod)
     (other,) = [node for node in nodes if node is not rank0]
     assert other.wait_exit(FORM_TIMEOUT) == 0, describe(nodes)
+    assert "Waiting 1.0 seconds for other agents" in other.log(), other.log_tail()
     assert rdzv.requests()[other.name].intent is state.NodeIntent.FINISH
     closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed", timeout=30)
     assert closed.closed_reason == "NodeFinished", closed
