@@ -19,8 +19,20 @@ def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
     return create_handler
 
 
+OLDEST_TORCH = "2.6"
+"""torch discovers torchrun backends (the ``torchrun.handlers`` group) only since 2.6."""
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler for ``--rdzv-backend=kubernetes`` (imports the client lazily)."""
+    import torch
+
+    if torch.__version__ < OLDEST_TORCH:  # a TorchVersion: compared as a version
+        raise RuntimeError(
+            f"k8s-rendezvous needs torch {OLDEST_TORCH} or newer, not {torch.__version__}: "
+            "older torch cannot discover the kubernetes backend, and this one is untested. "
+            "Upgrade torch in the training image."
+        )
     from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
     return KubernetesRendezvousHandler.from_parameters(params)

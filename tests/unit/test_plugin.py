@@ -66,6 +66,19 @@ def test_torch_registry_builds_our_handler(pod_env: None, built: list[Rendezvous
     assert handler._addr == "10.1.2.3" and handler._node == "trainer-0"
 
 
+def test_a_torch_older_than_the_oldest_supported_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from torch.torch_version import TorchVersion
+
+    from k8s_rendezvous import plugin
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.5.1"))
+    with pytest.raises(RuntimeError, match=r"needs torch 2\.6 or newer, not 2\.5\.1"):
+        plugin.create_handler(params())
+
+
 def test_local_addr_overrides_the_pod_ip(pod_env: None, built: list[RendezvousHandler]) -> None:
     handler = KubernetesRendezvousHandler.from_parameters(
         RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr="fd00::7")
