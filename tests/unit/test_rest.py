@@ -40,10 +40,21 @@ def server() -> Iterator[tuple[str, list[dict[str, str]]]]:
         yield host, seen
 
 
+def token_key() -> str:
+    """The ``api_key`` entry this client's ``auth_settings()`` reads: its own loaders fill
+    ``authorization`` in older clients (31), ``BearerToken`` in newer ones."""
+    probe = client.Configuration()
+    for key in ("BearerToken", "authorization"):
+        probe.api_key = {key: "probe"}
+        if probe.auth_settings():
+            return key
+    raise AssertionError("this kubernetes client reads a bearer token from no known key")
+
+
 def configuration(host: str, token: str) -> client.Configuration:
     made = client.Configuration(host=host)
-    made.api_key = {"BearerToken": token}
-    made.api_key_prefix = {"BearerToken": "Bearer"}
+    made.api_key = {token_key(): token}
+    made.api_key_prefix = {token_key(): "Bearer"}
     made.retries = 0
     return made
 
@@ -55,7 +66,7 @@ def test_each_request_carries_the_token_the_configuration_holds_then(
     settings = configuration(host, "first")
     transport = rest.Rest(client.ApiClient(settings))
     assert transport.request("GET", "/ok") == {"ok": True}
-    settings.api_key = {"BearerToken": "rotated"}  # as a pod's refreshed token file does
+    settings.api_key = {token_key(): "rotated"}  # as a pod's refreshed token file does
     transport.request("GET", "/ok")
     assert [headers["authorization"] for headers in seen] == ["Bearer first", "Bearer rotated"]
     assert all(headers["accept"] == "application/json" for headers in seen)
