@@ -21,7 +21,7 @@ $(VENV)/.synced: pyproject.toml uv.lock
 	touch $@
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm,
-# built from the Go module proxy into ~/.cache/k8s-rendezvous (about 10 min cold).
+# built from the Go module proxy into ~/.cache/k8s-rendezvous (10-25 min cold on 2 cores).
 binaries:
 	tests/cluster/build.sh >/dev/null
 

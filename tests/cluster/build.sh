@@ -43,7 +43,14 @@ build_kubernetes() {
   for m in $(awk '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print $1}' "$gomod" | sort -u); do
     go mod edit -replace="$m=$m@v0.$minor.$patch"
   done
-  go mod edit -godebug="default=go1.$((minor - 10))"
+  # The release's own godebug settings (its go.mod's godebug lines; default=go1.<minor-10>
+  # held up to 1.35 only: 1.32 says go1.23, 1.37 go1.26, and a default newer than the
+  # toolchain is an error).
+  local godebug found=0
+  while read -r godebug; do
+    go mod edit -godebug="$godebug"; found=1
+  done < <(awk '$1 == "godebug" && $2 ~ /=/ {print $2}' "$gomod")
+  [ "$found" = 1 ] || go mod edit -godebug="default=go1.$((minor - 10))"
   go get "k8s.io/kubernetes@v$KUBERNETES_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes@v$KUBERNETES_VERSION"
   date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   ldflags="-s -w"
