@@ -486,6 +486,7 @@ class Metrics:
 
 
 _ROUND_RESOURCES = ("rendezvous", "rendezvousslices")
+_LEADER_ELECTION = ("GET leases", "PUT leases")
 
 
 def metrics_delta(before: Metrics, after: Metrics) -> dict[str, Any]:
@@ -499,8 +500,14 @@ def metrics_delta(before: Metrics, after: Metrics) -> dict[str, Any]:
     ours = {
         k: v
         for k, v in by.items()
-        if k.split(" ", 1)[1].split("/")[0] in (*_ROUND_RESOURCES, "leases")
-        or k in ("PATCH pods", "POST events")
+        if (
+            k.split(" ", 1)[1].split("/")[0] in (*_ROUND_RESOURCES, "leases")
+            or k in ("PATCH pods", "POST events")
+        )
+        # Leader elections (the operator's, kube-controller-manager's, kube-scheduler's)
+        # read and update their Lease on their own clock; nodes only create and patch
+        # theirs, so these are no round's cost.
+        and k not in _LEADER_ELECTION
     }
     refused_b, refused_a = before.refused(), after.refused()
     refused = {k: v - refused_b.get(k, 0.0) for k, v in refused_a.items()}
