@@ -98,6 +98,7 @@ class RendezvousClient:
         self.name = name
         self.retry_seconds = retry_seconds
         self._rest = rest.Rest(api_client)
+        self._pod_uid: str | None = _pod_uid(self._rest.bearer_claims())
         self._lease_owners: dict[str, str] = {}
         """The owner uid each Lease this client made or moved was last written with."""
         self._group_path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}"
@@ -213,6 +214,8 @@ class RendezvousClient:
         """
         name = state.lease_name(self.name, node)
         annotations = {state.INSTANCE_ANNOTATION: instance}
+        if self._pod_uid is not None:
+            annotations[state.POD_UID_ANNOTATION] = self._pod_uid
         if entry is not None:
             annotations[state.ENTRY_ANNOTATION] = entry.to_annotation()
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -393,6 +396,14 @@ class RendezvousClient:
             f"{self.retry_seconds:.0f} s ({error}). Check the pod's network and that the API "
             "server is up."
         )
+
+
+def _pod_uid(claims: dict[str, Any] | None) -> str | None:
+    """The uid of the pod a service-account token is bound to (its ``kubernetes.io.pod``
+    claim), ``None`` for any other credential."""
+    bound = ((claims or {}).get("kubernetes.io") or {}).get("pod") or {}
+    uid = bound.get("uid") if isinstance(bound, dict) else None
+    return uid if isinstance(uid, str) and uid else None
 
 
 def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:

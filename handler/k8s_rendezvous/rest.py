@@ -11,6 +11,8 @@ their requests through here.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import urllib.parse
 from collections.abc import Sequence
@@ -57,6 +59,24 @@ class Rest:
     def stream(self, path: str, query: Query, timeout: Timeout) -> urllib3.BaseHTTPResponse:
         """A GET whose body is left to read as it arrives (a watch); the caller closes it."""
         return self._send("GET", path, None, JSON, query, timeout, preload=False)
+
+    def bearer_claims(self) -> dict[str, Any] | None:
+        """The claims of the bearer token these requests carry, if it is a JWT (as every
+        service-account token is), unverified: only the API server's word on a request
+        counts, this is what the client may say of itself."""
+        for setting in self.api_client.configuration.auth_settings().values():
+            scheme, _, token = str(setting.get("value") or "").partition(" ")
+            if setting["in"] != "header" or scheme.lower() != "bearer":
+                continue
+            parts = token.split(".")
+            if len(parts) != 3:
+                return None
+            try:
+                claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+            except (ValueError, binascii.Error):
+                return None
+            return claims if isinstance(claims, dict) else None
+        return None
 
     def _send(
         self,

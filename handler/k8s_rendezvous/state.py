@@ -71,6 +71,10 @@ INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
 """On a node's Lease: the agent instance that renews it."""
 ENTRY_ANNOTATION: Final = f"{GROUP}/entry"
 """On a node's Lease: its :class:`NodeEntry` as JSON, the node's request to the operator."""
+POD_UID_ANNOTATION: Final = f"{GROUP}/pod-uid"
+"""On a node's Lease: the uid of the pod that wrote it, from its bound token. The admission
+policy holds it to the token's, so the operator can tell the pod that wrote a Lease from a
+later pod of the same name (a StatefulSet's, a PyTorchJob's) that has not written yet."""
 
 
 def lease_name(rendezvous: str, node: str) -> str:

@@ -154,6 +154,7 @@ def admit(
     requests: Mapping[str, state.NodeEntry],
     identities: Mapping[str, PodIdentity | None],
     admitted_before: frozenset[str],
+    writers: Mapping[str, str] | None = None,
 ) -> Admission:
     """Split the requests into those that count and those refused.
 
@@ -161,6 +162,11 @@ def admit(
     refused) until it is: nobody is admitted unchecked. The exception is a node already
     admitted to the current round (``admitted_before``): it was checked then, and a
     restarted operator that has not seen its pod again must not count it as gone.
+
+    ``writers`` gives the uid of the pod that wrote each request, where its Lease says
+    (the admission policy holds that to the writer's token). A request written by an
+    earlier pod of the same name is held back too: that pod is gone, and the one now
+    behind the name has not asked anything yet.
     """
     counted: dict[str, state.NodeEntry] = {}
     refused: dict[str, Refusal] = {}
@@ -169,6 +175,8 @@ def admit(
         if identity is None:
             if pod in admitted_before:
                 counted[pod] = entry
+            continue
+        if (writer := (writers or {}).get(pod)) is not None and writer != identity.uid:
             continue
         problem = refusal(workload, pod, identity, entry)
         if problem is None:

@@ -44,6 +44,8 @@ class LeaseObservation:
     entry: state.NodeEntry | None
     """``None``: the node has not asked anything yet, or ``problem`` says why not."""
     problem: str | None = None
+    pod_uid: str | None = None
+    """The uid of the pod that wrote it, if its Lease says."""
 
 
 def observe_lease(body: Mapping[str, Any]) -> LeaseObservation | None:
@@ -70,7 +72,12 @@ def observe_lease(body: Mapping[str, Any]) -> LeaseObservation | None:
         except state.DecodeError as error:
             problem = str(error)
     return LeaseObservation(
-        rendezvous, node, annotations.get(state.INSTANCE_ANNOTATION), entry, problem
+        rendezvous,
+        node,
+        annotations.get(state.INSTANCE_ANNOTATION),
+        entry,
+        problem,
+        annotations.get(state.POD_UID_ANNOTATION) or None,
     )
 
 

@@ -105,6 +105,8 @@ class Reconciler:
         self._heartbeats: dict[Key, rounds.Heartbeat] = {}
         self._entries: dict[Key, dict[str, state.NodeEntry]] = {}
         """Per rendezvous: each node's request, as its Lease says."""
+        self._writers: dict[Key, str] = {}
+        """Per pod: the uid of the pod that wrote its Lease, where the Lease says."""
         self._lease_problems: dict[Key, str] = {}
         self._slices: dict[Key, dict[int, dict[str, Any]]] = {}
         """Per rendezvous: what each of its RendezvousSlices was last written with."""
@@ -140,7 +142,13 @@ class Reconciler:
         self._bodies.pop(key, None)
         for node in self._entries.pop(key, {}):
             pod = (key[0], node)
-            for memory in (self._pods, self._heartbeats, self._pod_nodes, self._pod_versions):
+            for memory in (
+                self._pods,
+                self._heartbeats,
+                self._pod_nodes,
+                self._pod_versions,
+                self._writers,
+            ):
                 memory.pop(pod, None)
             self._labelled.discard(pod)
         self._unreadable.pop(key, None)
@@ -421,12 +429,18 @@ class Reconciler:
             )
             self._warn(key, self._bodies.get(key) or body, "InvalidEntry", message)
         entry = None if deleted else lease.entry
+        writer = None if deleted else lease.pod_uid
+        wrote_anew = self._writers.get(pod) != writer
+        if writer is None:
+            self._writers.pop(pod, None)
+        else:
+            self._writers[pod] = writer
         entries = self._entries.get(key)
         if entries is None:
             if entry is None:
                 return  # e.g. garbage collected after its Rendezvous
             entries = self._entries[key] = {}
-        if entries.get(lease.node) == entry:
+        if entries.get(lease.node) == entry and not wrote_anew:
             return
         if entry is None:
             entries.pop(lease.node, None)
@@ -545,6 +559,7 @@ class Reconciler:
                 requests,
                 {node: observation.identity for node, observation in pods.items()},
                 frozenset(m.node for m in (*current.members, *current.left_behind)),
+                {node: uid for node in requests if (uid := self._writers.get((namespace, node)))},
             )
             self._report_refusals(key, body, admission.refused)
             requests = admission.counted
@@ -823,10 +838,25 @@ class Reconciler:
     ) -> None:
         for node in requests:
             pod = (namespace, node)
-            if pod in self._pods or pod in self._labelling or pod in self._labelled:
+            if pod in self._labelling or (
+                (pod in self._pods or pod in self._labelled) and not self._replaced(pod)
+            ):
                 continue
             task = asyncio.get_running_loop().create_task(self._label_pod(pod, rendezvous))
             self._labelling[pod] = task
+
+    def _replaced(self, pod: Key) -> bool:
+        """Whether the pod that wrote ``pod``'s Lease is not the one we know of by that
+        name: a StatefulSet or PyTorchJob makes a failed pod anew under the same name, and
+        the new one, not yet labelled, is read (and labelled) only by asking again."""
+        known = self._pods.get(pod)
+        writer = self._writers.get(pod)
+        return (
+            known is not None
+            and known.identity is not None
+            and writer is not None
+            and known.identity.uid != writer
+        )
 
     async def _label_pod(self, pod: Key, rendezvous: str) -> None:
         try:

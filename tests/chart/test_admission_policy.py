@@ -28,8 +28,10 @@ ENTRY = state.NodeEntry("i-1", 1, "10.0.0.7", 29500)
 class PodClient:
     """Raw API calls authenticated as one pod (its bound token), or as an admin."""
 
-    def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, uid: str = "") -> None:
         self.namespace = namespace
+        self.uid = uid
+        """The pod's uid, for a pod's client."""
         self.custom = kubernetes.client.CustomObjectsApi(api)
 
     def create_lease(self, name: str, holder: str, rendezvous: str | None) -> dict[str, Any]:
@@ -77,7 +79,9 @@ def pod_a(
     token = control_plane.token_for(
         workers_namespace, "default", pod_name="pod-a", pod_uid=pod["metadata"]["uid"]
     )
-    client = PodClient(control_plane.client_for_token(token), workers_namespace)
+    client = PodClient(
+        control_plane.client_for_token(token), workers_namespace, pod["metadata"]["uid"]
+    )
     wait_until_enforced(client, PodClient(admin_api, workers_namespace))
     return client
 
@@ -117,6 +121,24 @@ def test_a_pod_keeps_its_own_lease(pod_a: PodClient, rendezvous: Rendezvous) -> 
     patched = pod_a.patch_lease(own, {"spec": {"renewTime": "2026-01-01T00:00:00.000000Z"}})
     assert patched["spec"]["renewTime"].startswith("2026-01-01")
     assert pod_a.patch_lease(own, leave("pod-a"))
+
+
+def test_a_pod_marks_its_lease_only_with_its_own_uid(
+    pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    own = f"{rendezvous.name}.pod-a"
+    pod_a.create_lease(own, "pod-a", rendezvous.name)
+
+    def mark(uid: str) -> dict[str, Any]:
+        return {"metadata": {"annotations": {state.POD_UID_ANNOTATION: uid}}}
+
+    assert pod_a.patch_lease(own, mark(pod_a.uid))
+    message = denied(lambda: pod_a.patch_lease(own, mark("the-uid-of-a-pod-before")))
+    assert (
+        f"pod pod-a may mark its rendezvous Lease only with its own uid ({pod_a.uid}), not "
+        "k8s-rendezvous.dev/pod-uid: the-uid-of-a-pod-before: the operator counts a Lease only"
+        " for the pod that wrote it"
+    ) in message
 
 
 def test_a_pod_cannot_speak_for_another_node(pod_a: PodClient, rendezvous: Rendezvous) -> None:

@@ -62,6 +62,10 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     uid = home.body()["metadata"]["uid"]
     client.write_lease("worker-0", "i-1", 30, uid, state.NodeEntry("i-1", 1, "10.0.0.7", 29500))
     client.write_lease("worker-0", "i-1", 30, uid)  # a heartbeat: the patch path
+    lease = kubernetes.client.CustomObjectsApi(admin_api).get_namespaced_custom_object(
+        "coordination.k8s.io", "v1", workers_namespace, "leases", f"{home.name}.worker-0"
+    )
+    assert lease["metadata"]["annotations"][state.POD_UID_ANNOTATION] == pod["metadata"]["uid"]
 
     # Namespace B: the same token, no binding there.
     user = f"system:serviceaccount:{workers_namespace}:default"

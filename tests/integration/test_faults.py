@@ -19,7 +19,13 @@ import kubernetes.client
 import pytest
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
-from tests.support.fixtures import Node, Rendezvous, delete_pod
+from tests.support.fixtures import (
+    Node,
+    Rendezvous,
+    create_pods,
+    delete_pod,
+    wait_told_to_rejoin,
+)
 from tests.support.operator import OperatorProcess
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
@@ -203,3 +209,39 @@ def test_a_restarted_operator_does_not_admit_the_join_of_a_pod_deleted_before(
     sealed = rdzv.wait(lambda s: s.round >= 1, "a round sealed")
     assert ghost.pod not in [m.node for m in sealed.members if sealed.round == 1], sealed.members
     assert sorted(worlds) == [(0, 2), (1, 2)], "the ghost is not counted in the world"
+
+
+def test_a_pod_made_anew_under_its_old_name_joins_as_itself(
+    make_rendezvous: MakeRendezvous,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: Callable[..., list[Node]],
+) -> None:
+    """A StatefulSet or a PyTorchJob makes a failed pod anew under its old name (here with
+    its old IP too). Its Lease still holds the old pod's request: the operator reads the new
+    pod once the Lease says another pod wrote it, and admits the new pod's own request."""
+    rdzv = make_rendezvous(2, 2, lastCallTimeoutSeconds=0)
+    pods = create_pods(admin_api, workers_namespace, ["worker-0", "worker-1"])
+    old, peer = attach_nodes(rdzv, pods, min_nodes=2, max_nodes=2)
+    assert join_all([old, peer]) == [0, 1]
+    old.handler._heartbeat.stop()  # its process dies with its pod: no shutdown()
+    old.handler._watcher.stop()
+    core = kubernetes.client.CoreV1Api(admin_api)
+    delete_pod(admin_api, workers_namespace, "worker-0")
+    wait_for(
+        lambda: (
+            not core.list_namespaced_pod(
+                workers_namespace, field_selector="metadata.name=worker-0"
+            ).items
+        ),
+        30,
+        "the old worker-0 gone",
+    )
+    ip = pods[0]["status"]["podIP"]
+    (remade,) = create_pods(admin_api, workers_namespace, ["worker-0"], addresses={"worker-0": ip})
+    assert remade["metadata"]["uid"] != pods[0]["metadata"]["uid"]
+    (new,) = attach_nodes(rdzv, [remade], min_nodes=2, max_nodes=2)
+    wait_told_to_rejoin([peer], "worker-1 learns that its round lost worker-0")
+    assert join_all([new, peer]) == [0, 1]
+    sealed = rdzv.status()
+    assert {m.node: m.instance for m in sealed.members}["worker-0"] == new.handler._instance

@@ -183,3 +183,37 @@ def test_the_pod_observation_carries_its_identity() -> None:
     assert observation.identity is not None
     assert observation.identity.controller_uid == JOB_UID
     assert observation.identity.addresses == frozenset({"10.1.0.5"})
+
+
+def test_a_request_written_by_an_earlier_pod_of_the_same_name_is_held_back() -> None:
+    body, spec = rendezvous()
+    identities = {name: membership.identify_pod(pod(name)) for name in ("train-0", "train-1")}
+    admission = membership.admit(
+        membership.workload_of(body, spec),
+        {"train-0": entry(), "train-1": entry()},
+        identities,
+        frozenset({"train-0"}),
+        writers={"train-0": "uid-of-the-pod-before", "train-1": "uid-train-1"},
+    )
+    assert sorted(admission.counted) == ["train-1"]
+    assert admission.refused == {}, "not the new pod's doing: nothing to report"
+
+
+def test_a_lease_says_which_pod_wrote_it() -> None:
+    lease = {
+        "metadata": {
+            "name": "train.train-0",
+            "labels": {state.NODE_LABEL: "train"},
+            "annotations": {
+                state.INSTANCE_ANNOTATION: "i-1",
+                state.ENTRY_ANNOTATION: entry().to_annotation(),
+                state.POD_UID_ANNOTATION: "uid-train-0",
+            },
+        },
+        "spec": {"holderIdentity": "train-0"},
+    }
+    observation = observe.observe_lease(lease)
+    assert observation is not None and observation.pod_uid == "uid-train-0"
+    del lease["metadata"]["annotations"][state.POD_UID_ANNOTATION]
+    observation = observe.observe_lease(lease)
+    assert observation is not None and observation.pod_uid is None

@@ -5,6 +5,7 @@ body and headers, and a timeout given as one number bounds the whole request."""
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 from collections.abc import Iterator
@@ -92,3 +93,14 @@ def test_one_number_bounds_the_whole_request() -> None:
         transport = rest.Rest(client.ApiClient(configuration(host, "t")))
         with pytest.raises(urllib3.exceptions.HTTPError):
             transport.request("GET", "/ok", timeout=0.5)
+
+
+def test_the_claims_of_a_jwt_bearer_token_are_read_and_anything_else_is_none() -> None:
+    claims = {"kubernetes.io": {"pod": {"name": "train-0", "uid": "u-1"}}}
+    payload = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
+    as_jwt = rest.Rest(client.ApiClient(configuration("http://127.0.0.1:1", f"h.{payload}.s")))
+    assert as_jwt.bearer_claims() == claims
+    for opaque in ("not-a-jwt", "a.!!!.c", "a.bnVsbA.c"):  # the last is JSON null
+        transport = rest.Rest(client.ApiClient(configuration("http://127.0.0.1:1", opaque)))
+        assert transport.bearer_claims() is None
+    assert rest.Rest(client.ApiClient(client.Configuration())).bearer_claims() is None
