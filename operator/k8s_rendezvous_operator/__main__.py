@@ -68,9 +68,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="directory with ca.crt, tls.crt, tls.key; default: a self-signed set made at start",
     )
     admission.add_argument(
+        "--webhook-timeout-seconds",
+        type=int,
+        choices=range(1, 31),
+        metavar="1..30",
+        default=5,
+        help="how long the API server waits for the webhook before it admits a pod without "
+        "the environment (default: %(default)s)",
+    )
+    admission.add_argument(
         "--webhook-config-name",
         default="torchrun-env.k8s-rendezvous.dev",
-        help="name of the MutatingWebhookConfiguration kept up to date (default: %(default)s)",
+        help="name of the MutatingWebhookConfiguration the operator keeps its webhook in "
+        "(made if missing; default: %(default)s)",
     )
     parser.add_argument(
         "--leader-elect",
@@ -135,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "port": args.webhook_port,
                 "cert_dir": args.webhook_cert_dir,
                 "config_name": args.webhook_config_name,
+                "timeout_seconds": args.webhook_timeout_seconds,
             },
         ),
     )

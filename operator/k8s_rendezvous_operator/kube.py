@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -28,7 +29,15 @@ class Invalid(Exception):
     """The API server refused the object as invalid (422); the message says why."""
 
 
-def _api_message(error: ApiException) -> str:
+class Refused(Exception):
+    """The API server refused the request for good (400, 403, 422); the message says why."""
+
+
+class Unavailable(Exception):
+    """The request may succeed later: no answer, or a 409, 429 or 5xx."""
+
+
+def api_message(error: ApiException) -> str:
     try:
         return str(json.loads(error.body or "{}").get("message") or error.reason)
     except ValueError:
@@ -100,7 +109,7 @@ class OperatorApi:
             if error.status == 404:
                 raise NotFound(f"Rendezvous {namespace}/{name}") from error
             if error.status == 422:
-                raise Invalid(_api_message(error)) from error
+                raise Invalid(api_message(error)) from error
             raise
 
     def write_slice(
@@ -255,6 +264,34 @@ class OperatorApi:
         except ApiException as error:
             if error.status != 409:
                 raise
+
+    def register_webhooks(self, configuration: str, webhooks: list[dict[str, Any]]) -> None:
+        """Make MutatingWebhookConfiguration ``configuration``'s webhooks these (a merge
+        patch replaces the list whole); create it if it is missing."""
+        path = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+        body = {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": configuration},
+            "webhooks": webhooks,
+        }
+        try:
+            try:
+                self._request(
+                    "PATCH",
+                    f"{path}/{configuration}",
+                    {"webhooks": webhooks},
+                    content_type=rest.MERGE_PATCH,
+                )
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+                self._request("POST", path, body)
+        except ApiException as error:
+            said = f"{error.status}: {api_message(error)}"
+            raise (Refused if error.status in (400, 403, 422) else Unavailable)(said) from error
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise Unavailable(str(error)) from error
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

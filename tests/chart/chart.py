@@ -33,7 +33,7 @@ SHARED_ROLES = (WORKER_ROLE, CREATOR_ROLE)
 """ClusterRoles of fixed names, also in manifests/rbac/ (which the integration fixtures apply)."""
 WEBHOOK_SERVICE = "k8s-rendezvous-webhook"
 WEBHOOK_CONFIG = "k8s-rendezvous.k8s-rendezvous.dev"
-"""The Mutating- and ValidatingWebhookConfiguration the operator may patch."""
+"""The MutatingWebhookConfiguration the operator keeps its webhook in."""
 CRD_NAMES = ("rendezvous.k8s-rendezvous.dev", "rendezvousslices.k8s-rendezvous.dev")
 
 

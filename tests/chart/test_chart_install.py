@@ -151,7 +151,6 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("Deployment", OPERATOR),
             ("Service", WEBHOOK_SERVICE),
             ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-            ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),

@@ -35,6 +35,7 @@ WEBHOOK_ARGS = [
     f"--webhook-service={NAMESPACE}/{WEBHOOK_SERVICE}",
     "--webhook-port=9443",
     f"--webhook-config-name={WEBHOOK_CONFIG}",
+    "--webhook-timeout-seconds=5",
 ]
 
 
@@ -83,7 +84,6 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("Deployment", OPERATOR),
         ("Service", WEBHOOK_SERVICE),
         ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-        ("ValidatingWebhookConfiguration", WEBHOOK_CONFIG),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
@@ -319,8 +319,12 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
         ),
         (["--set", "watchNamespaces=team"], "- at '/watchNamespaces': got string, want array"),
         (
-            ["--set", "webhook.timeoutSeconds=10"],
-            "- at '/webhook': additional properties 'timeoutSeconds' not allowed",
+            ["--set", "webhook.timeout=10"],
+            "- at '/webhook': additional properties 'timeout' not allowed",
+        ),
+        (
+            ["--set", "webhook.timeoutSeconds=31"],
+            "- at '/webhook/timeoutSeconds': maximum: got 31, want 30",
         ),
         (["--set", "webhook.port=443"], "- at '/webhook/port': minimum: got 443, want 1,024"),
         (["--set", "webhook.enabled=on"], "- at '/webhook/enabled': got string, want boolean"),
@@ -337,6 +341,7 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
         "bool-string",
         "list-string",
         "webhook-unknown-key",
+        "webhook-timeout-over-the-apis-bound",
         "webhook-privileged-port",
         "webhook-bool-string",
         "creator-unknown-key",

@@ -65,13 +65,10 @@ ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
     ("rbac.authorization.k8s.io", "clusterroles", "bind", WORKER_ROLE),
 }
 WEBHOOK: set[Rule] = {  # webhook.enabled (the default)
-    # kopf POSTs its managed configurations at start (a 409: the chart made them; create
-    # cannot be narrowed by name), a validating one always beside the mutating one...
+    # The operator merge-patches its configuration's webhooks, by name, and creates the
+    # configuration only if that found none (create cannot be narrowed by name).
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "create", ""),
-    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "create", ""),
-    # ...then merge-patches their webhooks, by name.
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch", WEBHOOK_CONFIG),
-    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch", WEBHOOK_CONFIG),
     ("batch", "jobs", "get", ""),  # a pod's Job, when its watch event has not arrived yet
 }
 LEADER_ELECTION: set[Rule] = {  # a Role in the release namespace
@@ -192,10 +189,7 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("update", "leases.coordination.k8s.io/k8s-rendezvous-operator", NAMESPACE, True),
         ("get", "jobs.batch", "-A", True),
         ("patch", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", True),
-        ("patch", f"validatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", True),
-        # kopf creates a validating configuration beside the mutating one, always.
         ("create", "mutatingwebhookconfigurations", "", True),
-        ("create", "validatingwebhookconfigurations", "", True),
         # Denied: everything else.
         ("list", "secrets", "-A", False),
         ("get", "secrets", NAMESPACE, False),
@@ -219,10 +213,10 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("patch", "jobs.batch", "-A", False),
         # Webhook configurations: only its own, only patched; never read, never deleted.
         ("patch", "mutatingwebhookconfigurations/someone-elses", "", False),
-        ("patch", "validatingwebhookconfigurations/someone-elses", "", False),
+        ("patch", f"validatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
+        ("create", "validatingwebhookconfigurations", "", False),
         ("update", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
         ("delete", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
-        ("delete", f"validatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
         ("delete", "mutatingwebhookconfigurations", "", False),
         ("get", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIG}", "", False),
         ("list", "mutatingwebhookconfigurations", "", False),
@@ -507,8 +501,9 @@ def test_the_webhook_gives_only_annotated_job_pods_torchruns_environment(
     assert not plain["spec"]["containers"][0].get("env"), "a pod of an unannotated Job"
     assert state.NODE_LABEL not in plain["metadata"]["labels"]
 
-    # The configurations as kopf left them: the mutating one served on 127.0.0.1 with
-    # failurePolicy Ignore and the job-name objectSelector; the validating one empty.
+    # The configuration as the operator registered it: served on 127.0.0.1 with
+    # failurePolicy Ignore, the chart's timeout, the job-name objectSelector, and the
+    # namespaces it watches (none given: all but the system ones).
     mutating = json.loads(
         control_plane.kubectl(
             "get", "mutatingwebhookconfiguration", WEBHOOK_CONFIG, "-o", "json"
@@ -519,12 +514,16 @@ def test_the_webhook_gives_only_annotated_job_pods_torchruns_environment(
     assert webhook["objectSelector"] == {
         "matchExpressions": [{"key": "batch.kubernetes.io/job-name", "operator": "Exists"}]
     }
-    validating = json.loads(
-        control_plane.kubectl(
-            "get", "validatingwebhookconfiguration", WEBHOOK_CONFIG, "-o", "json"
-        ).stdout
-    )
-    assert not validating.get("webhooks")
+    assert webhook["timeoutSeconds"] == 5
+    assert webhook["namespaceSelector"] == {
+        "matchExpressions": [
+            {
+                "key": "kubernetes.io/metadata.name",
+                "operator": "NotIn",
+                "values": ["kube-system", "kube-node-lease", "kube-public"],
+            }
+        ]
+    }
 
     # What the webhook does when a Job's watch event is late (reads the Job), done with
     # the operator's own token; and the operator is still running (a 403 would stop kopf).

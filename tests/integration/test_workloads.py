@@ -22,6 +22,7 @@ from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous, create_pods, join_all, wait_told_to_rejoin
 from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
+from tests.support.operator import OperatorProcess
 
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
@@ -272,6 +273,42 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
     plain = running_pods(admin_api, workers_namespace, "plain", 1)[0]
     assert not plain["spec"]["containers"][0].get("env")
     assert state.NODE_LABEL not in plain["metadata"]["labels"]
+
+
+@pytest.mark.webhook
+def test_a_hung_operator_never_blocks_the_pods_its_webhook_is_sent(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    control_plane: ControlPlane,
+    operator_process: OperatorProcess,
+) -> None:
+    """Registered by the operator itself: a few seconds' timeout (not kopf's fixed 30 s),
+    failure policy Ignore, and only the namespaces it watches. While it hangs (SIGSTOP: its
+    port accepts connections and never answers), a pod it would be sent is admitted,
+    without the environment."""
+    wait_webhook_registered(control_plane, workers_namespace)
+    configuration = read_object(
+        kubernetes.client.AdmissionregistrationV1Api(admin_api).read_mutating_webhook_configuration,
+        f"torchrun-env.{workers_namespace}.k8s-rendezvous.dev",
+    )
+    (webhook,) = configuration["webhooks"]
+    assert (webhook["timeoutSeconds"], webhook["failurePolicy"]) == (5, "Ignore")
+    assert webhook["namespaceSelector"] == {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [workers_namespace]}
+        ]
+    }
+    operator_process.pause()
+    try:
+        (pod,) = create_pods(
+            admin_api,
+            workers_namespace,
+            ["hung-0"],
+            labels={"batch.kubernetes.io/job-name": "hung"},
+        )
+    finally:
+        operator_process.resume()
+    assert not pod["spec"]["containers"][0].get("env"), "admitted without the environment"
 
 
 def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(

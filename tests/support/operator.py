@@ -56,11 +56,23 @@ class OperatorProcess:
                 args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung operator, whose sockets still accept connections and never
+        answer (until :meth:`resume`; :meth:`stop` resumes it first)."""
+        assert self._process is not None and self._process.poll() is None, "not running"
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 15) -> None:
         """SIGTERM, then SIGKILL: what Kubernetes does to a pod."""
         process = self._process
         if process is None or process.poll() is not None:
             return
+        self.resume()
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout)

@@ -10,6 +10,8 @@ import ssl
 from pathlib import Path
 from typing import Any
 
+import kopf
+
 from k8s_rendezvous_operator import certificates, webhook
 
 
@@ -30,28 +32,73 @@ async def first_config(server: Any) -> dict[str, Any]:
         await configs.aclose()
 
 
-def test_service_reference_with_ca_bundle(tmp_path: Path) -> None:
+class RecordingApi:
+    """Stands in for the API only to capture what would be registered; the registration
+    itself runs against the real API server in tests/chart and tests/integration."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[str, list[dict[str, Any]]]] = []
+
+    def register_webhooks(self, configuration: str, webhooks: list[dict[str, Any]]) -> None:
+        self.registered.append((configuration, webhooks))
+
+
+def test_a_service_reference_with_its_ca_bundle_is_registered_before_kopf_gets_it(
+    tmp_path: Path,
+) -> None:
     ca, cert, key = certificates.write_self_signed(tmp_path, ["op-webhook.system.svc", "127.0.0.1"])
     port = free_port()
-    server = webhook.ServiceWebhookServer(
+    api = RecordingApi()
+    server = webhook.RegisteringWebhookServer(
+        kopf.WebhookServer(
+            addr="127.0.0.1",
+            port=port,
+            host="op-webhook.system.svc",
+            cafile=str(ca),
+            certfile=str(cert),
+            pkeyfile=str(key),
+        ),
+        api,  # type: ignore[arg-type]
+        "op.k8s-rendezvous.dev",
         service="system/op-webhook",
         service_port=port,
-        addr="127.0.0.1",
-        port=port,
-        host="op-webhook.system.svc",
-        cafile=str(ca),
-        certfile=str(cert),
-        pkeyfile=str(key),
+        timeout_seconds=3,
+        namespaces=["team-b", "team-a"],
     )
     config = asyncio.run(first_config(server))
     assert "url" not in config
-    assert config["service"] == {
-        "namespace": "system",
-        "name": "op-webhook",
-        "port": port,
-        "path": "",
-    }
+    assert config["service"] == {"namespace": "system", "name": "op-webhook", "port": port}
     assert config["caBundle"]
+    ((name, (registered,)),) = api.registered
+    assert name == "op.k8s-rendezvous.dev"
+    assert registered["clientConfig"] == {
+        "caBundle": config["caBundle"],
+        "service": {
+            "namespace": "system",
+            "name": "op-webhook",
+            "port": port,
+            "path": "/torchrun-env",
+        },
+    }
+    assert registered["timeoutSeconds"] == 3
+    assert registered["failurePolicy"] == "Ignore"
+    assert registered["namespaceSelector"] == {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}
+        ]
+    }
+
+
+def test_a_url_gets_the_handlers_path_and_a_cluster_wide_operator_skips_system_namespaces() -> None:
+    (registered,) = webhook.webhooks(
+        {"url": "https://127.0.0.1:9443"}, timeout_seconds=5, namespaces=()
+    )
+    assert registered["clientConfig"] == {"url": "https://127.0.0.1:9443/torchrun-env"}
+    (excluded,) = registered["namespaceSelector"]["matchExpressions"]
+    assert excluded["operator"] == "NotIn" and "kube-system" in excluded["values"]
+    assert registered["objectSelector"] == {
+        "matchExpressions": [{"key": "batch.kubernetes.io/job-name", "operator": "Exists"}]
+    }
 
 
 def test_self_signed_certificate_verifies_for_its_names(tmp_path: Path) -> None:
