@@ -960,8 +960,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             return self._client.get()
 
     def _create_rendezvous(self) -> bool:
-        """Make the missing Rendezvous from torchrun's parameters, owned by this pod's
-        controller, so any workload (JobSet, PyTorchJob, StatefulSet) works by changing
+        """Make the missing Rendezvous from torchrun's parameters, to be owned by this
+        pod's controller, so any workload (JobSet, PyTorchJob, StatefulSet) works by changing
         only the rendezvous backend. ``False`` if this service account may not."""
         conf = self._configured_timeouts
         spec = state.RendezvousSpec(
@@ -977,16 +977,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
             ),
         )
-        owner = self._client.controller_of(self._node)
-        if not self._client.create(spec, owner):
+        if not self._client.create(spec, self._node):
             return False
         log.info(
-            "node %s created %s (%d:%d nodes, owner %s)",
+            "node %s created %s (%d:%d nodes); the operator makes its pod's controller the owner",
             self._node,
             self._client.reference,
             spec.min_nodes,
             spec.max_nodes,
-            f"{owner['kind']}/{owner['name']}" if owner else "none",
         )
         return True
 

@@ -151,37 +151,17 @@ class RendezvousClient:
             raise self._error(f"read pod {pod} for", error) from error
         return True
 
-    def controller_of(self, pod: str) -> dict[str, Any] | None:
-        """The ownerReference of ``pod``'s controller (a Job, StatefulSet, ...), or ``None``
-        if it has none or this service account may not read pods."""
-        try:
-            found = self._rest.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
-        except ApiException as error:
-            if error.status in (403, 404):
-                log.info("cannot read pod %s (%s): the Rendezvous gets no owner", pod, error.status)
-                return None
-            raise self._error(f"read pod {pod} for", error) from error
-        except (urllib3.exceptions.HTTPError, OSError) as error:
-            raise self._error(f"read pod {pod} for", error) from error
-        for owner in (found.get("metadata") or {}).get("ownerReferences") or []:
-            if owner.get("controller"):
-                return {
-                    "apiVersion": owner["apiVersion"],
-                    "kind": owner["kind"],
-                    "name": owner["name"],
-                    "uid": owner["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": False,
-                }
-        return None
-
-    def create(self, spec: state.RendezvousSpec, owner: dict[str, Any] | None) -> bool:
-        """Create the Rendezvous; ``True`` if made or already there, ``False`` if this
+    def create(self, spec: state.RendezvousSpec, creator: str) -> bool:
+        """Create the Rendezvous, made by pod ``creator`` (the operator gives it that pod's
+        controller as its owner); ``True`` if made or already there, ``False`` if this
         service account may not create it."""
         body: dict[str, Any] = {
             "apiVersion": state.API_VERSION,
             "kind": state.KIND,
-            "metadata": {"name": self.name, **({"ownerReferences": [owner]} if owner else {})},
+            "metadata": {
+                "name": self.name,
+                "annotations": {state.CREATED_BY_ANNOTATION: creator},
+            },
             "spec": spec.to_dict(),
         }
 

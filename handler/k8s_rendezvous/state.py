@@ -71,6 +71,10 @@ INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
 """On a node's Lease: the agent instance that renews it."""
 ENTRY_ANNOTATION: Final = f"{GROUP}/entry"
 """On a node's Lease: its :class:`NodeEntry` as JSON, the node's request to the operator."""
+CREATED_BY_ANNOTATION: Final = f"{GROUP}/created-by-pod"
+"""On a Rendezvous a pod made (not an annotated Job's): that pod's name. The admission
+policy holds it to the creator's token; the operator then sets the Rendezvous' owner to
+that pod's controller, as the Pod object says."""
 POD_UID_ANNOTATION: Final = f"{GROUP}/pod-uid"
 """On a node's Lease: the uid of the pod that wrote it, from its bound token. The admission
 policy holds it to the token's, so the operator can tell the pod that wrote a Lease from a

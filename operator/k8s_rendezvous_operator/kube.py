@@ -301,14 +301,38 @@ class OperatorApi:
                 return None
             raise
 
-    def pod_node_name(self, namespace: str, pod: str) -> str | None:
+    def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
         try:
-            found = self._request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+            return self._request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        return cast(str | None, (found.get("spec") or {}).get("nodeName"))
+
+    def pod_node_name(self, namespace: str, pod: str) -> str | None:
+        found = self.get_pod(namespace, pod)
+        return (
+            None if found is None else cast(str | None, (found.get("spec") or {}).get("nodeName"))
+        )
+
+    def adopt_rendezvous(
+        self, namespace: str, name: str, uid: str, owner: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Make ``owner`` the controller owner of the Rendezvous whose uid is ``uid``
+        (the uid is a precondition: not one made anew since); the Rendezvous as it is now."""
+        try:
+            return self._request(
+                "PATCH",
+                self._path(namespace, state.PLURAL, name),
+                {"metadata": {"uid": uid, "ownerReferences": [owner]}},
+                content_type=rest.MERGE_PATCH,
+            )
+        except ApiException as error:
+            if error.status == 404:
+                raise NotFound(name) from error
+            if error.status == 409:
+                raise Conflict(name) from error
+            raise
 
     def node_labels(self, node: str) -> dict[str, str]:
         found = self._request("GET", f"/api/v1/nodes/{node}")

@@ -6,9 +6,10 @@ bound token), but it can name any Rendezvous in it and any address. So the opera
 a request only when:
 
 1. the pod belongs to the Rendezvous' workload: its controller is the Rendezvous'
-   controller owner (the annotated Job, or the workload whose pod created it), and its
-   labels match ``spec.podSelector`` if one is set. A Rendezvous with neither (made by
-   hand, without a selector) admits nobody: there is no workload to check against;
+   controller owner (the annotated Job, or the controller of the pod that created it,
+   which the operator makes its owner: :func:`creator_to_adopt`), and its labels match
+   ``spec.podSelector`` if one is set. A Rendezvous with neither (made by hand, without a
+   selector) admits nobody: there is no workload to check against;
 2. the address it offers is one of its pod's IPs (its node's, for a host-network pod), so
    that rank 0's store is where that pod is and nowhere else.
 
@@ -93,6 +94,32 @@ def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
         labels=tuple(sorted((k, v) for k, v in labels.items() if k != state.NODE_LABEL)),
         addresses=addresses,
     )
+
+
+def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> str | None:
+    """The pod whose controller is to own ``rendezvous``: the pod that made it, if it has
+    no controller owner yet and no ``spec.podSelector`` says whose pods it admits."""
+    metadata = rendezvous.get("metadata") or {}
+    if _controller(metadata) is not None or spec.pod_selector is not None:
+        return None
+    creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
+    return creator if isinstance(creator, str) and creator else None
+
+
+def controller_reference(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An ownerReference to ``pod``'s controller (a Job, a StatefulSet, a JobSet's Job...),
+    not blocking its deletion, or ``None`` for a bare pod."""
+    owner = _controller(pod.get("metadata") or {})
+    if owner is None:
+        return None
+    return {
+        "apiVersion": owner.get("apiVersion"),
+        "kind": owner.get("kind"),
+        "name": owner.get("name"),
+        "uid": owner.get("uid"),
+        "controller": True,
+        "blockOwnerDeletion": False,
+    }
 
 
 def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:

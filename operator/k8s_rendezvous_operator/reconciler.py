@@ -105,6 +105,8 @@ class Reconciler:
         self._heartbeats: dict[Key, rounds.Heartbeat] = {}
         self._entries: dict[Key, dict[str, state.NodeEntry]] = {}
         """Per rendezvous: each node's request, as its Lease says."""
+        self._adopted: dict[Key, str] = {}
+        """Per rendezvous made by a pod: the uid it was given its creator's owner for."""
         self._writers: dict[Key, str] = {}
         """Per pod: the uid of the pod that wrote its Lease, where the Lease says."""
         self._lease_problems: dict[Key, str] = {}
@@ -152,6 +154,7 @@ class Reconciler:
                 memory.pop(pod, None)
             self._labelled.discard(pod)
         self._unreadable.pop(key, None)
+        self._adopted.pop(key, None)
         self._write_refused.pop(key, None)
         self._waiting.pop(key, None)
         self._slices.pop(key, None)
@@ -540,6 +543,11 @@ class Reconciler:
                     await self._refuse(key, body, f"cannot be read, no round is decided: {error}")
                 return
             self._unreadable.pop(key, None)
+            creator = membership.creator_to_adopt(body, spec)
+            if creator is not None and self._adopted.get(key) != body["metadata"].get("uid"):
+                self._adopted[key] = body["metadata"].get("uid", "")
+                if await self._adopt(key, body, creator):
+                    continue
             first_write = "state" not in (body.get("status") or {})
             if first_write:
                 # The first write fixes how the rounds are published, for good: a node's
@@ -844,6 +852,40 @@ class Reconciler:
                 continue
             task = asyncio.get_running_loop().create_task(self._label_pod(pod, rendezvous))
             self._labelling[pod] = task
+
+    async def _adopt(self, key: Key, body: Mapping[str, Any], creator: str) -> bool:
+        """Make the controller of the pod that created the Rendezvous its owner (once per
+        Rendezvous); ``True`` if it now has one. The pod only said that it made it (the
+        admission policy holds that to its token): which workload that is, is the Pod
+        object's word, never the pod's."""
+        namespace, name = key
+        try:
+            pod = await asyncio.to_thread(self._api.get_pod, namespace, creator)
+            owner = None if pod is None else membership.controller_reference(pod)
+            if owner is not None:
+                adopted = await asyncio.to_thread(
+                    self._api.adopt_rendezvous, namespace, name, body["metadata"]["uid"], owner
+                )
+                self._remember(key, adopted)
+                log.info("Rendezvous %s/%s: owned by %s/%s", *key, owner["kind"], owner["name"])
+                return True
+        except (kube.NotFound, kube.Conflict):
+            return False  # deleted or made anew meanwhile: its own event follows
+        except Exception:
+            self._adopted.pop(key, None)  # tried again on its next event
+            log.exception("Rendezvous %s/%s: giving it its creator's owner failed", *key)
+            return False
+        why = "no longer exists" if pod is None else "has no controller (a bare pod)"
+        self._warn(
+            key,
+            body,
+            "NoOwner",
+            f"Rendezvous {name} was made by pod {creator}, which {why}: there is no workload "
+            "to check its nodes against, so it admits nobody. Run torchrun in pods of a "
+            "controller (a Job, JobSet, StatefulSet...), or set spec.podSelector to the "
+            "labels of the job's pods.",
+        )
+        return False
 
     def _replaced(self, pod: Key) -> bool:
         """Whether the pod that wrote ``pod``'s Lease is not the one we know of by that

@@ -235,6 +235,44 @@ def test_the_status_is_not_the_pods_to_write(pod_a: PodClient, rendezvous: Rende
     assert 'cannot patch resource "rendezvous/status"' in message
 
 
+def test_a_pod_makes_a_rendezvous_only_in_its_own_name_and_names_no_owner(
+    control_plane: ControlPlane, pod_a: PodClient
+) -> None:
+    """With the creator role, a pod makes a missing Rendezvous saying only that it made it:
+    naming an owner (another workload, whose pods would run under the spec it chose), or
+    a selector that admits another workload's pods, is refused."""
+    control_plane.kubectl(
+        "-n",
+        pod_a.namespace,
+        "create",
+        "rolebinding",
+        "creator",
+        "--clusterrole=k8s-rendezvous-creator",
+        f"--serviceaccount={pod_a.namespace}:default",
+    )
+
+    def create(name: str, creator: str, **extra: Any) -> object:
+        spec = {"minNodes": 1, "maxNodes": 2, "runId": name, **extra.pop("spec", {})}
+        metadata = {"name": name, "annotations": {state.CREATED_BY_ANNOTATION: creator}, **extra}
+        body = {"apiVersion": state.API_VERSION, "kind": state.KIND, "metadata": metadata}
+        return pod_a.custom.create_namespaced_custom_object(
+            state.GROUP, state.VERSION, pod_a.namespace, state.PLURAL, {**body, "spec": spec}
+        )
+
+    message = denied(lambda: create("as-b", "pod-b"))
+    assert (
+        "pod pod-a may create Rendezvous as-b only as made by itself (annotation "
+        "k8s-rendezvous.dev/created-by-pod: pod-a)"
+    ) in message
+    owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "victim", "uid": "u-1"}
+    message = denied(lambda: create("owned", "pod-a", ownerReferences=[owner]))
+    assert "pod pod-a may not set the owner of Rendezvous owned: the operator makes" in message
+    selector = {"podSelector": {"matchLabels": {"app": "victim"}}}
+    message = denied(lambda: create("selecting", "pod-a", spec=selector))
+    assert "pod pod-a may not set spec.podSelector of Rendezvous selecting" in message
+    assert create("its-own", "pod-a")
+
+
 def test_the_operator_and_admins_are_not_concerned(
     rendezvous: Rendezvous, admin_api: kubernetes.client.ApiClient
 ) -> None:
@@ -292,6 +330,7 @@ def test_leases_without_the_rendezvous_label_are_not_concerned(
         "k8s-rendezvous-pod-leases",
         "k8s-rendezvous-worker-leases",
         "k8s-rendezvous-operator-writes",
+        "k8s-rendezvous-pod-rendezvous",
     ],
 )
 def test_the_policy_type_checks_cleanly(

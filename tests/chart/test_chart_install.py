@@ -157,6 +157,8 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
+            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
+            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
             ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
             ("FlowSchema", "k8s-rendezvous-pod-leases"),
         }

@@ -90,6 +90,8 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
         ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
         ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
         ("FlowSchema", "k8s-rendezvous-pod-leases"),
     }, "the metrics Service and ServiceMonitor are opt-in"

@@ -402,6 +402,38 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
             node.api.close()
 
 
+def test_a_rendezvous_made_by_a_bare_pod_gets_no_owner_and_says_why(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    control_plane: ControlPlane,
+    attach_nodes: AttachNodes,
+) -> None:
+    control_plane.kubectl(
+        "-n",
+        workers_namespace,
+        "create",
+        "rolebinding",
+        "creator",
+        "--clusterrole=k8s-rendezvous-creator",
+        f"--serviceaccount={workers_namespace}:default",
+    )
+    rdzv = Rendezvous(admin_api, workers_namespace, "loner-train")
+    (node,) = attach_nodes(rdzv, create_pods(admin_api, workers_namespace, ["loner"]))
+    node.join_in_background()  # it makes the Rendezvous, then waits to be admitted
+    message = wait_for(
+        lambda: next((m for _, r, m in rdzv.events() if r == "NoOwner"), None),
+        30,
+        "a NoOwner Warning on the Rendezvous",
+    )
+    assert message.startswith(
+        "Rendezvous loner-train was made by pod loner, which has no controller (a bare pod): "
+        "there is no workload to check its nodes against, so it admits nobody."
+    )
+    body = rdzv.body()
+    assert body["metadata"]["annotations"][state.CREATED_BY_ANNOTATION] == "loner"
+    assert not body["metadata"].get("ownerReferences")
+
+
 def test_rank_order_groups_newcomers_by_zone(
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,

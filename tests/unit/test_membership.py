@@ -217,3 +217,29 @@ def test_a_lease_says_which_pod_wrote_it() -> None:
     del lease["metadata"]["annotations"][state.POD_UID_ANNOTATION]
     observation = observe.observe_lease(lease)
     assert observation is not None and observation.pod_uid is None
+
+
+def test_a_pod_made_rendezvous_is_adopted_by_its_creators_controller_only() -> None:
+    made = {
+        "metadata": {"name": "train", "annotations": {state.CREATED_BY_ANNOTATION: "train-0"}},
+        "spec": {"minNodes": 1, "maxNodes": 2, "runId": "train"},
+    }
+    spec = state.RendezvousSpec.from_dict(made["spec"])
+    assert membership.creator_to_adopt(made, spec) == "train-0"
+    owned, _ = rendezvous()
+    owned["metadata"]["annotations"] = made["metadata"]["annotations"]
+    assert membership.creator_to_adopt(owned, spec) is None, "owned already"
+    selecting = {**made, "spec": {**made["spec"], "podSelector": {"matchLabels": {"a": "b"}}}}
+    selected = state.RendezvousSpec.from_dict(selecting["spec"])
+    assert membership.creator_to_adopt(selecting, selected) is None, "an admin's rule"
+    body = pod()
+    body["metadata"]["ownerReferences"][0]["apiVersion"] = "batch/v1"
+    assert membership.controller_reference(body) == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": "train",
+        "uid": JOB_UID,
+        "controller": True,
+        "blockOwnerDeletion": False,
+    }
+    assert membership.controller_reference(pod(controller_uid=None)) is None
