@@ -295,7 +295,7 @@ class RoundWatcher:
                 self._decode_error = None
                 self._offered += 1
                 self._recent.append((self._offered, status))
-                if status.slices and self._slice is None:
+                if status.slices and self._slice is None and status.slices <= _slices_allowed(obj):
                     index = state.slice_index(self._node, status.slices)
                     self._slice = state.slice_name(self._client.name, index)
                     # The slice is another object: its versions are not comparable with
@@ -430,6 +430,13 @@ class RoundWatcher:
                 self._changed.notify_all()
             return
         self.offer(current)
+
+
+def _slices_allowed(obj: Mapping[str, Any]) -> int:
+    """The most slices ``obj``'s spec can need (the operator refuses a status with more,
+    and so no node follows it to slices that are never made)."""
+    max_nodes = (obj.get("spec") or {}).get("maxNodes")
+    return state.slices_needed(max_nodes) if type(max_nodes) is int else state.MAX_SLICES
 
 
 def _raw_round_key(obj: Mapping[str, Any]) -> str:

@@ -97,6 +97,13 @@ def slice_count(max_nodes: int) -> int:
     return 0 if max_nodes <= SLICE_MEMBERS else math.ceil(max_nodes / SLICE_MEMBERS)
 
 
+def slices_needed(max_nodes: int, nodes: int = 0) -> int:
+    """The most slices a Rendezvous can need: as many as ``max_nodes`` fill, or its
+    ``nodes`` (members and left behind) if ``maxNodes`` was lowered since. More is a status
+    edited by hand: neither side follows it."""
+    return slice_count(max(max_nodes, nodes))
+
+
 def slice_index(node: str, count: int) -> int:
     """The slice that carries pod ``node``'s entries: a stable hash, so that a node knows
     its slice before it has a rank (both sides compute it)."""

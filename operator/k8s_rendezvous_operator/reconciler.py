@@ -537,6 +537,8 @@ class Reconciler:
             try:
                 spec = state.RendezvousSpec.from_dict(body.get("spec"))
                 current = state.RendezvousStatus.from_dict(body.get("status"))
+                if problem := rounds.slices_problem(spec, current):
+                    raise state.DecodeError(problem)
             except state.DecodeError as error:
                 if self._unreadable.get(key) != str(error):
                     self._unreadable[key] = str(error)

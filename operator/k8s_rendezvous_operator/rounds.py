@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from k8s_rendezvous.state import (
+    SLICE_MEMBERS,
     Condition,
     Master,
     Member,
@@ -38,6 +39,7 @@ from k8s_rendezvous.state import (
     RendezvousSpec,
     RendezvousStatus,
     RoundState,
+    slices_needed,
 )
 from k8s_rendezvous_operator.membership import PodIdentity
 
@@ -284,6 +286,20 @@ def _closed(status: RendezvousStatus, reason: str, message: str) -> RendezvousSt
         nodes_waiting=0,
         forming_since=None,
         last_call_deadline=None,
+    )
+
+
+def slices_problem(spec: RendezvousSpec, status: RendezvousStatus) -> str | None:
+    """Why ``status.slices`` is more than the rendezvous can need (an edit by hand), else
+    ``None``. Each slice is an object written every round: never more of them than its
+    nodes fill (``maxNodes``, or the members it has if ``maxNodes`` was lowered since)."""
+    nodes = max(spec.max_nodes, len(status.members) + len(status.left_behind))
+    needed = slices_needed(nodes)
+    if status.slices <= needed:
+        return None
+    return (
+        f"status.slices: {status.slices} is more than the {needed} that {nodes} nodes need "
+        f"(one per {SLICE_MEMBERS}, none up to {SLICE_MEMBERS}); set it to {needed}"
     )
 
 

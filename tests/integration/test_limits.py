@@ -206,3 +206,40 @@ def test_a_status_whose_next_round_the_api_server_refuses_is_reported_once_not_r
         "the InvalidRendezvous Event posted",
     )
     assert len(refusals) == 1, refusals
+
+
+def test_more_slices_than_the_nodes_need_are_refused_not_made(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    """``slices: 300`` edited into the status of a 2-node rendezvous: the operator makes
+    none of them and decides no round, says what to set instead, once; fixed, it seals."""
+    name = "many-slices"
+    kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        body(name, minNodes=1, maxNodes=2),
+    )
+    rdzv = Rendezvous(admin_api, workers_namespace, name)
+    rdzv.patch_status({"state": "Forming", "round": 0, "slices": 300, "schemaVersion": 1})
+    (node,) = make_nodes(rdzv, 1, read_timeout=5)
+    joining = node.join_in_background()
+    refusal = wait_for(
+        lambda: [m for _, reason, m in rdzv.events() if reason == "InvalidRendezvous"] or None,
+        30,
+        "the InvalidRendezvous Event posted",
+    )
+    assert (
+        "status.slices: 300 is more than the 0 that 2 nodes need (one per 100, none up to "
+        "100); set it to 0"
+    ) in refusal[0]
+    rdzv.patch_status({"slices": 0})
+    assert joining.wait(60).world_size == 1
+    slices = kubernetes.client.CustomObjectsApi(admin_api).list_namespaced_custom_object(
+        state.GROUP, state.VERSION, workers_namespace, "rendezvousslices"
+    )
+    assert slices["items"] == []
+    assert len([r for _, r, _ in rdzv.events() if r == "InvalidRendezvous"]) == 1
