@@ -8,10 +8,12 @@
 - manifests/rbac/*-clusterrole.yaml      -> charts/k8s-rendezvous/files/ (the chart templates
   them: the worker and the creator role)
 - the chart, rendered with its defaults  -> manifests/operator/ (namespace, operator),
-  manifests/policy/ (the admission policies) and manifests/flowcontrol/ (API Priority and
-  Fairness for the nodes' Leases), for installs without Helm:
+  manifests/policy/ (the admission policies), manifests/flowcontrol/ (API Priority and
+  Fairness for the nodes' Leases) and manifests/injection/ (the MutatingAdmissionPolicy,
+  Kubernetes 1.36 and later), for installs without Helm:
       kubectl apply --server-side -f manifests/crds/ -f manifests/rbac/ \\
-        -f manifests/operator/ -f manifests/policy/ -f manifests/flowcontrol/
+        -f manifests/operator/ -f manifests/policy/ -f manifests/flowcontrol/ \\
+        [-f manifests/injection/]
 
 helm comes from --helm, $HELM, or tests/cluster/build.sh (which builds it once, for the
 pinned Kubernetes version: the chart's kubeVersion needs no --kube-version then; a release
@@ -96,14 +98,24 @@ def rendered(helm: str) -> dict[Path, bytes]:
         "admissionPolicy.enabled=false",
         "--set",
         "flowControl.enabled=false",
+        "--set",
+        "injectionPolicy.enabled=false",
     )
     policy = render(helm, "--show-only", "templates/admission-policy.yaml")
+    injection = render(
+        helm,
+        "--api-versions",
+        "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy",
+        "--show-only",
+        "templates/injection-policy.yaml",
+    )
     flow_control = render(helm, "--show-only", "templates/flowcontrol.yaml")
     return {
         REPO / "manifests" / "operator" / "namespace.yaml": namespace.encode(),
         REPO / "manifests" / "operator" / "operator.yaml": operator.encode(),
         REPO / "manifests" / "policy" / "admission-policy.yaml": policy.encode(),
         REPO / "manifests" / "flowcontrol" / "flow-control.yaml": flow_control.encode(),
+        REPO / "manifests" / "injection" / "torchrun-env-policy.yaml": injection.encode(),
     }
 
 
@@ -113,6 +125,7 @@ GENERATED_DIRS = (
     REPO / "manifests" / "operator",
     REPO / "manifests" / "policy",
     REPO / "manifests" / "flowcontrol",
+    REPO / "manifests" / "injection",
 )
 
 

@@ -44,6 +44,7 @@ INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 CLUSTER_KINDS = (
     "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,"
     "mutatingwebhookconfigurations,validatingwebhookconfigurations,flowschemas,"
+    "mutatingadmissionpolicies,mutatingadmissionpolicybindings,"
     "prioritylevelconfigurations"
 )
 NAMESPACED_KINDS = "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases,services"
@@ -159,6 +160,9 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
+            # Kubernetes 1.36 and later: the API server serves it, so the chart installs it.
+            ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
+            ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
             ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
             ("FlowSchema", "k8s-rendezvous-pod-leases"),
         }

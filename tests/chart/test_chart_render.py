@@ -414,3 +414,33 @@ def test_operator_image_runs_as_65532_without_torch() -> None:
             [hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True, check=False
         )
         assert result.returncode == 0, result.stdout
+
+
+MUTATING_POLICY = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+
+
+@pytest.mark.parametrize(
+    ("flags", "installed"),
+    [
+        ([], False),  # helm template, or a cluster that does not serve it
+        (["--api-versions", MUTATING_POLICY], True),
+        (["--api-versions", MUTATING_POLICY, "--set", "injectionPolicy.enabled=false"], False),
+        (["--set", "injectionPolicy.enabled=true"], True),
+    ],
+    ids=["not-served", "served", "served-but-off", "forced-on"],
+)
+def test_the_injection_policy_is_installed_where_the_api_server_serves_it(
+    helm: Helm, flags: list[str], installed: bool
+) -> None:
+    objects = helm.template_objects(*flags)
+    policies = {
+        (o["kind"], o["metadata"]["name"])
+        for o in objects
+        if o["kind"].startswith("MutatingAdmissionPolicy")
+    }
+    expected = {
+        ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
+        ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
+    }
+    assert policies == (expected if installed else set())
+    assert any(o["kind"] == "MutatingWebhookConfiguration" for o in objects), "the webhook stays"

@@ -482,9 +482,9 @@ def test_the_webhook_gives_only_annotated_job_pods_torchruns_environment(
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
 ) -> None:
-    """The webhook with exactly the chart's RBAC: kopf created (409: the chart made them)
-    and patched its configurations with the operator's token, and serves the pods the Job
-    controller creates."""
+    """The webhook with exactly the chart's RBAC: the operator patched its configuration
+    (the chart made it) with its own token, and serves the pods the Job controller
+    creates."""
     annotations = {"k8s-rendezvous.dev/nodes": "1:2", "k8s-rendezvous.dev/run-id": "exp-7"}
     make_job(admin_api, workers_namespace, "zero-flag", annotations)
     make_job(admin_api, workers_namespace, "plain", {})

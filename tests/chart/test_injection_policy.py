@@ -1,0 +1,126 @@
+"""Zero-flag torchrun with no operator in the path: the chart's MutatingAdmissionPolicy
+(installed where the API server serves it, as the pinned Kubernetes does) against the
+real API server and the real Job controller, while the operator is stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.chart.chart import NAMESPACE, OPERATOR, WEBHOOK_CONFIG, ChartOperator, Release
+from tests.cluster.controlplane import read_object
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import free_port
+from tests.support.jobs import make_job, running_pods
+
+from k8s_rendezvous import state
+
+pytestmark = pytest.mark.usefixtures("chart_release")
+
+ANNOTATIONS = {"k8s-rendezvous.dev/nodes": "1:3", "k8s-rendezvous.dev/run-id": "exp-9"}
+
+
+@pytest.fixture
+def operator(chart_release: Release, tmp_path: Path) -> Iterator[ChartOperator]:
+    """The operator as the chart runs it, with its webhook on 127.0.0.1."""
+    pod = chart_release.operator_pods()[0]
+    process = ChartOperator(
+        chart_release.operator_kubeconfig(pod, tmp_path / "kubeconfig"),
+        tmp_path / "operator.log",
+        pod=pod["metadata"]["name"],
+        args=(
+            "--leader-elect",
+            f"--leader-election-namespace={NAMESPACE}",
+            f"--leader-election-id={OPERATOR}",
+            "--webhook",
+            "--webhook-host=127.0.0.1",
+            "--webhook-addr=127.0.0.1",
+            f"--webhook-port={free_port()}",
+            f"--webhook-config-name={WEBHOOK_CONFIG}",
+        ),
+    )
+    process.start()
+    try:
+        wait_for(lambda: "webhook registered" in process.log(), 60, "the webhook registered")
+        yield process
+    finally:
+        process.stop()
+        print(f"--- operator log (tail) ---\n{process.log_tail()}")
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in pod["spec"]["containers"][0].get("env") or []}
+
+
+def replace_pod(api: kubernetes.client.ApiClient, namespace: str, job: str) -> dict[str, Any]:
+    """Delete the Job's running pod; the pod the Job controller makes instead."""
+    (old,) = running_pods(api, namespace, job, 1)
+    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(
+        old["metadata"]["name"], namespace, grace_period_seconds=0
+    )
+
+    def replacement() -> dict[str, Any] | None:
+        pods = read_object(
+            kubernetes.client.CoreV1Api(api).list_namespaced_pod,
+            namespace,
+            label_selector=f"batch.kubernetes.io/job-name={job}",
+        )["items"]
+        return next((p for p in pods if p["metadata"]["uid"] != old["metadata"]["uid"]), None)
+
+    return wait_for(replacement, 60, f"the pod Job {job} makes instead")
+
+
+def test_a_pod_replaced_while_no_operator_serves_still_gets_torchruns_environment(
+    operator: ChartOperator,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    make_job(admin_api, workers_namespace, "no-operator", 1, ANNOTATIONS)
+    running_pods(admin_api, workers_namespace, "no-operator", 1)
+    custom = kubernetes.client.CustomObjectsApi(admin_api)
+    wait_for(
+        lambda: custom.list_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL
+        )["items"],
+        30,
+        "the Job's Rendezvous made",
+    )
+    operator.stop()  # its webhook still registered: the API server's calls are refused
+
+    replacement = replace_pod(admin_api, workers_namespace, "no-operator")
+    env = env_of(replacement)
+    assert env["PET_RDZV_BACKEND"]["value"] == "kubernetes"
+    assert env["PET_RDZV_ENDPOINT"]["value"] == "no-operator"
+    assert env["PET_NNODES"]["value"] == "1:3"
+    assert env["PET_RDZV_ID"]["value"] == "exp-9"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert replacement["metadata"]["labels"][state.NODE_LABEL] == "no-operator"
+
+
+def test_a_rendezvous_its_job_does_not_own_gives_the_jobs_pods_nothing(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    """A Rendezvous named after a Job, labelled as the operator's, but not controlled by
+    that Job: the Job's pods get nothing from it (no operator runs here at all)."""
+    kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {
+                "name": "plain",
+                "labels": {"app.kubernetes.io/managed-by": "k8s-rendezvous-operator"},
+            },
+            "spec": {"minNodes": 1, "maxNodes": 2, "runId": "plain"},
+        },
+    )
+    make_job(admin_api, workers_namespace, "plain", 1, {})
+    (pod,) = running_pods(admin_api, workers_namespace, "plain", 1)
+    assert env_of(pod) == {}
+    assert state.NODE_LABEL not in pod["metadata"]["labels"]
