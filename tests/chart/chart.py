@@ -181,6 +181,28 @@ class ChartOperator(OperatorProcess):
         self.pod = pod
         self.liveness = liveness
 
+    @classmethod
+    def leading_with_webhook(cls, release: Release, directory: Path, port: int) -> ChartOperator:
+        """The operator with the chart's identity (its first pod's) and flags, leader
+        election and the webhook included, served on 127.0.0.1:``port`` (the API server
+        runs here, not in the cluster) and registered in the chart's configuration."""
+        pod = release.operator_pods()[0]
+        return cls(
+            release.operator_kubeconfig(pod, directory / "kubeconfig"),
+            directory / "operator.log",
+            pod=pod["metadata"]["name"],
+            args=(
+                "--leader-elect",
+                f"--leader-election-namespace={NAMESPACE}",
+                f"--leader-election-id={OPERATOR}",
+                "--webhook",
+                "--webhook-host=127.0.0.1",
+                "--webhook-addr=127.0.0.1",
+                f"--webhook-port={port}",
+                f"--webhook-config-name={WEBHOOK_CONFIG}",
+            ),
+        )
+
     def health(self) -> Any:
         """The JSON its liveness endpoint answers (200 or an error)."""
         with urllib.request.urlopen(self.liveness, timeout=5) as response:

@@ -15,7 +15,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from tests.chart.chart import Release
 from tests.cluster.controlplane import ControlPlane
-from tests.support.fixtures import Rendezvous, create_pods
+from tests.support.fixtures import Rendezvous, bind_creator_role, create_pods
 
 from k8s_rendezvous import state
 
@@ -241,15 +241,7 @@ def test_a_pod_makes_a_rendezvous_only_in_its_own_name_and_names_no_owner(
     """With the creator role, a pod makes a missing Rendezvous saying only that it made it:
     naming an owner (another workload, whose pods would run under the spec it chose), or
     a selector that admits another workload's pods, is refused."""
-    control_plane.kubectl(
-        "-n",
-        pod_a.namespace,
-        "create",
-        "rolebinding",
-        "creator",
-        "--clusterrole=k8s-rendezvous-creator",
-        f"--serviceaccount={pod_a.namespace}:default",
-    )
+    bind_creator_role(control_plane, pod_a.namespace)
 
     def create(name: str, creator: str, **extra: Any) -> object:
         spec = {"minNodes": 1, "maxNodes": 2, "runId": name, **extra.pop("spec", {})}

@@ -10,7 +10,7 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.chart.chart import NAMESPACE, OPERATOR, WEBHOOK_CONFIG, ChartOperator, Release
+from tests.chart.chart import ChartOperator, Release
 from tests.cluster.controlplane import read_object
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import free_port
@@ -26,22 +26,7 @@ ANNOTATIONS = {"k8s-rendezvous.dev/nodes": "1:3", "k8s-rendezvous.dev/run-id": "
 @pytest.fixture
 def operator(chart_release: Release, tmp_path: Path) -> Iterator[ChartOperator]:
     """The operator as the chart runs it, with its webhook on 127.0.0.1."""
-    pod = chart_release.operator_pods()[0]
-    process = ChartOperator(
-        chart_release.operator_kubeconfig(pod, tmp_path / "kubeconfig"),
-        tmp_path / "operator.log",
-        pod=pod["metadata"]["name"],
-        args=(
-            "--leader-elect",
-            f"--leader-election-namespace={NAMESPACE}",
-            f"--leader-election-id={OPERATOR}",
-            "--webhook",
-            "--webhook-host=127.0.0.1",
-            "--webhook-addr=127.0.0.1",
-            f"--webhook-port={free_port()}",
-            f"--webhook-config-name={WEBHOOK_CONFIG}",
-        ),
-    )
+    process = ChartOperator.leading_with_webhook(chart_release, tmp_path, free_port())
     process.start()
     try:
         wait_for(lambda: "webhook registered" in process.log(), 60, "the webhook registered")

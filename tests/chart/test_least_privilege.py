@@ -96,23 +96,9 @@ def chart_operator(
     """The operator with the chart's identity and flags, watching the whole cluster; its
     webhook on 127.0.0.1 (the API server runs here, not in the cluster), registered in the
     chart's MutatingWebhookConfiguration."""
-    directory = tmp_path_factory.mktemp("chart-operator")
-    pod = chart_release.operator_pods()[0]
     port = free_port()
-    process = ChartOperator(
-        chart_release.operator_kubeconfig(pod, directory / "kubeconfig"),
-        directory / "operator.log",
-        pod=pod["metadata"]["name"],
-        args=(
-            "--leader-elect",
-            f"--leader-election-namespace={NAMESPACE}",
-            f"--leader-election-id={OPERATOR}",
-            "--webhook",
-            "--webhook-host=127.0.0.1",
-            "--webhook-addr=127.0.0.1",
-            f"--webhook-port={port}",
-            f"--webhook-config-name={WEBHOOK_CONFIG}",
-        ),
+    process = ChartOperator.leading_with_webhook(
+        chart_release, tmp_path_factory.mktemp("chart-operator"), port
     )
     process.start()
     try:

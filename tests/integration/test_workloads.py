@@ -20,7 +20,14 @@ import kubernetes.client
 import pytest
 from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from tests.cluster.waiting import wait_for
-from tests.support.fixtures import Node, Rendezvous, create_pods, join_all, wait_told_to_rejoin
+from tests.support.fixtures import (
+    Node,
+    Rendezvous,
+    bind_creator_role,
+    create_pods,
+    join_all,
+    wait_told_to_rejoin,
+)
 from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
 from tests.support.operator import OperatorProcess
 
@@ -314,15 +321,7 @@ def test_a_hung_operator_never_blocks_the_pods_its_webhook_is_sent(
 def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
 ) -> None:
-    control_plane.kubectl(
-        "-n",
-        workers_namespace,
-        "create",
-        "rolebinding",
-        "creator",
-        "--clusterrole=k8s-rendezvous-creator",
-        f"--serviceaccount={workers_namespace}:default",
-    )
+    bind_creator_role(control_plane, workers_namespace)
     apps = kubernetes.client.AppsV1Api(admin_api)
     created = apps.create_namespaced_stateful_set(
         workers_namespace,
@@ -408,15 +407,7 @@ def test_a_rendezvous_made_by_a_bare_pod_gets_no_owner_and_says_why(
     control_plane: ControlPlane,
     attach_nodes: AttachNodes,
 ) -> None:
-    control_plane.kubectl(
-        "-n",
-        workers_namespace,
-        "create",
-        "rolebinding",
-        "creator",
-        "--clusterrole=k8s-rendezvous-creator",
-        f"--serviceaccount={workers_namespace}:default",
-    )
+    bind_creator_role(control_plane, workers_namespace)
     rdzv = Rendezvous(admin_api, workers_namespace, "loner-train")
     (node,) = attach_nodes(rdzv, create_pods(admin_api, workers_namespace, ["loner"]))
     node.join_in_background()  # it makes the Rendezvous, then waits to be admitted

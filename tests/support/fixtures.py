@@ -434,5 +434,19 @@ def make_nodes(
     return make
 
 
+def bind_creator_role(control_plane: ControlPlane, namespace: str) -> None:
+    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) create a missing
+    Rendezvous, as the README says for workloads that are not annotated Jobs."""
+    control_plane.kubectl(
+        "-n",
+        namespace,
+        "create",
+        "rolebinding",
+        "creator",
+        "--clusterrole=k8s-rendezvous-creator",
+        f"--serviceaccount={namespace}:default",
+    )
+
+
 def delete_pod(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
     kubernetes.client.CoreV1Api(api).delete_namespaced_pod(name, namespace, grace_period_seconds=0)
