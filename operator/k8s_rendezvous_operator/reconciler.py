@@ -280,9 +280,10 @@ class Reconciler:
             name = metadata.get("name")
             message = (
                 f"pod {name} of Job {key[1]} was made without the env that points torchrun "
-                f"at Rendezvous {key[1]} (PET_RDZV_BACKEND and the rest): the admission "
-                "webhook did not serve when it was created (its failure policy lets pods "
-                "through, e.g. during an operator rollout or leader change). A plain "
+                f"at Rendezvous {key[1]} (PET_RDZV_BACKEND and the rest): nothing injected "
+                "it when it was created (the webhook's failure policy lets pods through "
+                "during an operator rollout or leader change, and the injection policy, "
+                "where the cluster serves it, needs the Job's Rendezvous to exist). A plain "
                 f"torchrun in it trains alone. Delete pod {name}: the Job replaces it, "
                 "with the env."
             )
