@@ -28,6 +28,7 @@ binaries:
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 test: setup lint
 	$(BIN)/pytest
