@@ -16,6 +16,9 @@ from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import rest, state
 
+ApiClient = client.ApiClient
+"""The authenticated client the operator's API doors are made from."""
+
 
 class Conflict(Exception):
     """The object changed since it was read; read it again and decide again."""
@@ -337,3 +340,57 @@ class OperatorApi:
     def node_labels(self, node: str) -> dict[str, str]:
         found = self._request("GET", f"/api/v1/nodes/{node}")
         return dict((found.get("metadata") or {}).get("labels") or {})
+
+
+class Taken(Exception):
+    """Someone else wrote the Lease first (409)."""
+
+
+class LeaseLock:
+    """Blocking reads and writes of the leader-election Lease (``leadership``); every call
+    bounded by ``timeout`` seconds."""
+
+    def __init__(self, api_client: client.ApiClient, namespace: str, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+        self._request = rest.Rest(api_client).request
+        self._path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+
+    @property
+    def reference(self) -> str:
+        return f"Lease {self.namespace}/{self.name}"
+
+    def get(self, timeout: float) -> dict[str, Any] | None:
+        try:
+            return self._request("GET", f"{self._path}/{self.name}", timeout=timeout)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def create(self, spec: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": dict(spec),
+        }
+        try:
+            return self._request("POST", self._path, body, timeout=timeout)
+        except ApiException as error:
+            if error.status == 409:
+                raise Taken(self.reference) from error
+            raise
+
+    def update(
+        self, lease: Mapping[str, Any], spec: Mapping[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        """Replace the spec of ``lease`` (as read) if nobody wrote it since."""
+        metadata = {k: v for k, v in lease["metadata"].items() if k != "managedFields"}
+        body = {**lease, "metadata": metadata, "spec": dict(spec)}
+        try:
+            return self._request("PUT", f"{self._path}/{self.name}", body, timeout=timeout)
+        except ApiException as error:
+            if error.status in (404, 409):
+                raise Taken(self.reference) from error
+            raise

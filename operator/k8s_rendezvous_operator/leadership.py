@@ -16,6 +16,10 @@ that every decision the operator writes carries the resourceVersion it was decid
 
 A leader stopped by SIGTERM (a rollout, a drain) releases the Lease, so a standby takes
 over within ``retry_period`` instead of waiting for the Lease to expire.
+
+Not the Kubernetes client library's own election: it judges expiry by comparing wall
+clocks, cannot be stopped on SIGTERM, and never releases. Its reads and writes of the
+Lease go through :class:`k8s_rendezvous_operator.kube.LeaseLock`, like every other call.
 """
 
 from __future__ import annotations
@@ -38,16 +42,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp.web
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
-from k8s_rendezvous import rest
+from k8s_rendezvous_operator.kube import ApiClient, LeaseLock, Taken
 
 log = logging.getLogger(__name__)
 
-GROUP: Final = "coordination.k8s.io"
-VERSION: Final = "v1"
-PLURAL: Final = "leases"
 _NAMESPACE_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -106,57 +105,6 @@ class Record:
             "renewTime": self.renew_time,
             "leaseTransitions": self.transitions,
         }
-
-
-class Taken(Exception):
-    """Someone else wrote the Lease first (409)."""
-
-
-class LeaseLock:
-    """Blocking reads and writes of one Lease; every call bounded by ``timeout`` seconds."""
-
-    def __init__(self, api_client: client.ApiClient, namespace: str, name: str) -> None:
-        self.namespace = namespace
-        self.name = name
-        self._request = rest.Rest(api_client).request
-        self._path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
-
-    @property
-    def reference(self) -> str:
-        return f"Lease {self.namespace}/{self.name}"
-
-    def get(self, timeout: float) -> dict[str, Any] | None:
-        try:
-            return self._request("GET", f"{self._path}/{self.name}", timeout=timeout)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
-    def create(self, record: Record, timeout: float) -> dict[str, Any]:
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "Lease",
-            "metadata": {"name": self.name, "namespace": self.namespace},
-            "spec": record.to_spec(),
-        }
-        try:
-            return self._request("POST", self._path, body, timeout=timeout)
-        except ApiException as error:
-            if error.status == 409:
-                raise Taken(self.reference) from error
-            raise
-
-    def update(self, lease: Mapping[str, Any], record: Record, timeout: float) -> dict[str, Any]:
-        """Replace the spec of ``lease`` (as read) if nobody wrote it since."""
-        metadata = {k: v for k, v in lease["metadata"].items() if k != "managedFields"}
-        body = {**lease, "metadata": metadata, "spec": record.to_spec()}
-        try:
-            return self._request("PUT", f"{self._path}/{self.name}", body, timeout=timeout)
-        except ApiException as error:
-            if error.status in (404, 409):
-                raise Taken(self.reference) from error
-            raise
 
 
 def _micro_time() -> str:
@@ -220,7 +168,7 @@ class Elector:
         if lease is None:
             record = Record(self.identity, duration, now, now, 0)
             try:
-                self.lock.create(record, timeout)
+                self.lock.create(record.to_spec(), timeout)
             except Taken:
                 return _Outcome(False, observed, observed_at, started)
             return _Outcome(True, record, self._clock(), started)
@@ -238,7 +186,7 @@ class Elector:
             found.transitions if ours else found.transitions + 1,
         )
         try:
-            self.lock.update(lease, record, timeout)
+            self.lock.update(lease, record.to_spec(), timeout)
         except Taken:
             return _Outcome(False, observed, observed_at, started)
         return _Outcome(True, record, self._clock(), started)
@@ -323,7 +271,7 @@ class Elector:
             if found.holder != self.identity:
                 return False
             now = _micro_time()
-            self.lock.update(lease, Record("", 1, now, now, found.transitions), 5)
+            self.lock.update(lease, Record("", 1, now, now, found.transitions).to_spec(), 5)
             return True
 
         loop = asyncio.get_running_loop()
@@ -462,7 +410,7 @@ def run_elected(
     *,
     namespace: str | None,
     name: str,
-    api_client: client.ApiClient,
+    api_client: ApiClient,
     timings: Timings | None = None,
     **kopf_options: Any,
 ) -> None:
