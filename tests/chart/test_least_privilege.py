@@ -247,7 +247,12 @@ def test_nodes_join_and_a_round_seals(
     assert sorted(join_all(nodes)) == [(0, 3), (1, 3), (2, 3)]
     status = rdzv.status()
     assert (status.state, status.round) == (state.RoundState.SEALED, 1)
-    assert any(reason == "RoundSealed" for _, reason, _ in rdzv.events()), "Events posted"
+    # kopf posts Events from a queue of its own, after the status write the nodes saw.
+    wait_for(
+        lambda: any(reason == "RoundSealed" for _, reason, _ in rdzv.events()),
+        30,
+        "the RoundSealed Event posted with the operator's token",
+    )
 
 
 def test_a_large_rendezvous_is_published_in_slices_the_nodes_watch(

@@ -97,7 +97,11 @@ def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
     assert (status.state, status.round, status.world_size) == (state.RoundState.SEALED, 1, 3)
     table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace).stdout
     assert "Sealed" in table and f"{rank0.addr}:" in table
-    assert any(reason == "RoundSealed" for _, reason, _ in rdzv.events())
+    wait_for(  # kopf posts Events from a queue of its own, after the status write
+        lambda: any(reason == "RoundSealed" for _, reason, _ in rdzv.events()),
+        30,
+        "the RoundSealed Event posted",
+    )
 
 
 def test_each_round_gets_a_fresh_store_shared_by_its_nodes(
@@ -430,7 +434,11 @@ def test_status_edited_into_nonsense_is_refused_with_a_condition_and_then_recove
 
     message = wait_for(refused, 20, "InvalidRendezvous condition")
     assert "schemaVersion" in message and "kubectl edit" in message
-    assert any(reason == "InvalidRendezvous" for _, reason, _ in rdzv.events())
+    wait_for(
+        lambda: any(reason == "InvalidRendezvous" for _, reason, _ in rdzv.events()),
+        30,
+        "the InvalidRendezvous Event posted",
+    )
     rdzv.patch_status({"schemaVersion": state.SCHEMA_VERSION})
     nodes[1].handler.shutdown()  # any change: the operator decides again
     rdzv.wait(
