@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import injection, kube, membership, metrics, observe, rounds
+from k8s_rendezvous_operator import injection, kube, membership, metrics, observe, reasons, rounds
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class Reconciler:
         if job.spec is None:
             if previous is None or previous.errors != job.errors:
                 for error in job.errors:
-                    kopf.warn(target, reason="InvalidAnnotation", message=error.message)
+                    kopf.warn(target, reason=reasons.INVALID_ANNOTATION, message=error.message)
             return
         if previous is None or previous.spec != job.spec:
             await self._ensure_rendezvous(key, body, job.spec, target)
@@ -291,7 +291,9 @@ class Reconciler:
             log.warning("Job %s/%s: %s", *key, message)
             for target in (job, pod):
                 kopf.warn(
-                    kopf.Body(cast(kopf.RawBody, target)), reason="PodNotInjected", message=message
+                    kopf.Body(cast(kopf.RawBody, target)),
+                    reason=reasons.POD_NOT_INJECTED,
+                    message=message,
                 )
 
     async def _bind_worker_role(
@@ -309,7 +311,7 @@ class Reconciler:
             if previous is None or previous.service_account != account:
                 kopf.warn(
                     target,
-                    reason="ServiceAccountNotFound",
+                    reason=reasons.SERVICE_ACCOUNT_NOT_FOUND,
                     message=f"ServiceAccount {account} does not exist, so the worker role "
                     "is not bound for it (and the Job cannot create pods). Create it, or "
                     "name an existing one in the pod template; the role is bound then.",
@@ -338,19 +340,19 @@ class Reconciler:
             if again:
                 kopf.warn(
                     target,
-                    reason="RendezvousRecreated",
+                    reason=reasons.RENDEZVOUS_RECREATED,
                     message=f"{what} was deleted while the Job runs, and is made anew: its "
                     "nodes join its first round. Delete the Job to stop the run.",
                 )
             else:
-                kopf.info(target, reason="RendezvousCreated", message=what)
+                kopf.info(target, reason=reasons.RENDEZVOUS_CREATED, message=what)
             return
         existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
         owners = existing["metadata"].get("ownerReferences") or []
         if not any(o.get("uid") == owner["uid"] for o in owners):
             kopf.warn(
                 target,
-                reason="RendezvousNotOwned",
+                reason=reasons.RENDEZVOUS_NOT_OWNED,
                 message=f"Rendezvous {name} exists and is not owned by this Job; it is left "
                 "as it is. Delete it, or rename the Job.",
             )
@@ -369,7 +371,7 @@ class Reconciler:
         if current.get("runId") != spec.run_id:
             kopf.warn(
                 target,
-                reason="RunIdImmutable",
+                reason=reasons.RUN_ID_IMMUTABLE,
                 message=f"Rendezvous {name} keeps runId {current.get('runId')!r}; "
                 f"the annotation asks for {spec.run_id!r}. Use a new Job for a new run.",
             )
@@ -431,7 +433,7 @@ class Reconciler:
                 f"counted: {problem}. Run the same k8s-rendezvous version in the pods as in "
                 "the operator."
             )
-            self._warn(key, self._bodies.get(key) or body, "InvalidEntry", message)
+            self._warn(key, self._bodies.get(key) or body, reasons.INVALID_ENTRY, message)
         entry = None if deleted else lease.entry
         writer = None if deleted else lease.pod_uid
         wrote_anew = self._writers.get(pod) != writer
@@ -484,7 +486,7 @@ class Reconciler:
         for pod, refusal in refused.items():
             if reported.get(pod) != refusal.reason:
                 metrics.NODES_REFUSED.labels(refusal.reason).inc()
-                self._warn(key, body, "NodeRefused", refusal.message)
+                self._warn(key, body, reasons.NODE_REFUSED, refusal.message)
         self._refused[key] = {pod: refusal.reason for pod, refusal in refused.items()}
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
@@ -700,13 +702,14 @@ class Reconciler:
             "recreate the Rendezvous."
         )
         log.warning("Rendezvous %s/%s: %s", namespace, name, message)
-        kopf.warn(kopf.Body(cast(kopf.RawBody, body)), reason="InvalidRendezvous", message=message)
+        target = kopf.Body(cast(kopf.RawBody, body))
+        kopf.warn(target, reason=reasons.INVALID_RENDEZVOUS, message=message)
         generation = int(body["metadata"].get("generation", 0))
         conditions = rounds.set_condition(
             (),
             rounds.CONDITION_READY,
             False,
-            "InvalidRendezvous",
+            reasons.INVALID_RENDEZVOUS,
             message[:32768],
             self._clock(),
             generation,
@@ -800,7 +803,7 @@ class Reconciler:
         for loss in decision.losses:
             kopf.warn(
                 target,
-                reason="MemberLost",
+                reason=reasons.MEMBER_LOST,
                 message=f"pod {loss.node} (rank {loss.rank} of round {previous.round}) "
                 f"left the round: {loss.reason}",
             )
@@ -814,7 +817,7 @@ class Reconciler:
             more = f" and {status.world_size - 8} more" if status.world_size > 8 else ""
             kopf.info(
                 target,
-                reason="RoundSealed",
+                reason=reasons.ROUND_SEALED,
                 message=f"round {status.round} sealed with {status.world_size} nodes "
                 f"({names}{more});{took} master {status.master.endpoint}",
             )
@@ -829,7 +832,7 @@ class Reconciler:
         if decision.closed:
             kopf.info(
                 target,
-                reason="Closed",
+                reason=reasons.CLOSED,
                 message=f"{status.closed_reason}: {status.closed_message}",
             )
 
@@ -882,7 +885,7 @@ class Reconciler:
         self._warn(
             key,
             body,
-            "NoOwner",
+            reasons.NO_OWNER,
             f"Rendezvous {name} was made by pod {creator}, which {why}: there is no workload "
             "to check its nodes against, so it admits nobody. Run torchrun in pods of a "
             "controller (a Job, JobSet, StatefulSet...), or set spec.podSelector to the "
@@ -922,7 +925,7 @@ class Reconciler:
                 self._warn(
                     key,
                     known,
-                    "NodeWithoutPod",
+                    reasons.NODE_WITHOUT_POD,
                     f"node {pod[1]} asks to join (Lease {state.lease_name(rendezvous, pod[1])}),"
                     f" but no Pod {pod[1]} exists in namespace {pod[0]}: only pods of the "
                     "workload are admitted. Run torchrun in the workload's pods, with POD_NAME "

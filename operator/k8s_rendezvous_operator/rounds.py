@@ -41,6 +41,7 @@ from k8s_rendezvous.state import (
     RoundState,
     slices_needed,
 )
+from k8s_rendezvous_operator import reasons
 from k8s_rendezvous_operator.membership import PodIdentity
 
 CONDITION_READY: Final = "Ready"
@@ -267,7 +268,7 @@ def _with_conditions(
             master = status.master.endpoint if status.master else "none"
             message = f"round {status.round}: {status.world_size} nodes, master {master}"
             conditions = set_condition(
-                conditions, CONDITION_READY, True, "RoundSealed", message, now, generation
+                conditions, CONDITION_READY, True, reasons.ROUND_SEALED, message, now, generation
             )
         else:
             message = f"forming round {status.round + 1}"
