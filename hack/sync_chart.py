@@ -4,6 +4,7 @@
     hack/sync_chart.py            # rewrite the copies
     hack/sync_chart.py --check    # exit 1 with a diff if any copy drifted (tests/chart runs it)
 
+- k8s_rendezvous.__version__             -> charts/k8s-rendezvous/Chart.yaml (version, appVersion)
 - manifests/crds/*.yaml                  -> charts/k8s-rendezvous/crds/ (byte for byte)
 - manifests/rbac/*-clusterrole.yaml      -> charts/k8s-rendezvous/files/ (the chart templates
   them: the worker and the creator role)
@@ -23,8 +24,10 @@ build of helm assumes the Kubernetes version of its client-go, recent enough too
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,9 +71,29 @@ def render(helm: str, *args: str) -> str:
     return GENERATED + body + "\n"
 
 
+def version() -> str:
+    """``k8s_rendezvous.__version__``, read without importing the package."""
+    source = (REPO / "handler" / "k8s_rendezvous" / "__init__.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__version__" for target in node.targets
+        ):
+            return str(ast.literal_eval(node.value))
+    raise SystemExit("handler/k8s_rendezvous/__init__.py defines no __version__")
+
+
+def chart_metadata() -> bytes:
+    """Chart.yaml with ``version`` and ``appVersion`` equal to the package's version."""
+    text = (CHART / "Chart.yaml").read_text()
+    text = re.sub(r"(?m)^version: .*$", f"version: {version()}", text)
+    text = re.sub(r"(?m)^appVersion: .*$", f'appVersion: "{version()}"', text)
+    return text.encode()
+
+
 def copies() -> dict[Path, bytes]:
-    """The chart's copies of the CRD and the worker and creator roles, and their content."""
-    files: dict[Path, bytes] = {}
+    """The chart's copies of the CRD and the worker and creator roles, and its version (the
+    package's), and their content."""
+    files: dict[Path, bytes] = {CHART / "Chart.yaml": chart_metadata()}
     for crd in sorted((REPO / "manifests" / "crds").glob("*.yaml")):
         files[CHART / "crds" / crd.name] = crd.read_bytes()
     for role in ("worker-clusterrole.yaml", "creator-clusterrole.yaml"):

@@ -7,3 +7,7 @@ package imports nothing heavy at the top level; the handler lives in
 
 BACKEND_NAME = "kubernetes"
 """The torchrun backend name (``--rdzv-backend=kubernetes``) and our entry-point name."""
+
+__version__ = "0.1.0"
+"""The one version of the distribution, its operator and its chart (pyproject reads it;
+hack/sync_chart.py keeps Chart.yaml's version and appVersion equal to it)."""

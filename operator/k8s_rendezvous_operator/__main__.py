@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import sys
 from collections.abc import Callable, Sequence
+
+from k8s_rendezvous import __version__
+
+log = logging.getLogger("k8s_rendezvous_operator")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -13,6 +18,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="k8s-rendezvous-operator",
         description="Seal elastic PyTorch rendezvous rounds kept in Rendezvous resources.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "-n",
         "--namespace",
@@ -101,15 +107,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     args = parser.parse_args(argv)
 
-    import kopf
+    try:
+        import kopf
+        import prometheus_client  # noqa: F401  (what metrics needs, checked here to say so)
+    except ModuleNotFoundError as error:
+        sys.exit(
+            f"k8s-rendezvous-operator: {error.name} is missing: the operator needs its extra, "
+            "pip install 'k8s-rendezvous[operator]'"
+        )
 
     if args.metrics_port:
         from k8s_rendezvous_operator import metrics
 
         metrics.serve(args.metrics_port)
+        metrics.BUILD_INFO.labels(__version__).set(1)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL)
     if not args.verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    log.info("k8s-rendezvous-operator %s starting", __version__)
     from k8s_rendezvous_operator import reconciler  # registers the kopf handlers
 
     del reconciler

@@ -47,5 +47,10 @@ QUEUE_DEPTH: Final = Gauge(
 )
 
 
+BUILD_INFO: Final = Gauge(
+    "k8s_rendezvous_build_info", "Always 1; the running operator's version.", ["version"]
+)
+
+
 def serve(port: int) -> None:
     start_http_server(port)
