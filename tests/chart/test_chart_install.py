@@ -47,7 +47,10 @@ CLUSTER_KINDS = (
     "mutatingadmissionpolicies,mutatingadmissionpolicybindings,"
     "prioritylevelconfigurations"
 )
-NAMESPACED_KINDS = "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases,services"
+NAMESPACED_KINDS = (
+    "serviceaccounts,roles,rolebindings,deployments,replicasets,pods,leases,services,"
+    "poddisruptionbudgets"
+)
 
 
 def dry_run(control_plane: ControlPlane, manifests: str) -> list[str]:

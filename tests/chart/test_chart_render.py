@@ -178,7 +178,9 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
         ("Role", f"{OPERATOR}-leader-election"),
         ("RoleBinding", f"{OPERATOR}-leader-election"),
         ("Deployment", OPERATOR),
+        ("PodDisruptionBudget", OPERATOR),  # with a standby: one pod evicted at a time
     }
+    assert find(objects, "PodDisruptionBudget", OPERATOR)["spec"]["maxUnavailable"] == 1
     deployment = find(objects, "Deployment", OPERATOR)
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
@@ -444,3 +446,25 @@ def test_the_injection_policy_is_installed_where_the_api_server_serves_it(
     }
     assert policies == (expected if installed else set())
     assert any(o["kind"] == "MutatingWebhookConfiguration" for o in objects), "the webhook stays"
+
+
+def test_placement_and_extras_reach_the_operator_pod(helm: Helm) -> None:
+    spread = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone"}
+    affinity = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    certs = {"name": "certs", "secret": {"secretName": "webhook-certs"}}
+    objects = helm.template_objects(
+        "--set-json", f"affinity={json.dumps(affinity)}",
+        "--set-json", f"topologySpreadConstraints={json.dumps([spread])}",
+        "--set-json", 'extraArgs=["--webhook-cert-dir=/certs"]',
+        "--set-json", 'extraEnv=[{"name": "HTTPS_PROXY", "value": "http://127.0.0.1:3128"}]',
+        "--set-json", f"extraVolumes={json.dumps([certs])}",
+        "--set-json", 'extraVolumeMounts=[{"name": "certs", "mountPath": "/certs"}]',
+    )  # fmt: skip
+    pod = find(objects, "Deployment", OPERATOR)["spec"]["template"]["spec"]
+    assert (pod["affinity"], pod["topologySpreadConstraints"]) == (affinity, [spread])
+    assert certs in pod["volumes"]
+    operator = container(objects)
+    assert operator["args"][-1] == "--webhook-cert-dir=/certs", "after the chart's flags"
+    assert operator["env"][-1] == {"name": "HTTPS_PROXY", "value": "http://127.0.0.1:3128"}
+    assert {"name": "certs", "mountPath": "/certs"} in operator["volumeMounts"]
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget"], "one replica: none"
