@@ -17,6 +17,22 @@ export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
 log() { echo "[build] $*" >&2; }
 
+step() {  # step ID WHAT FUNCTION: build one component; the Go tool's output goes to a log
+  local name=$2 began file="$out/logs/$1.log" rc
+  began=$(date +%s); mkdir -p "$out/logs"
+  log "building $name (output: $file)"
+  set +e
+  ( set -e; "$3" ) >"$file" 2>&1
+  rc=$?
+  set -e
+  if [ "$rc" != 0 ]; then
+    log "building $name failed after $(( $(date +%s) - began )) s; the end of $file:"
+    tail -n 40 "$file" >&2
+    exit "$rc"
+  fi
+  log "built $name in $(( $(date +%s) - began )) s"
+}
+
 have() {  # have NAME: a usable binary is in the cache or in a prebuilt directory
   local name=$1 dir
   for dir in "${K8S_RDZV_BINARIES:-}" "${KUBEBUILDER_ASSETS:-}"; do
@@ -115,11 +131,11 @@ build_helm() {
 
 start=$(date +%s)
 if ! { have kube-apiserver && have kube-controller-manager && have kube-scheduler && have kubectl; }; then
-  log "building Kubernetes v$KUBERNETES_VERSION (cold: tens of minutes on 2 cores)"; (build_kubernetes)
+  step kubernetes "Kubernetes v$KUBERNETES_VERSION (about 20 minutes cold on 2 cores)" build_kubernetes
 fi
-have etcd || { log "building etcd v$ETCD_VERSION"; (build_etcd); }
-{ have kwok && [ -d "$out/kwok-stages" ]; } || { log "building kwok v$KWOK_VERSION"; (build_kwok); }
-have_helm || { log "building helm v$HELM_VERSION for Kubernetes $KUBERNETES_VERSION"; (build_helm); }
+have etcd || step etcd "etcd v$ETCD_VERSION" build_etcd
+{ have kwok && [ -d "$out/kwok-stages" ]; } || step kwok "kwok v$KWOK_VERSION" build_kwok
+have_helm || step helm "helm v$HELM_VERSION for Kubernetes $KUBERNETES_VERSION" build_helm
 rm -rf "$out/.work"
 log "binaries ready in $out ($(( $(date +%s) - start )) s)"
 echo "$out"
