@@ -1,12 +1,13 @@
 # Everything a newcomer needs, from a fresh machine (Python 3.11 and Go on PATH).
 #   make demo   set up, then run an elastic torchrun job on a local real control plane
 #   make test   set up, then lint, type-check and run every test
+#   make contract  torch's elastic-agent scenarios over our backend and c10d (tests/contract)
 PYTHON ?= python3
 UV_VERSION := 0.13.9
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup venv binaries test lint demo cluster-up cluster-down
+.PHONY: setup venv binaries test contract lint demo cluster-up cluster-down
 
 setup: venv binaries
 
@@ -32,6 +33,10 @@ lint: venv
 
 test: setup lint
 	$(BIN)/pytest
+
+# Only torch's elastic-agent scenarios (also in `make test`: about 10 min of it).
+contract: setup
+	$(BIN)/pytest tests/contract --durations=0
 
 demo: setup
 	$(BIN)/python examples/demo.py

@@ -157,41 +157,36 @@ class LocalPod:
         torchrun_args: Sequence[str],
         script_args: Sequence[str],
     ) -> None:
-        assert self._process is None, f"{self.name} was started already"
-        env = {
-            **os.environ,
-            **self.control_plane.pod_environment(
-                namespace=self.namespace,
-                pod_name=self.name,
-                pod_uid=self.uid,
-                pod_ip=self.addr,
-                directory=self.service_account_dir,
-            ),
-            **container_env,
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "LOGLEVEL": "INFO",
-            "PYTHONUNBUFFERED": "1",
-            PROGRESS_ENV: str(self.progress_path),
-        }
-        env.pop("KUBECONFIG", None)  # a container has none: in-cluster credentials only
         launcher = (
             "tests.e2e.launch"
             if any(arg.startswith("--exit-barrier-timeout=") for arg in torchrun_args)
             else "torch.distributed.run"
         )
-        args = [
-            sys.executable,
-            "-m",
-            launcher,
-            *torchrun_args,
-            str(TRAIN_SCRIPT),
-            *script_args,
-        ]
+        self.spawn(
+            [sys.executable, "-m", launcher, *torchrun_args, str(TRAIN_SCRIPT), *script_args],
+            {**container_env, "LOGLEVEL": "INFO", PROGRESS_ENV: str(self.progress_path)},
+        )
+
+    def spawn(self, args: Sequence[str], container_env: Mapping[str, str] | None = None) -> None:
+        """Start ``args`` as this pod's container: in its own session, with the pod's
+        environment (:func:`container_environment`) plus ``container_env``, output to
+        :attr:`log_path`. :meth:`stop` and :meth:`kill` end it and everything it started."""
+        assert self._process is None, f"{self.name} was started already"
+        env = {
+            **container_environment(
+                self.control_plane,
+                self.namespace,
+                self.name,
+                self.uid,
+                self.addr,
+                self.service_account_dir,
+            ),
+            **(container_env or {}),
+        }
         with self.log_path.open("ab") as log:
             self.started_at = time.time()
             self._process = subprocess.Popen(
-                args,
+                list(args),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -264,21 +259,9 @@ class LocalPod:
 
     def stop(self) -> None:
         """SIGKILL everything this node's torchrun started, by PID. Idempotent."""
-        process = self._process
-        if process is None or process.poll() is not None:
-            self.returncode  # noqa: B018  (records exited_at)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGSTOP)  # freeze the agent: it spawns no more
-        for pid in _descendants(process.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)  # workers lead sessions of their own
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        self.returncode  # noqa: B018
+        if self._process is not None:
+            kill_tree(self._process)
+        self.returncode  # noqa: B018  (records exited_at)
 
     # -- what it produced -----------------------------------------------------------------
 
@@ -423,6 +406,54 @@ def timing(label: str, seconds: float, sink: Callable[[str], None] = print) -> f
     """Print a measured duration in a greppable form (``pytest -s`` shows it)."""
     sink(f"TIMING {label}: {seconds:.2f} s")
     return seconds
+
+
+LOCAL_PROCESS_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+"""For every local stand-in of a node: gloo on the loopback interface the nodes' addresses
+live on, one thread per worker (2 shared cores), output as it happens."""
+
+
+def container_environment(
+    control_plane: ControlPlane,
+    namespace: str,
+    pod_name: str,
+    pod_uid: str,
+    addr: str,
+    service_account_dir: Path,
+) -> dict[str, str]:
+    """The environment a container of the pod sees, on top of this process's own: its
+    in-cluster credentials (a real pod-bound token), POD_NAME, POD_NAMESPACE and POD_IP
+    (``addr``), and :data:`LOCAL_PROCESS_ENV`."""
+    env = {
+        **os.environ,
+        **control_plane.pod_environment(
+            namespace=namespace,
+            pod_name=pod_name,
+            pod_uid=pod_uid,
+            pod_ip=addr,
+            directory=service_account_dir,
+        ),
+        **LOCAL_PROCESS_ENV,
+    }
+    env.pop("KUBECONFIG", None)  # a container has none: in-cluster credentials only
+    return env
+
+
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``process`` (the leader of its own session) and everything below it, by
+    PID. Idempotent."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGSTOP)  # freeze the agent: it spawns no more
+    for pid in _descendants(process.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # workers lead sessions of their own
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
 
 
 def _descendants(pid: int) -> list[int]:
