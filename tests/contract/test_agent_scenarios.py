@@ -194,8 +194,16 @@ ROLES = ["master", "trainer", "trainer", "ps", "trainer", "ps", "trainer"]
 LOCAL_WORLD_SIZES = [1, 2, 3, 1, 2, 3, 1]
 
 
+# c10d runs only with the long barrier. With 5 s, its agents' shutdown() needs the store
+# that group rank 0's agent serves, and that agent leaves 5 s after its own workers end: on
+# two loaded cores an agent still finishing then fails with RendezvousConnectionError (seen
+# in CI). Ours keeps the rendezvous in the API server, so the short barrier is a test of it.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("barrier", [5, 120])
+@pytest.mark.parametrize(
+    ("job", "barrier"),
+    [("kubernetes", 5), ("kubernetes", 120), ("c10d", 120)],
+    indirect=["job"],
+)
 def test_correct_rank_assignment(job: Job, barrier: int) -> None:
     job.start(
         [
