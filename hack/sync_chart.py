@@ -5,6 +5,8 @@
     hack/sync_chart.py --check    # exit 1 with a diff if any copy drifted (tests/chart runs it)
 
 - k8s_rendezvous.__version__             -> charts/k8s-rendezvous/Chart.yaml (version, appVersion)
+- charts/k8s-rendezvous/values.yaml      -> charts/k8s-rendezvous/README.md (hack/chart_readme.py:
+  every value, its default and its comment)
 - manifests/crds/*.yaml                  -> charts/k8s-rendezvous/crds/ (byte for byte)
 - manifests/rbac/*-clusterrole.yaml      -> charts/k8s-rendezvous/files/ (the chart templates
   them: the worker and the creator role)
@@ -31,6 +33,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+try:  # imported as hack.sync_chart (python -m hack.build_release, the tests)
+    from hack import chart_readme
+except ImportError:  # run as hack/sync_chart.py: its own directory is on the path
+    import chart_readme  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "k8s-rendezvous"
@@ -91,9 +98,12 @@ def chart_metadata() -> bytes:
 
 
 def copies() -> dict[Path, bytes]:
-    """The chart's copies of the CRD and the worker and creator roles, and its version (the
-    package's), and their content."""
-    files: dict[Path, bytes] = {CHART / "Chart.yaml": chart_metadata()}
+    """The chart's copies of the CRD and the worker and creator roles, its version (the
+    package's) and its README (its values'), and their content."""
+    files: dict[Path, bytes] = {
+        CHART / "Chart.yaml": chart_metadata(),
+        CHART / "README.md": chart_readme.render((CHART / "values.yaml").read_text()).encode(),
+    }
     for crd in sorted((REPO / "manifests" / "crds").glob("*.yaml")):
         files[CHART / "crds" / crd.name] = crd.read_bytes()
     for role in ("worker-clusterrole.yaml", "creator-clusterrole.yaml"):
@@ -181,6 +191,11 @@ def main() -> int:
     parser.add_argument("--helm", help="the helm binary (default: $HELM or tests/cluster/build.sh)")
     args = parser.parse_args()
     helm = find_helm(args.helm)
+    try:
+        copies()
+    except chart_readme.Undocumented as error:
+        print(f"sync_chart: {error}", file=sys.stderr)
+        return 1
     if not args.check:
         write(copies())  # first: the chart renders its copies of the roles
         write(rendered(helm))

@@ -1,5 +1,6 @@
 """The chart on its own: lint, render with default and non-default values, the values
-schema's refusals (helm's own error text), and the generated copies not drifting."""
+schema's refusals (helm's own error text), the generated copies and the README not
+drifting."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from hack import chart_readme
 from tests.chart.chart import (
     CHART,
     CREATOR_ROLE,
@@ -468,3 +470,11 @@ def test_placement_and_extras_reach_the_operator_pod(helm: Helm) -> None:
     assert operator["env"][-1] == {"name": "HTTPS_PROXY", "value": "http://127.0.0.1:3128"}
     assert {"name": "certs", "mountPath": "/certs"} in operator["volumeMounts"]
     assert not [o for o in objects if o["kind"] == "PodDisruptionBudget"], "one replica: none"
+
+
+def test_the_chart_readme_is_made_from_values_yaml() -> None:
+    """hack/sync_chart.py writes it; each value of values.yaml is a row, with its comment."""
+    values = (CHART / "values.yaml").read_text()
+    readme = (CHART / "README.md").read_text()
+    assert readme == chart_readme.render(values), "out of date: run hack/sync_chart.py"
+    assert "| `webhook.timeoutSeconds` | `5` |" in readme
