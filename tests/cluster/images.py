@@ -20,6 +20,10 @@ carries (``ctr -n k8s.io images import --platform linux/amd64 FILE``):
   than a copy of it. The cost: the image runs only on this host (its paths, its Python),
   which is what a test cluster on one machine is. Files uv hardlinked from its cache need
   nothing more (a hardlink is the file itself); symlinks out of the checkout are mounted.
+- **operator** (``operator_image``): the project's Dockerfile, as users build it, but by
+  buildah (daemonless) FROM a Debian bookworm base made here with mmdebstrap in place of
+  ``python:3.11-slim-bookworm``. Its reference is keyed by its inputs:
+  ``localhost/k8s-rendezvous/operator:<12 hex digits>``.
 
 The pause and trainer archives are written by a small stdlib-only OCI writer
 (``write_oci_archive``): one layer, fixed mtimes, sorted entries, owner 0:0, so the same
@@ -27,14 +31,16 @@ inputs give the same bytes and digests. Everything is cached under ``default_cac
 (``$K8S_RDZV_CACHE`` or ``$XDG_CACHE_HOME/k8s-rendezvous``, then ``images``), as
 tests/cluster/build.sh does for the binaries:
 
-    python -m tests.cluster.images trainer|pause [--cache DIR]   # prints the path
+    python -m tests.cluster.images operator|trainer|pause [--cache DIR]   # prints the path
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
+import fcntl
 import gzip
 import hashlib
 import io
@@ -43,13 +49,16 @@ import os
 import platform
 import posixpath
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import IO, Any, TypeAlias
 
 __all__ = [
     "PAUSE_REFERENCE",
@@ -63,12 +72,14 @@ __all__ = [
     "default_cache",
     "layer_tar",
     "oci_archive",
+    "operator_image",
     "pause_image",
     "trainer_image",
     "trainer_mounts",
     "write_oci_archive",
 ]
 
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER_DIR = Path(__file__).resolve().parent
 
 REGISTRY = "localhost/k8s-rendezvous"
@@ -77,6 +88,8 @@ import put them, so pods must not pull (imagePullPolicy IfNotPresent or Never)."
 PAUSE_REFERENCE = f"{REGISTRY}/pause:1"
 TRAINER_REFERENCE = f"{REGISTRY}/trainer:1"
 """Bump the tag when the trainer image's recipe changes: a node keeps what it imported."""
+OPERATOR_REPOSITORY = f"{REGISTRY}/operator"
+BASE_REPOSITORY = f"{REGISTRY}/python-base"
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -98,7 +111,7 @@ _FULL_REFERENCE = re.compile(
 
 
 class ImageError(RuntimeError):
-    """An image could not be made."""
+    """An image could not be made; the message says which step and names its log."""
 
 
 def _progress(message: str) -> None:
@@ -487,6 +500,483 @@ def _cache_directory_of(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------
+# operator: the project's Dockerfile, built by buildah from a base made with mmdebstrap
+
+_DEBIAN_SOURCES = (
+    "deb http://deb.debian.org/debian bookworm main",
+    "deb http://deb.debian.org/debian bookworm-updates main",
+    "deb http://deb.debian.org/debian-security bookworm-security main",
+)
+_BASE_RECIPE: dict[str, Any] = {
+    # What python:3.11-slim-bookworm is for the Dockerfile: Debian bookworm, a Python 3.11
+    # (Debian's 3.11.2 here, the official image builds the newest 3.11 into /usr/local),
+    # `python` and `pip` on PATH, and a pip allowed to install into the system (the
+    # official image has no EXTERNALLY-MANAGED marker; Debian's would refuse the
+    # Dockerfile's `pip install uv`). python-is-python3 provides `python`; python3-pip
+    # provides `pip`.
+    "suite": "bookworm",
+    "variant": "minbase",
+    "sources": list(_DEBIAN_SOURCES),
+    "packages": ["python3", "python3-pip", "python3-venv", "ca-certificates", "python-is-python3"],
+    # Like Debian's slim images: no documentation beyond the copyright files.
+    "dpkg_options": [
+        "path-exclude=/usr/share/man/*",
+        "path-exclude=/usr/share/info/*",
+        "path-exclude=/usr/share/doc/*",
+        "path-include=/usr/share/doc/*/copyright",
+    ],
+    # Merged /usr by symlinks, as Debian's own images are made, rather than by the
+    # usrmerge package that bookworm's init-system-helpers would pull in with perl
+    # (50 MB the slim image does not have).
+    "hook_dirs": ["/usr/share/mmdebstrap/hooks/merged-usr"],
+    "hooks": [
+        'rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED',
+        # mmdebstrap copies the host's; a runtime provides its own.
+        'rm -f "$1/etc/hostname" "$1/etc/resolv.conf"',
+    ],
+    # A runtime makes /dev; the official images ship it empty.
+    "tar_filter": ["--path-exclude=/dev/*"],
+    "config": {"env": [f"PATH={DEFAULT_PATH}", "LANG=C.UTF-8"], "cmd": ["python3"]},
+}
+
+# The build's own inputs besides the base and the build context: change this when the
+# build command changes what it makes.
+_BUILD_RECIPE = "buildah bud --isolation=chroot --layers=false --format=oci; CA by volume; v1"
+
+# uv, in the Dockerfile's RUN steps, trusts only its bundled roots unless told to use the
+# system's; a system-level uv.toml, mounted for the build only, says so (uv reads
+# /etc/uv/uv.toml). The image built is the same as without it.
+_UV_SYSTEM_CONFIG = (
+    "# Mounted by tests/cluster/images.py for the build only.\nsystem-certs = true\n"
+)
+_IMAGE_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def operator_image(repo: Path, cache: Path) -> ImageArchive:
+    """The operator image built from ``repo``'s Dockerfile, as an OCI archive.
+
+    Steps, each timed on stderr with its tools' output in ``cache/logs/<step>.log``:
+    install buildah and mmdebstrap from Debian if missing; make the base (once per
+    recipe): a bookworm rootfs by mmdebstrap, imported into buildah's storage under
+    ``cache/buildah`` (vfs: nothing under /var/lib/containers is used) as
+    ``localhost/k8s-rendezvous/python-base:bookworm-<key>``; ``buildah bud
+    --pull=never --build-arg PYTHON_IMAGE=<that base>``; ``buildah push`` to an
+    oci-archive whose index names the image for containerd.
+
+    The result is keyed by the Dockerfile, the files its .dockerignore admits and both
+    recipes: an unchanged tree returns the archive made before, without running anything.
+
+    The RUN steps reach PyPI through this machine's TLS proxy: during the build only, the
+    host's CA bundle (``$SSL_CERT_FILE``, else /etc/ssl/certs/ca-certificates.crt) is
+    mounted over the image's, which Debian's pip reads, and a uv.toml turns on uv's use
+    of it; the image keeps Debian's bundle.
+
+    Raises:
+        ImageError: a step failed (the message names its log, whose end is on stderr).
+    """
+    repo = repo.resolve()
+    cache = cache.resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache / ".operator.lock"):
+        base_key = _recipe_key(_BASE_RECIPE)
+        key = _operator_key(repo, base_key)
+        reference = f"{OPERATOR_REPOSITORY}:{key[:12]}"
+        path = cache / f"operator-{key[:12]}.tar"
+        if path.is_file():
+            _progress(f"operator image {reference}: cached in {path}")
+            return ImageArchive(reference=reference, path=path)
+        began = time.monotonic()
+        steps = _Steps(cache / "logs")
+        _install_tools(steps)
+        buildah = _buildah_command(cache)
+        base = _base_image(steps, buildah, cache, base_key)
+        with steps.step("bud", f"building {reference} from {repo / 'Dockerfile'}") as step:
+            build_dir = cache / "build"
+            build_dir.mkdir(exist_ok=True)
+            uv_config = build_dir / "uv.toml"
+            uv_config.write_text(_UV_SYSTEM_CONFIG)
+            host_bundle = Path(os.environ.get("SSL_CERT_FILE") or _IMAGE_CA_BUNDLE)
+            volumes = [f"{uv_config}:/etc/uv/uv.toml:ro"]
+            if host_bundle.is_file():
+                volumes.append(f"{host_bundle.resolve()}:{_IMAGE_CA_BUNDLE}:ro")
+            step.run(
+                *buildah,
+                "bud",
+                "--pull=never",
+                # No container runtime needed (the nodes' runc is built separately), and
+                # the RUN steps share the host's network, so they reach PyPI as it does.
+                "--isolation=chroot",
+                "--layers=false",
+                "--format=oci",
+                # Not --timestamp: it would set every file's mtime, so the .pyc files
+                # compiled in the build would no longer match their sources and Python
+                # would recompile them at every start (the root filesystem is read-only).
+                "--build-arg",
+                f"PYTHON_IMAGE={base}",
+                *(arg for volume in volumes for arg in ("--volume", volume)),
+                "--file",
+                str(repo / "Dockerfile"),
+                "--tag",
+                reference,
+                str(repo),
+            )
+        with steps.step("push", f"exporting {reference} to {path}") as step:
+            partial = cache / f".{path.name}.partial"
+            partial.unlink(missing_ok=True)
+            step.run(*buildah, "push", reference, f"oci-archive:{partial}:{reference}")
+            added = _complete_index(partial, reference)
+            if added:
+                step.note(f"added to index.json's manifest descriptor: {', '.join(added)}")
+            os.replace(partial, path)
+            # The archive is the cache: keep neither this image nor older archives.
+            step.run(*buildah, "rmi", reference, check=False)
+            for old in cache.glob("operator-*.tar"):
+                if old != path:
+                    old.unlink()
+        _progress(f"operator image {reference} made in {time.monotonic() - began:.0f} s: {path}")
+        return ImageArchive(reference=reference, path=path)
+
+
+def _install_tools(steps: _Steps) -> None:
+    missing = [tool for tool in ("buildah", "mmdebstrap") if shutil.which(tool) is None]
+    if not missing:
+        return
+    with steps.step("apt", f"installing {' '.join(missing)} (Debian packages)") as step:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+        if step.run(*install, env=env, check=False) != 0:
+            step.note("the install failed; updating the package lists and trying again")
+            step.run("apt-get", "update", "-q", env=env)
+            step.run(*install, env=env)
+
+
+def _buildah_command(cache: Path) -> list[str]:
+    """buildah with its storage under the cache: nothing global is read or written."""
+    storage = cache / "buildah"
+    return [
+        "buildah",
+        "--root",
+        str(storage / "root"),
+        "--runroot",
+        str(storage / "run"),
+        "--storage-driver",
+        "vfs",
+    ]
+
+
+def _base_image(steps: _Steps, buildah: list[str], cache: Path, key: str) -> str:
+    """The local stand-in for python:3.11-slim-bookworm, made once per recipe."""
+    reference = f"{BASE_REPOSITORY}:bookworm-{key[:12]}"
+    if (
+        subprocess.run(
+            [*buildah, "inspect", "--type", "image", reference],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        ).returncode
+        == 0
+    ):
+        return reference
+    rootfs = cache / "base" / f"bookworm-{key[:12]}.tar"
+    if not rootfs.is_file():
+        rootfs.parent.mkdir(parents=True, exist_ok=True)
+        with steps.step("mmdebstrap", f"making a Debian bookworm rootfs ({rootfs})") as step:
+            raw = rootfs.with_name(f".{rootfs.name}.raw")
+            filtered = rootfs.with_name(f".{rootfs.name}.partial")
+            recipe = _BASE_RECIPE
+            step.run(
+                "mmdebstrap",
+                "--mode=root",
+                "--format=tar",  # the name does not end in .tar
+                f"--variant={recipe['variant']}",
+                f"--include={','.join(recipe['packages'])}",
+                *(f"--dpkgopt={option}" for option in recipe["dpkg_options"]),
+                *(f"--hook-dir={directory}" for directory in recipe["hook_dirs"]),
+                *(f"--customize-hook={hook}" for hook in recipe["hooks"]),
+                recipe["suite"],
+                str(raw),
+                *recipe["sources"],
+            )
+            try:
+                with raw.open("rb") as source, filtered.open("wb") as target:
+                    step.run("mmtarfilter", *recipe["tar_filter"], stdin=source, stdout=target)
+                os.replace(filtered, rootfs)
+            finally:
+                raw.unlink(missing_ok=True)
+                filtered.unlink(missing_ok=True)
+    with steps.step("base", f"importing the rootfs into buildah as {reference}") as step:
+        container = f"k8s-rdzv-base-{key[:12]}"
+        step.run(*buildah, "rm", container, check=False)  # left by an interrupted import
+        step.run(*buildah, "from", "--name", container, "scratch")
+        step.run(*buildah, "add", container, str(rootfs), "/")
+        config = _BASE_RECIPE["config"]
+        step.run(
+            *buildah,
+            "config",
+            *(arg for env in config["env"] for arg in ("--env", env)),
+            "--cmd",
+            json.dumps(config["cmd"]),
+            container,
+        )
+        step.run(*buildah, "commit", "--rm", "--format=oci", container, reference)
+        # Older bases (another recipe) are only disk space now.
+        for name in step.output(*buildah, "images", "--format", "{{.Name}}:{{.Tag}}").split():
+            if name.startswith(f"{BASE_REPOSITORY}:") and name != reference:
+                step.run(*buildah, "rmi", name, check=False)
+        for old in rootfs.parent.glob("bookworm-*.tar"):
+            if old != rootfs:
+                old.unlink()
+    return reference
+
+
+def _complete_index(archive: Path, reference: str) -> list[str]:
+    """Make the index's manifest descriptor carry what ``ctr images import --platform``
+    reads: both name annotations (buildah writes only the OCI one) and the platform
+    (buildah writes none; it is the config's). Rewrites ``archive`` if something was
+    missing and returns what was added.
+
+    Raises:
+        ImageError: the index does not hold exactly one manifest.
+    """
+    with tarfile.open(archive) as tar:
+
+        def blob(name: str) -> Any:
+            stream = tar.extractfile(name)
+            if stream is None:
+                raise ImageError(f"{archive}: {name} is not a file")
+            return json.load(stream)
+
+        index = blob("index.json")
+        manifests = index.get("manifests") or []
+        if len(manifests) != 1:
+            raise ImageError(f"{archive}: index.json should list one manifest: {manifests}")
+        descriptor = manifests[0]
+        added: list[str] = []
+        annotations = descriptor.setdefault("annotations", {})
+        for name in (REF_NAME_ANNOTATION, CONTAINERD_NAME_ANNOTATION):
+            if annotations.get(name) != reference:
+                annotations[name] = reference
+                added.append(name)
+        if "platform" not in descriptor:
+            manifest = blob(_blob_path(descriptor["digest"]))
+            config = blob(_blob_path(manifest["config"]["digest"]))
+            descriptor["platform"] = {"architecture": config["architecture"], "os": config["os"]}
+            added.append("platform")
+    if not added:
+        return added
+    data = json.dumps(index, separators=(",", ":")).encode()
+    rewritten = archive.with_name(f"{archive.name}.rewritten")
+    with tarfile.open(archive) as source, tarfile.open(rewritten, "w") as target:
+        for item in source:
+            if item.name == "index.json":
+                replacement = copy.copy(item)
+                replacement.size = len(data)
+                target.addfile(replacement, io.BytesIO(data))
+            else:
+                target.addfile(item, source.extractfile(item) if item.isreg() else None)
+    os.replace(rewritten, archive)
+    return added
+
+
+def _blob_path(digest: str) -> str:
+    algorithm, _, encoded = digest.partition(":")
+    return f"blobs/{algorithm}/{encoded}"
+
+
+def _recipe_key(recipe: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical_json(recipe)).hexdigest()
+
+
+def _operator_key(repo: Path, base_key: str) -> str:
+    """sha256 of what the image is made from: the Dockerfile, every file of the build
+    context (what .dockerignore admits: its path, mode and content), both recipes."""
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        digest.update(f"{label}\0{len(data)}\0".encode())
+        digest.update(data)
+
+    add("build", _BUILD_RECIPE.encode())
+    add("base", base_key.encode())
+    add("Dockerfile", (repo / "Dockerfile").read_bytes())
+    for relative in _build_context(repo):
+        path = repo / relative
+        if path.is_symlink():
+            add(f"link {relative}", os.readlink(path).encode())
+        else:
+            add(f"file {relative} {path.stat().st_mode & 0o777:o}", path.read_bytes())
+    return digest.hexdigest()
+
+
+def _build_context(repo: Path) -> list[str]:
+    """The files (relative POSIX paths, sorted) that ``repo``'s .dockerignore admits.
+
+    Docker's rules as this repository uses them: patterns in order, the last that matches
+    a path or one of its parents decides, ``!`` admits again; ``*`` and ``?`` stay within
+    one path component, ``**`` spans any number.
+
+    Raises:
+        ImageError: a pattern uses syntax this reader does not implement ([...] or \\).
+    """
+    rules: list[tuple[bool, re.Pattern[str], str]] = []
+    ignore_file = repo / ".dockerignore"
+    lines = ignore_file.read_text().splitlines() if ignore_file.is_file() else []
+    for line in lines:
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        admits = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").strip()
+        if "[" in pattern or "\\" in pattern:
+            raise ImageError(f"{ignore_file}: {pattern!r} uses syntax images.py does not read")
+        pattern = posixpath.normpath(pattern.lstrip("/"))
+        literal = re.split(r"[*?]", pattern, maxsplit=1)[0]
+        rules.append((admits, _ignore_pattern(pattern), literal))
+
+    def admitted(relative: str) -> bool:
+        candidates = [relative]
+        parent = posixpath.dirname(relative)
+        while parent:
+            candidates.append(parent)
+            parent = posixpath.dirname(parent)
+        verdict = True
+        for admits, regex, _ in rules:
+            if any(regex.fullmatch(candidate) for candidate in candidates):
+                verdict = admits
+        return verdict
+
+    def may_admit_below(directory: str) -> bool:
+        prefix = directory + "/"
+        return any(
+            admits and (literal.startswith(prefix) or prefix.startswith(literal))
+            for admits, _, literal in rules
+        )
+
+    files: list[str] = []
+    pending = [""]
+    while pending:
+        directory = pending.pop()
+        with os.scandir(repo / directory) as listing:
+            for item in listing:
+                relative = posixpath.join(directory, item.name) if directory else item.name
+                if item.is_dir(follow_symlinks=False):
+                    if admitted(relative) or may_admit_below(relative):
+                        pending.append(relative)
+                elif admitted(relative):
+                    files.append(relative)
+    return sorted(files)
+
+
+def _ignore_pattern(pattern: str) -> re.Pattern[str]:
+    parts: list[str] = []
+    position = 0
+    while position < len(pattern):
+        if pattern.startswith("**/", position):
+            parts.append("(?:.*/)?")
+            position += 3
+        elif pattern.startswith("**", position):
+            parts.append(".*")
+            position += 2
+        elif pattern[position] == "*":
+            parts.append("[^/]*")
+            position += 1
+        elif pattern[position] == "?":
+            parts.append("[^/]")
+            position += 1
+        else:
+            parts.append(re.escape(pattern[position]))
+            position += 1
+    return re.compile("".join(parts))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One build at a time per cache (parallel test sessions share it)."""
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _CommandFailed(Exception):
+    def __init__(self, args: Sequence[str], returncode: int) -> None:
+        super().__init__(f"{shlex.join(args)} exited with {returncode}")
+
+
+class _Step:
+    """Runs one step's commands with their output appended to the step's log."""
+
+    def __init__(self, log: IO[str]) -> None:
+        self._log = log
+
+    def note(self, message: str) -> None:
+        self._log.write(f"# {message}\n")
+        self._log.flush()
+
+    def run(
+        self,
+        *args: str,
+        stdin: IO[bytes] | None = None,
+        stdout: IO[bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+        check: bool = True,
+    ) -> int:
+        self._log.write(f"$ {shlex.join(args)}\n")
+        self._log.flush()
+        proc = subprocess.run(
+            args,
+            stdin=stdin if stdin is not None else subprocess.DEVNULL,
+            stdout=stdout if stdout is not None else self._log,
+            stderr=self._log,
+            env=env,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise _CommandFailed(args, proc.returncode)
+        return proc.returncode
+
+    def output(self, *args: str) -> str:
+        self._log.write(f"$ {shlex.join(args)}\n")
+        self._log.flush()
+        proc = subprocess.run(
+            args, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
+        )
+        self._log.write(proc.stderr)
+        if proc.returncode != 0:
+            raise _CommandFailed(args, proc.returncode)
+        return proc.stdout
+
+
+class _Steps:
+    """One progress line per step on stderr (what, then how long); the tools' output in
+    ``logs/<step>.log``, whose end is shown when the step fails (as build.sh does)."""
+
+    def __init__(self, logs: Path) -> None:
+        self._logs = logs
+
+    @contextlib.contextmanager
+    def step(self, name: str, what: str) -> Iterator[_Step]:
+        self._logs.mkdir(parents=True, exist_ok=True)
+        file = self._logs / f"{name}.log"
+        began = time.monotonic()
+        _progress(f"{what} (output: {file})")
+        try:
+            with file.open("w") as log:
+                yield _Step(log)
+        except (_CommandFailed, OSError) as exc:
+            _progress(f"{what} failed after {time.monotonic() - began:.0f} s; the end of {file}:")
+            with contextlib.suppress(OSError):
+                print(
+                    "".join(file.read_text(errors="replace").splitlines(True)[-40:]),
+                    file=sys.stderr,
+                )
+            raise ImageError(f"{what} failed: {exc} (log: {file})") from exc
+        _progress(f"{what}: done in {time.monotonic() - began:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------
 # command line
 
 
@@ -510,16 +1000,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.cluster.images",
         description="Make one of the real nodes' images and print its OCI archive's path.",
     )
-    parser.add_argument("image", choices=("trainer", "pause"))
+    parser.add_argument("image", choices=("operator", "trainer", "pause"))
     parser.add_argument("--cache", type=Path, default=default_cache(), help="default: %(default)s")
     parser.add_argument(
         "--binary",
         type=Path,
         help="pause: the static binary (default: tests/cluster/build.sh nodes' pause)",
     )
+    parser.add_argument("--repo", type=Path, default=REPO, help="operator: default: %(default)s")
     args = parser.parse_args(argv)
     try:
-        if args.image == "trainer":
+        if args.image == "operator":
+            archive = operator_image(args.repo, args.cache)
+        elif args.image == "trainer":
             archive = trainer_image(args.cache)
         else:
             archive = pause_image(args.binary or _nodes_pause_binary(), args.cache)
