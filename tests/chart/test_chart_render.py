@@ -1,6 +1,6 @@
 """The chart on its own: lint, render with default and non-default values, the values
-schema's refusals (helm's own error text), the generated copies and the README not
-drifting."""
+schema's refusals (helm's own error text), where the webhook's certificate comes from, the
+generated copies and the README not drifting."""
 
 from __future__ import annotations
 
@@ -338,6 +338,23 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
             ["--set", "creatorRole.enabled=true"],
             "- at '/creatorRole': additional properties 'enabled' not allowed",
         ),
+        (
+            ["--set", "webhook.certManager.enabled=yes"],
+            "- at '/webhook/certManager/enabled': got string, want boolean",
+        ),
+        (
+            ["--set", "webhook.certManager.issuerRef.kind=Foo"],
+            "- at '/webhook/certManager/issuerRef/kind': value must be one of 'Issuer', "
+            "'ClusterIssuer'",
+        ),
+        (
+            ["--set", "webhook.certManager.issuer=ca"],
+            "- at '/webhook/certManager': additional properties 'issuer' not allowed",
+        ),
+        (
+            ["--set", "webhook.certificate.existingSecret=Webhook_TLS"],
+            "- at '/webhook/certificate/existingSecret': 'Webhook_TLS' does not match pattern",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -351,6 +368,10 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
         "webhook-privileged-port",
         "webhook-bool-string",
         "creator-unknown-key",
+        "cert-manager-bool-string",
+        "cert-manager-issuer-kind",
+        "cert-manager-unknown-key",
+        "existing-secret-not-a-name",
     ],
 )
 def test_values_schema_refuses(helm: Helm, flags: list[str], error: str) -> None:
@@ -472,9 +493,104 @@ def test_placement_and_extras_reach_the_operator_pod(helm: Helm) -> None:
     assert not [o for o in objects if o["kind"] == "PodDisruptionBudget"], "one replica: none"
 
 
+CERT_DIR = "/etc/k8s-rendezvous/webhook-cert"
+CERT_MANAGER = ("--set", "webhook.certManager.enabled=true")
+ISSUER = ("--set", "webhook.certManager.issuerRef.name=team-ca")
+
+
+def served_certificate(objects: list[dict[str, Any]]) -> str | None:
+    """The Secret the operator serves its webhook's certificate from (None: self-signed),
+    checked to be mounted where --webhook-cert-dir points."""
+    pod = find(objects, "Deployment", OPERATOR)["spec"]["template"]["spec"]
+    operator = container(objects)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in operator["volumeMounts"]}
+    flags = [a for a in operator["args"] if a.startswith("--webhook-cert-dir")]
+    if "webhook-cert" not in volumes:
+        assert ("webhook-cert" not in mounts, flags) == (True, []), "half a certificate"
+        return None
+    assert mounts["webhook-cert"] == {
+        "name": "webhook-cert",
+        "mountPath": CERT_DIR,
+        "readOnly": True,
+    }
+    assert flags == [f"--webhook-cert-dir={CERT_DIR}"]
+    return str(volumes["webhook-cert"]["secret"]["secretName"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "secret", "certificate"),
+    [
+        ((), None, False),
+        ((*CERT_MANAGER, *ISSUER), f"{WEBHOOK_SERVICE}-cert", True),
+        (
+            ("--set", "webhook.certificate.existingSecret=team-webhook-tls"),
+            "team-webhook-tls",
+            False,
+        ),
+        (("--set", "webhook.enabled=false", *CERT_MANAGER, *ISSUER), None, False),
+        (("--set", "webhook.enabled=false", *CERT_MANAGER), None, False),
+    ],
+    ids=[
+        "self-signed-at-start",
+        "cert-manager",
+        "existing-secret",
+        "no-webhook-no-certificate",
+        "no-webhook-no-issuer-needed",
+    ],
+)
+def test_the_webhook_serves_the_certificate_its_values_name(
+    helm: Helm, flags: tuple[str, ...], secret: str | None, certificate: bool
+) -> None:
+    objects = helm.template_objects(*flags)
+    assert served_certificate(objects) == secret
+    made = [o for o in objects if o["kind"] == "Certificate"]
+    assert len(made) == int(certificate)
+
+
+def test_cert_manager_signs_the_name_the_api_server_calls_the_webhook_by(helm: Helm) -> None:
+    objects = helm.template_objects(
+        *CERT_MANAGER, *ISSUER, "--set", "webhook.certManager.issuerRef.kind=ClusterIssuer"
+    )
+    certificate = find(objects, "Certificate", WEBHOOK_SERVICE)
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    host = next(a for a in container(objects)["args"] if a.startswith("--webhook-host="))
+    assert certificate["spec"]["dnsNames"] == [host.removeprefix("--webhook-host=")]
+    assert certificate["spec"]["secretName"] == served_certificate(objects)
+    assert certificate["spec"]["issuerRef"] == {
+        "name": "team-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+    assert "server auth" in certificate["spec"]["usages"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (
+            CERT_MANAGER,
+            "webhook.certManager.enabled needs webhook.certManager.issuerRef.name",
+        ),
+        (
+            (*CERT_MANAGER, *ISSUER, "--set", "webhook.certificate.existingSecret=mine"),
+            "webhook.certManager.enabled and webhook.certificate.existingSecret both name "
+            "the webhook's certificate: choose one",
+        ),
+    ],
+    ids=["cert-manager-without-issuer", "two-certificates"],
+)
+def test_a_certificate_without_a_source_or_with_two_is_refused(
+    helm: Helm, flags: tuple[str, ...], error: str
+) -> None:
+    refused = helm.run("template", "x", str(CHART), *flags, check=False)
+    assert refused.returncode != 0
+    assert error in refused.stderr, refused.stderr
+
+
 def test_the_chart_readme_is_made_from_values_yaml() -> None:
     """hack/sync_chart.py writes it; each value of values.yaml is a row, with its comment."""
     values = (CHART / "values.yaml").read_text()
     readme = (CHART / "README.md").read_text()
     assert readme == chart_readme.render(values), "out of date: run hack/sync_chart.py"
-    assert "| `webhook.timeoutSeconds` | `5` |" in readme
+    assert '| `webhook.certManager.issuerRef.name` | `""` |' in readme

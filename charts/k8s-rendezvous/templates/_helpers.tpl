@@ -68,3 +68,26 @@ operator may patch only objects of this name. */}}
 {{- define "k8s-rendezvous.webhookConfig" -}}
 {{- printf "%s.k8s-rendezvous.dev" (include "k8s-rendezvous.fullname" .) -}}
 {{- end -}}
+
+{{/* The Secret holding the webhook's serving certificate (tls.crt, tls.key, ca.crt), or
+nothing: the operator then makes a self-signed one at start. */}}
+{{- define "k8s-rendezvous.webhookCertSecret" -}}
+{{- $certManager := .Values.webhook.certManager -}}
+{{- $existing := .Values.webhook.certificate.existingSecret -}}
+{{- if and $certManager.enabled $existing -}}
+{{- fail "webhook.certManager.enabled and webhook.certificate.existingSecret both name the webhook's certificate: choose one" -}}
+{{- end -}}
+{{- if $certManager.enabled -}}
+{{- if not $certManager.issuerRef.name -}}
+{{- fail "webhook.certManager.enabled needs webhook.certManager.issuerRef.name: the Issuer or ClusterIssuer that signs the webhook's certificate" -}}
+{{- end -}}
+{{- printf "%s-cert" (include "k8s-rendezvous.webhookService" .) -}}
+{{- else -}}
+{{- $existing -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the operator container reads that Secret (--webhook-cert-dir). */}}
+{{- define "k8s-rendezvous.webhookCertDir" -}}
+/etc/k8s-rendezvous/webhook-cert
+{{- end -}}
