@@ -7,7 +7,7 @@ UV_VERSION := 0.13.9
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup venv binaries test contract lint demo cluster-up cluster-down
+.PHONY: setup venv binaries test contract lint release-check demo cluster-up cluster-down
 
 setup: venv binaries
 
@@ -26,12 +26,20 @@ $(VENV)/.synced: pyproject.toml uv.lock
 binaries:
 	tests/cluster/build.sh >/dev/null
 
+# Seconds, once actionlint is built (about 10 s, once, from the Go module proxy into
+# ~/.cache/k8s-rendezvous): actionlint runs shellcheck on the workflows' scripts.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
+	"$$(hack/tools.sh actionlint)" -shellcheck $(BIN)/shellcheck -pyflakes= -no-color
 
-test: setup lint
+# What a release publishes, built and checked but not published (hack/build_release.py,
+# as .github/workflows/release.yml runs it): the sdist and wheel, the chart package.
+release-check: setup
+	$(BIN)/python -m hack.build_release --uv "$(PYTHON) -m uv"
+
+test: setup lint release-check
 	$(BIN)/pytest
 
 # Only torch's elastic-agent scenarios (also in `make test`: about 10 min of it).
