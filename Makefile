@@ -7,7 +7,7 @@ UV_VERSION := 0.13.9
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup venv binaries test contract lint release-check demo cluster-up cluster-down
+.PHONY: setup venv binaries test contract lint docs release-check demo cluster-up cluster-down
 
 setup: venv binaries
 
@@ -27,12 +27,18 @@ binaries:
 	tests/cluster/build.sh >/dev/null
 
 # Seconds, once actionlint is built (about 10 s, once, from the Go module proxy into
-# ~/.cache/k8s-rendezvous): actionlint runs shellcheck on the workflows' scripts.
-lint: venv
+# ~/.cache/k8s-rendezvous): actionlint runs shellcheck on the workflows' scripts, and the
+# docs site must build with --strict (no broken link between its pages).
+lint: venv docs
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 	"$$(hack/tools.sh actionlint)" -shellcheck $(BIN)/shellcheck -pyflakes= -no-color
+	$(BIN)/python -m hack.check_links
+
+# The docs site (mkdocs.yml) into site/.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # What a release publishes, built and checked but not published (hack/build_release.py,
 # as .github/workflows/release.yml runs it): the sdist and wheel, the chart package.
