@@ -134,21 +134,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         from k8s_rendezvous_operator import webhook  # registers the admission handler
 
         del webhook
-    run: Callable[..., None] = kopf.run
+    from k8s_rendezvous_operator import leadership
+
+    # The liveness endpoint is ours, not kopf's: kopf's binds one address family only.
+    run: Callable[..., None] = functools.partial(
+        leadership.run_unelected, liveness_endpoint=args.liveness or None
+    )
     if args.leader_elect:
-        from k8s_rendezvous_operator import kube, leadership
+        from k8s_rendezvous_operator import kube
 
         run = functools.partial(
             leadership.run_elected,
             namespace=args.leader_election_namespace,
             name=args.leader_election_id,
             api_client=kube.load_api_client(),
+            liveness_endpoint=args.liveness or None,
         )
     run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=True,
-        liveness_endpoint=args.liveness or None,
+        # Named here: kopf would ask the password database for the user, and the image's
+        # user 65532 has no entry there (getpwuid raises KeyError).
+        identity=leadership.default_identity(),
         memo=kopf.Memo(
             namespaces=args.namespace,
             job_label_selector=args.job_label_selector,

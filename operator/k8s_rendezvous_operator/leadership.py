@@ -35,14 +35,12 @@ import signal
 import socket
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-import aiohttp.web
-
+from k8s_rendezvous_operator import health
 from k8s_rendezvous_operator.kube import ApiClient, LeaseLock, Taken
 
 log = logging.getLogger(__name__)
@@ -303,28 +301,6 @@ def default_identity() -> str:
     return f"{base}_{uuid.uuid4().hex[:8]}"
 
 
-async def _serve_standby_health(endpoint: str, elector: Elector) -> aiohttp.web.AppRunner:
-    """Answer the liveness probe while standing by (kopf serves it once this replica
-    leads): a standby is alive, not broken."""
-    parts = urllib.parse.urlsplit(endpoint)
-    if parts.scheme != "http":
-        raise ValueError(f"unsupported liveness endpoint {endpoint!r}: only http is served")
-
-    async def health(request: aiohttp.web.Request) -> aiohttp.web.Response:
-        del request
-        return aiohttp.web.json_response(
-            {"leader": False, "lease": elector.lock.reference, "holder": elector.holder}
-        )
-
-    app = aiohttp.web.Application()
-    app.add_routes([aiohttp.web.get(parts.path or "/", health)])
-    runner = aiohttp.web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, parts.hostname or "127.0.0.1", parts.port or 80)
-    await site.start()
-    return runner
-
-
 def _exit_now(reason: str) -> None:
     log.critical("exiting now: leadership lost (%s)", reason)
     for handler in logging.getLogger().handlers:
@@ -348,12 +324,33 @@ async def lead(elector: Elector, operate: Operate, liveness_endpoint: str | None
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, terminate.set)
-    health = await _serve_standby_health(liveness_endpoint, elector) if liveness_endpoint else None
+
+    def status() -> dict[str, object]:
+        return {
+            "leader": elector.holder == elector.identity,
+            "lease": elector.lock.reference,
+            "holder": elector.holder,
+        }
+
+    # A standby is alive, not broken: it answers the probe too.
+    probe = await health.serve(liveness_endpoint, status) if liveness_endpoint else None
+    try:
+        return await _lead(elector, operate, terminate, signals)
+    finally:
+        if probe is not None:
+            await probe.cleanup()
+
+
+async def _lead(
+    elector: Elector,
+    operate: Operate,
+    terminate: asyncio.Event,
+    signals: tuple[signal.Signals, ...],
+) -> int:
+    loop = asyncio.get_running_loop()
     try:
         acquired = await elector.acquire(terminate)
     finally:
-        if health is not None:
-            await health.cleanup()
         for sig in signals:
             loop.remove_signal_handler(sig)  # kopf installs its own while it starts
     if not acquired:
@@ -411,10 +408,12 @@ def run_elected(
     namespace: str | None,
     name: str,
     api_client: ApiClient,
+    liveness_endpoint: str | None,
     timings: Timings | None = None,
     **kopf_options: Any,
 ) -> None:
-    """``kopf.run(**kopf_options)``, but only while this replica holds the Lease.
+    """``kopf.run(**kopf_options)``, but only while this replica holds the Lease, with
+    the liveness endpoint served from start to end (see health.py).
 
     Returns after SIGTERM/SIGINT (the Lease released); exits the process with status 1
     when leadership is lost, so that the pod restarts as a standby.
@@ -422,13 +421,35 @@ def run_elected(
     import kopf
 
     elector = Elector(
-        LeaseLock(api_client, namespace or default_namespace(), name), default_identity(), timings
+        LeaseLock(api_client, namespace or default_namespace(), name),
+        kopf_options.get("identity") or default_identity(),
+        timings,
     )
     log.info("leader election: %s as %s", elector.lock.reference, elector.identity)
 
     async def operate(stop_flag: asyncio.Event, ready_flag: asyncio.Event) -> None:
         await kopf.operator(stop_flag=stop_flag, ready_flag=ready_flag, **kopf_options)
 
-    code = asyncio.run(lead(elector, operate, kopf_options.get("liveness_endpoint")))
+    code = asyncio.run(lead(elector, operate, liveness_endpoint))
     if code:
         raise SystemExit(code)
+
+
+def run_unelected(*, liveness_endpoint: str | None, **kopf_options: Any) -> None:
+    """``kopf.run(**kopf_options)`` for a single replica, with the liveness endpoint served
+    as run_elected() serves it (see health.py)."""
+    import kopf
+
+    async def main() -> None:
+        probe = (
+            await health.serve(liveness_endpoint, lambda: {"leader": None})
+            if liveness_endpoint
+            else None
+        )
+        try:
+            await kopf.operator(**kopf_options)
+        finally:
+            if probe is not None:
+                await probe.cleanup()
+
+    asyncio.run(main())

@@ -53,4 +53,10 @@ BUILD_INFO: Final = Gauge(
 
 
 def serve(port: int) -> None:
-    start_http_server(port)
+    """Serve /metrics on every address family: a scraper reaches a pod at its first IP,
+    IPv6 on IPv6-first clusters (an IPv6 socket here also takes IPv4 unless the kernel
+    forbids it; IPv4 alone where it has no IPv6)."""
+    try:
+        start_http_server(port, addr="::")
+    except OSError:
+        start_http_server(port, addr="0.0.0.0")

@@ -162,6 +162,8 @@ def test_only_the_leader_acts_and_a_standby_takes_over_within_15s(
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
     assert sealed_round_lines(standby) and not sealed_round_lines(leader)
+    # The same endpoint answers while leading, and says so.
+    assert standby.health()["leader"] is True
     lease = replicas.lease()
     assert lease is not None and lease["spec"]["leaseTransitions"] >= 1
 
