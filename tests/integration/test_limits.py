@@ -105,6 +105,20 @@ def test_a_64_character_rendezvous_name_is_refused_with_the_rules_message(
     )
 
 
+@pytest.mark.parametrize("run_id", ["a\nb", "nul\u0000", "with space", "\u0663"])
+def test_a_run_id_that_is_not_printable_ascii_is_refused_with_the_accepted_form(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, run_id: str
+) -> None:
+    with pytest.raises(ApiException) as error:
+        kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body("r", runId=run_id)
+        )
+    assert error.value.status == 422
+    assert "runId must be printable ASCII without spaces (torchrun --rdzv-id" in str(
+        json.loads(error.value.body)["message"]
+    )
+
+
 MEMBER = {"rank": 0, "node": "pod-a", "instance": "i", "attempt": 1, "addr": "10.0.0.1"}
 
 
