@@ -210,14 +210,25 @@ def test_the_long_form_of_a_lease_name_is_the_pods_own_only(
     assert "named after itself, train.pod-a" in message
 
 
-def test_the_worker_role_writes_no_lease_outside_the_rendezvous_scheme(pod_a: PodClient) -> None:
-    """Not another controller's leader election Lease, nor any unlabelled one."""
+def test_the_worker_role_writes_no_lease_outside_the_rendezvous_scheme(
+    pod_a: PodClient, admin_api: kubernetes.client.ApiClient
+) -> None:
+    """Not another controller's leader election Lease, nor any unlabelled one: neither a
+    new one nor one that controller already holds."""
     message = denied(lambda: pod_a.create_lease("some-controller-lock", "pod-a", rendezvous=None))
     assert (
         "pod pod-a writes Leases through the k8s-rendezvous worker role, which covers only its"
         " own rendezvous Lease"
     ) in message
     assert "not Lease some-controller-lock" in message
+    PodClient(admin_api, pod_a.namespace).create_lease("held-lock", "controller-0", None)
+    taken = {"spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 3600}}
+    message = denied(lambda: pod_a.patch_lease("held-lock", taken))
+    assert "not Lease held-lock" in message
+    held = PodClient(admin_api, pod_a.namespace).custom.get_namespaced_custom_object(
+        "coordination.k8s.io", "v1", pod_a.namespace, "leases", "held-lock"
+    )
+    assert held["spec"]["holderIdentity"] == "controller-0"
 
 
 def test_the_status_is_not_the_pods_to_write(pod_a: PodClient, rendezvous: Rendezvous) -> None:

@@ -283,6 +283,48 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
 
 
 @pytest.mark.webhook
+@pytest.mark.parametrize(
+    ("annotations", "named"),
+    [
+        ({"k8s-rendezvous.dev/nodes": "1:999999"}, "k8s-rendezvous.dev/nodes='1:999999'"),
+        (
+            {"k8s-rendezvous.dev/nodes": "1", "k8s-rendezvous.dev/rank-order": "k" * 318},
+            "k8s-rendezvous.dev/rank-order=",
+        ),
+    ],
+    ids=["max-above-the-crd-bound", "rank-order-key-318-characters"],
+)
+def test_an_annotation_the_crd_would_refuse_is_reported_and_its_pods_get_no_env(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    control_plane: ControlPlane,
+    annotations: dict[str, str],
+    named: str,
+) -> None:
+    """Values that parse but the Rendezvous schema refuses: an Event that names the key,
+    no Rendezvous, and pods without torchrun's environment (torchrun would fail on the
+    missing Rendezvous anyway; without the env it says nothing about rendezvous)."""
+    wait_webhook_registered(control_plane, workers_namespace)
+    make_job(admin_api, workers_namespace, "refused", 1, annotations)
+    warning = wait_for(
+        lambda: next(
+            (
+                m
+                for _, reason, m in job_events(admin_api, workers_namespace, "refused")
+                if reason == "InvalidAnnotation"
+            ),
+            None,
+        ),
+        30,
+        "InvalidAnnotation Event",
+    )
+    assert named in warning and "accepted:" in warning, warning
+    (pod,) = running_pods(admin_api, workers_namespace, "refused", 1)
+    assert not pod["spec"]["containers"][0].get("env"), pod["spec"]["containers"][0]
+    assert _get(Rendezvous(admin_api, workers_namespace, "refused")) is None
+
+
+@pytest.mark.webhook
 def test_a_hung_operator_never_blocks_the_pods_its_webhook_is_sent(
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
