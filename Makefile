@@ -22,9 +22,11 @@ $(VENV)/.synced: pyproject.toml uv.lock
 	touch $@
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm,
-# built from the Go module proxy into ~/.cache/k8s-rendezvous (10-25 min cold on 2 cores).
+# then the real nodes' kubelet, containerd, runc and CNI plugins, built from the Go module
+# proxy into ~/.cache/k8s-rendezvous (about 17 min cold on 2 cores).
 binaries:
 	tests/cluster/build.sh >/dev/null
+	tests/cluster/build.sh nodes >/dev/null
 
 # Seconds, once actionlint is built (about 10 s, once, from the Go module proxy into
 # ~/.cache/k8s-rendezvous): actionlint runs shellcheck on the workflows' scripts, and the

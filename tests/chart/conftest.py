@@ -8,23 +8,11 @@ from collections.abc import Iterator
 import kubernetes.client
 import pytest
 from tests.chart import chart
-from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.cluster.controlplane import ControlPlane
 
-# The rendezvous fixtures (make_rendezvous, make_nodes and whatever they need);
+# The rendezvous fixtures (make_rendezvous, make_nodes and whatever they need) and helm;
 # workers_namespace is overridden below.
 from tests.support.fixtures import *  # noqa: F403
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> chart.Helm:
-    """helm without a cluster (lint, template)."""
-    return chart.Helm(build_binaries() / "helm", tmp_path_factory.mktemp("helm-home"))
-
-
-@pytest.fixture(scope="session")
-def cluster_helm(helm: chart.Helm, control_plane: ControlPlane) -> chart.Helm:
-    """helm as the test control plane's admin."""
-    return chart.Helm(helm.binary, helm.home, control_plane.kubeconfig)
 
 
 @pytest.fixture(scope="module")

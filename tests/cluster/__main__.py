@@ -2,7 +2,10 @@
 
     python -m tests.cluster build            # build (or find) the binaries; print their dir
     python -m tests.cluster up [--dir DIR]   # start detached; print `export KUBECONFIG=...`
-    python -m tests.cluster down [--dir DIR] # stop it and remove DIR
+    python -m tests.cluster up --real-nodes 2 [--ipv6]
+                                             # ... with real nodes beside kwok (root; see
+                                             # tests/cluster/nodes.py), their images loaded
+    python -m tests.cluster down [--dir DIR] # stop it (and its real nodes) and remove DIR
 
 With a cluster up, ``K8S_RDZV_KUBECONFIG_DIR=DIR pytest ...`` reuses it instead of starting
 one per session.
@@ -16,19 +19,23 @@ import shutil
 import sys
 from pathlib import Path
 
+from tests.cluster import images
 from tests.cluster.controlplane import (
     STATE_FILE,
     ControlPlane,
     ControlPlaneError,
     build_binaries,
 )
+from tests.cluster.nodes import RealNodes, build_node_binaries
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def default_dir() -> Path:
     return Path(os.environ.get("TMPDIR") or "/tmp") / "k8s-rendezvous-dev"
 
 
-def _up(directory: Path) -> int:
+def _up(directory: Path, real_nodes: int, ipv6: bool) -> int:
     if (directory / STATE_FILE).exists():
         existing = ControlPlane.attach(directory)
         running = existing.running_components()
@@ -41,8 +48,19 @@ def _up(directory: Path) -> int:
     plane = ControlPlane(binaries, directory, detach=True, keep_workdir=True)
     try:
         plane.start()
-    except ControlPlaneError as exc:
+        if real_nodes:
+            node_binaries = build_node_binaries()
+            cache = images.default_cache()
+            loaded = [
+                images.pause_image(node_binaries / "pause", cache),
+                images.trainer_image(cache),
+                images.operator_image(REPO, cache),
+            ]
+            RealNodes(plane, real_nodes, images=loaded, binaries=node_binaries, ipv6=ipv6).start()
+            print(f"# images on the real nodes: {[i.reference for i in loaded]}", file=sys.stderr)
+    except (ControlPlaneError, images.ImageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        plane.stop()
         return 1
     print(
         f"# control plane up in {plane.startup_seconds:.1f}s at {plane.server}; "
@@ -59,6 +77,9 @@ def _down(directory: Path) -> int:
         print(f"# nothing to stop in {directory}", file=sys.stderr)
         return 0
     plane = ControlPlane.attach(directory)
+    nodes = RealNodes.attach(plane)
+    if nodes is not None:
+        nodes.stop()
     plane.stop()
     left = plane.running_components()
     if left:
@@ -81,12 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument(
             "--dir", type=Path, default=default_dir(), help="state directory (default: %(default)s)"
         )
+        if name == "up":
+            command.add_argument(
+                "--real-nodes", type=int, default=0, help="real nodes to start beside kwok's"
+            )
+            command.add_argument("--ipv6", action="store_true", help="dual-stack pods, IPv6 first")
     args = parser.parse_args(argv)
     if args.command == "build":
         print(build_binaries(stream_log=True))
         return 0
     directory = Path(args.dir).resolve()
-    return _up(directory) if args.command == "up" else _down(directory)
+    if args.command == "up":
+        return _up(directory, args.real_nodes, args.ipv6)
+    return _down(directory)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 # outside the repository; anything already built is skipped.
 #
 #   tests/cluster/build.sh            # prints the directory holding the binaries
+#   tests/cluster/build.sh nodes      # the same for real nodes: kubelet, containerd, runc,
+#                                     # the CNI plugins and a pause image's binary
 #
 # K8S_RDZV_BINARIES=<dir> or KUBEBUILDER_ASSETS=<dir> pointing at prebuilt binaries skips
 # the build for whatever they hold (envtest assets have etcd and kube-apiserver only).
@@ -11,7 +13,13 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
 
-out=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}/bin-k8s${KUBERNETES_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}-helm${HELM_VERSION}
+target=${1:-control-plane}
+cache=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}
+case "$target" in
+  control-plane) out=$cache/bin-k8s${KUBERNETES_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}-helm${HELM_VERSION} ;;
+  nodes) out=$cache/nodes-k8s${KUBERNETES_VERSION}-containerd${CONTAINERD_VERSION}-runc${RUNC_VERSION}-cni${CNI_PLUGINS_VERSION} ;;
+  *) echo "usage: $0 [control-plane|nodes]" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
@@ -48,8 +56,8 @@ wrapper() {  # wrapper NAME: a fresh throwaway module directory
   rm -rf "$dir"; mkdir -p "$dir"; echo "$dir"
 }
 
-build_kubernetes() {
-  local minor patch dir gomod ldflags pkg date
+build_kubernetes() {  # build_kubernetes CMD...: k8s.io/kubernetes/cmd/<CMD> into $out
+  local minor patch dir gomod ldflags pkg date cmd targets=()
   minor=$(cut -d. -f2 <<<"$KUBERNETES_VERSION"); patch=$(cut -d. -f3 <<<"$KUBERNETES_VERSION")
   dir=$(wrapper kubernetes); cd "$dir"
   go mod init local/k8s-rendezvous-kubernetes >/dev/null 2>&1
@@ -74,11 +82,43 @@ build_kubernetes() {
     ldflags+=" -X $pkg.gitVersion=v$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
   done
-  go build -trimpath -tags selinux,notest,grpcnotrace -ldflags "$ldflags" -o "$out/" \
-    k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler \
-    k8s.io/kubernetes/cmd/kubectl
+  for cmd in "$@"; do targets+=("k8s.io/kubernetes/cmd/$cmd"); done
+  go build -trimpath -tags selinux,notest,grpcnotrace -ldflags "$ldflags" -o "$out/" "${targets[@]}"
+}
+
+build_control_plane() { build_kubernetes kube-apiserver kube-controller-manager kube-scheduler kubectl; }
+build_kubelet() { build_kubernetes kubelet; }
+
+# runc needs cgo and libseccomp (the seccomp tag): without it a pod asking for the
+# RuntimeDefault profile, as the chart's operator does, cannot start.
+build_runc() {
+  if ! pkg-config --exists libseccomp; then
+    log "installing libseccomp-dev (Debian) for runc's seccomp support"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libseccomp-dev \
+      || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libseccomp-dev; }
+  fi
+  CGO_ENABLED=1 GOBIN="$out" go install -trimpath -tags seccomp \
+    -ldflags "-s -w -X main.version=$RUNC_VERSION" "github.com/opencontainers/runc@v$RUNC_VERSION"
+}
+
+build_containerd() {
+  local cmd module=github.com/containerd/containerd/v2 pkgs=()
+  for cmd in containerd ctr containerd-shim-runc-v2; do pkgs+=("$module/cmd/$cmd@v$CONTAINERD_VERSION"); done
+  GOBIN="$out" go install -trimpath -tags no_btrfs,urfave_cli_no_docs \
+    -ldflags "-s -w -X $module/version.Version=v$CONTAINERD_VERSION" "${pkgs[@]}"
+}
+
+build_cni() {
+  local module=github.com/containernetworking/plugins
+  mkdir -p "$out/cni"
+  GOBIN="$out/cni" go install -trimpath -ldflags "-s -w" \
+    "$module/plugins/main/bridge@v$CNI_PLUGINS_VERSION" \
+    "$module/plugins/main/loopback@v$CNI_PLUGINS_VERSION" \
+    "$module/plugins/ipam/host-local@v$CNI_PLUGINS_VERSION"
+}
+
+build_pause() {  # the pod sandbox's process: sleeps until told to stop
+  go build -trimpath -ldflags "-s -w" -o "$out/pause" "$here/images/pause.go"
 }
 
 build_etcd() {
@@ -130,12 +170,20 @@ build_helm() {
 }
 
 start=$(date +%s)
-if ! { have kube-apiserver && have kube-controller-manager && have kube-scheduler && have kubectl; }; then
-  step kubernetes "Kubernetes v$KUBERNETES_VERSION (about 20 minutes cold on 2 cores)" build_kubernetes
+if [ "$target" = control-plane ]; then
+  if ! { have kube-apiserver && have kube-controller-manager && have kube-scheduler && have kubectl; }; then
+    step kubernetes "Kubernetes v$KUBERNETES_VERSION (about 20 minutes cold on 2 cores)" build_control_plane
+  fi
+  have etcd || step etcd "etcd v$ETCD_VERSION" build_etcd
+  { have kwok && [ -d "$out/kwok-stages" ]; } || step kwok "kwok v$KWOK_VERSION" build_kwok
+  have_helm || step helm "helm v$HELM_VERSION for Kubernetes $KUBERNETES_VERSION" build_helm
+else
+  have kubelet || step kubelet "kubelet v$KUBERNETES_VERSION" build_kubelet
+  have runc || step runc "runc v$RUNC_VERSION" build_runc
+  { have containerd && have ctr && have containerd-shim-runc-v2; } || step containerd "containerd v$CONTAINERD_VERSION" build_containerd
+  { [ -x "$out/cni/bridge" ] && [ -x "$out/cni/loopback" ] && [ -x "$out/cni/host-local" ]; } || step cni "CNI plugins v$CNI_PLUGINS_VERSION" build_cni
+  have pause || step pause "pause" build_pause
 fi
-have etcd || step etcd "etcd v$ETCD_VERSION" build_etcd
-{ have kwok && [ -d "$out/kwok-stages" ]; } || step kwok "kwok v$KWOK_VERSION" build_kwok
-have_helm || step helm "helm v$HELM_VERSION for Kubernetes $KUBERNETES_VERSION" build_helm
 rm -rf "$out/.work"
 log "binaries ready in $out ($(( $(date +%s) - start )) s)"
 echo "$out"

@@ -74,6 +74,8 @@ CLIENT_CERTS: dict[str, tuple[str, list[str]]] = {
     "kube-controller-manager": ("system:kube-controller-manager", []),
     "kube-scheduler": ("system:kube-scheduler", []),
     "kwok": ("kwok-controller", ["system:masters"]),
+    # The API server's identity towards kubelets (logs, exec, port-forward of real pods).
+    "kube-apiserver-kubelet-client": ("kube-apiserver-kubelet-client", ["system:masters"]),
 }
 STATE_FILE = "state.json"
 STOP_GRACE_SECONDS = 10.0
@@ -494,7 +496,11 @@ class ControlPlane:
 
     def write_kubeconfig_for_token(self, token: str, path: Path) -> Path:
         """A kubeconfig for this cluster that authenticates with ``token``."""
-        user = {"token": token}
+        return self.write_kubeconfig_for_user(Path(path), {"token": token})
+
+    def write_kubeconfig_for_user(self, path: Path, user: Mapping[str, str]) -> Path:
+        """A kubeconfig for this cluster with ``user`` as its credentials (a kubeconfig
+        ``user`` entry: a token, or a client certificate and key)."""
         return self._write_kubeconfig(Path(path), user)
 
     def pod_environment(
@@ -697,7 +703,19 @@ class ControlPlane:
                 f"--service-account-key-file={pki.service_account_pub}",
                 f"--service-account-signing-key-file={pki.service_account_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--authorization-mode=RBAC",
+                # Kubelets of real nodes (nodes.py) authenticate as system:node:<name>;
+                # the Node authorizer and NodeRestriction keep each to its own node's pods.
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={pki.clients['kube-apiserver-kubelet-client'].cert}",
+                f"--kubelet-client-key={pki.clients['kube-apiserver-kubelet-client'].key}",
+                f"--kubelet-certificate-authority={pki.ca.cert}",
+                # A real node's name resolves nowhere (no DNS here); its InternalIP is its
+                # bridge's gateway address.
+                "--kubelet-preferred-address-types=InternalIP",
+                # No kube-proxy: reach webhook Services at their endpoints' pod IPs rather
+                # than at ClusterIPs nothing routes.
+                "--enable-aggregator-routing=true",
                 "--allow-privileged=true",
                 "--profiling=false",
             ]

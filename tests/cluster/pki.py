@@ -71,7 +71,11 @@ class ClusterPKI:
         )
 
 
-def _sign(directory: Path, ca: CertPair, name: str, subject: str, extensions: str) -> CertPair:
+def sign_certificate(
+    directory: Path, ca: CertPair, name: str, subject: str, extensions: str
+) -> CertPair:
+    """A key and a certificate for ``subject`` (an openssl ``/O=../CN=..`` string) signed by
+    ``ca``, with ``extensions`` (openssl extension-file lines) added to the leaf defaults."""
     pair = CertPair(directory / f"{name}.crt", directory / f"{name}.key")
     csr = directory / f"{name}.csr"
     ext = directory / f"{name}.ext"
@@ -141,7 +145,7 @@ def create_pki(
         cwd=directory,
     )
     sans = [f"IP:{ip}" for ip in serving_ips] + [f"DNS:{name}" for name in serving_dns]
-    _sign(
+    sign_certificate(
         directory,
         ca,
         "apiserver",
@@ -150,7 +154,7 @@ def create_pki(
     )
     for stem, (user, groups) in clients.items():
         subject = "".join(f"/O={group}" for group in groups) + f"/CN={user}"
-        _sign(directory, ca, stem, subject, "extendedKeyUsage=clientAuth\n")
+        sign_certificate(directory, ca, stem, subject, "extendedKeyUsage=clientAuth\n")
     sa_key = directory / "sa.key"
     sa_pub = directory / "sa.pub"
     _ec_key(sa_key)

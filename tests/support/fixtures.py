@@ -14,7 +14,8 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane
+from tests.chart import chart
+from tests.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries
 from tests.cluster.waiting import wait_for
 from tests.support import invariants
 from tests.support.operator import OperatorProcess
@@ -37,6 +38,18 @@ def rendezvous_crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(CRD))
     control_plane.kubectl("wait", "--for=condition=established", "-f", str(CRD), "--timeout=60s")
     control_plane.kubectl("apply", "--server-side", "-f", str(RBAC))
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> chart.Helm:
+    """helm without a cluster (lint, template)."""
+    return chart.Helm(build_binaries() / "helm", tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="session")
+def cluster_helm(helm: chart.Helm, control_plane: ControlPlane) -> chart.Helm:
+    """helm as the test control plane's admin."""
+    return chart.Helm(helm.binary, helm.home, control_plane.kubeconfig)
 
 
 @pytest.fixture

@@ -1,0 +1,252 @@
+"""A user's whole path on real nodes: the chart installs the operator from its image, an
+annotated Job runs plain ``torchrun`` in real containers, and real faults (a worker's exit,
+a killed container, a deleted pod, a drain, a lost node, scaling) re-form the world, as
+the workers' own progress lines say."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.chart import chart
+from tests.cluster import images
+from tests.cluster.controlplane import ControlPlane, dig, read_object
+from tests.cluster.nodes import RealNodes
+from tests.nodes.training import OPERATOR_POD_LABELS, RunJob, TrainingJob, operator_leader
+
+from k8s_rendezvous import __version__
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def pod_processes(pod: dict[str, Any]) -> dict[int, str]:
+    """PID -> command line of every process in the pod's containers, from its cgroup."""
+    uid = pod["metadata"]["uid"]
+    found: dict[int, str] = {}
+    for procs in Path("/sys/fs/cgroup/pids").rglob(f"pod{uid}/*/cgroup.procs"):
+        for pid in procs.read_text().split():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found[int(pid)] = cmdline.decode(errors="replace")
+    return found
+
+
+def agent_pid(pod: dict[str, Any]) -> int:
+    (pid,) = [p for p, cmd in pod_processes(pod).items() if "/torchrun " in cmd]
+    return pid
+
+
+def worker_pid(pod: dict[str, Any]) -> int:
+    (pid,) = [
+        p
+        for p, cmd in pod_processes(pod).items()
+        if "elastic_train.py" in cmd and "/torchrun " not in cmd
+    ]
+    return pid
+
+
+def pod_of(job: TrainingJob, name: str) -> dict[str, Any]:
+    (pod,) = [p for p in job.pods() if p["metadata"]["name"] == name]
+    return pod
+
+
+def pods_by_node(job: TrainingJob) -> dict[str, list[dict[str, Any]]]:
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for pod in job.running_pods():
+        by_node.setdefault(pod["spec"]["nodeName"], []).append(pod)
+    return by_node
+
+
+def lone_pod(job: TrainingJob) -> dict[str, Any]:
+    """The pod alone on its node (3 pods spread over 2 nodes), whatever its rank."""
+    by_node = pods_by_node(job)
+    alone = [pods[0] for pods in by_node.values() if len(pods) == 1]
+    assert alone, {node: [p["metadata"]["name"] for p in pods] for node, pods in by_node.items()}
+    return alone[0]
+
+
+# -- the operator from its image --------------------------------------------------------
+
+
+def test_the_operator_runs_from_its_image_with_leader_election_metrics_and_webhook(
+    operator_release: chart.Release,
+    admin_api: kubernetes.client.ApiClient,
+    node_images: dict[str, images.ImageArchive],
+) -> None:
+    core = kubernetes.client.CoreV1Api(admin_api)
+    pods = read_object(
+        core.list_namespaced_pod,
+        chart.NAMESPACE,
+        label_selector=OPERATOR_POD_LABELS,
+    )["items"]
+    assert len(pods) == 2, pods
+    assert {pod["spec"]["nodeName"] for pod in pods} == {"real-node-0", "real-node-1"}
+    for pod in pods:
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["image"].endswith(node_images["operator"].reference.split("/", 1)[1])
+        assert status["state"].get("running"), status
+    leader = operator_leader(admin_api).partition("_")[0]
+    ready = [
+        pod["metadata"]["name"]
+        for pod in pods
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"])
+    ]
+    # Only the leader serves admission, so only the leader is Ready (values.yaml, webhook).
+    assert ready == [leader], (ready, leader)
+    (leader_pod,) = [pod for pod in pods if pod["metadata"]["name"] == leader]
+    address = ipaddress.ip_address(leader_pod["status"]["podIP"])
+    host = f"[{address}]" if address.version == 6 else str(address)
+    with urllib.request.urlopen(f"http://{host}:8081/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert f'k8s_rendezvous_build_info{{version="{__version__}"}} 1.0' in metrics, metrics[:2000]
+    registered = read_object(
+        kubernetes.client.AdmissionregistrationV1Api(admin_api).read_mutating_webhook_configuration,
+        chart.WEBHOOK_CONFIG,
+    )
+    (webhook,) = registered["webhooks"]
+    assert webhook["clientConfig"]["service"]["name"] == chart.WEBHOOK_SERVICE, webhook
+
+
+# -- an annotated Job, plain torchrun -------------------------------------------------
+
+
+def test_an_annotated_job_trains_with_plain_torchrun_on_both_nodes(
+    run_job: RunJob, admin_api: kubernetes.client.ApiClient
+) -> None:
+    started = time.time()
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3")
+    world = job.wait_world(3, after=started)
+    pods = {pod["metadata"]["name"]: pod for pod in job.running_pods()}
+    assert set(world.pods.values()) == set(pods)
+    assert {pod["spec"]["nodeName"] for pod in pods.values()} == {"real-node-0", "real-node-1"}
+    for pod in pods.values():
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e for e in container.get("env") or []}
+        # Injected at admission; the user's command has no rendezvous flag.
+        assert env["PET_RDZV_BACKEND"]["value"] == "kubernetes", env
+        assert env["PET_RDZV_ENDPOINT"]["value"] == job.name, env
+        assert not any("rdzv" in arg for arg in container["command"]), container["command"]
+    # The master is rank 0's pod IP as that pod reports it, and the port its agent bound.
+    rank0 = pods[world.pods[0]]
+    host, _, port = world.master.rpartition(":")
+    assert host.strip("[]") == rank0["status"]["podIP"], (world.master, rank0["status"])
+    assert int(port) > 0
+
+
+# -- faults ----------------------------------------------------------------------------
+
+
+def test_a_worker_that_dies_in_its_container_restarts_the_world(run_job: RunJob) -> None:
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3", torchrun_args=("--max-restarts=3",))
+    before = job.wait_world(3, after=0)
+    victim = pod_of(job, before.pods[1])
+    fault = time.time()
+    os.kill(worker_pid(victim), signal.SIGKILL)  # as the OOM killer ends a worker
+    after = job.wait_world(3, after=fault)
+    # The same pods, new worker processes: the agents restarted their workers in place.
+    assert set(after.pods.values()) == set(before.pods.values())
+    assert set(after.pids.values()).isdisjoint(before.pids.values())
+
+
+@pytest.mark.parametrize("restart_policy", ["Never", "OnFailure"])
+def test_a_killed_agent_container_is_replaced_and_rejoins(
+    run_job: RunJob, restart_policy: str
+) -> None:
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3", restart_policy=restart_policy)
+    before = job.wait_world(3, after=0)
+    victim = pod_of(job, before.pods[1])
+    fault = time.time()
+    os.kill(agent_pid(victim), signal.SIGKILL)
+    after = job.wait_world(3, after=fault)
+    name = victim["metadata"]["name"]
+    if restart_policy == "Never":
+        # The pod failed; the Job made a new one, which joined the world.
+        assert name not in after.pods.values()
+        assert dig(pod_of(job, name), "status", "phase") == "Failed"
+    else:
+        # The kubelet restarted the container in the same pod, which rejoined.
+        assert name in after.pods.values()
+        (status,) = pod_of(job, name)["status"]["containerStatuses"]
+        assert status["restartCount"] >= 1, status
+
+
+def test_a_deleted_pod_is_replaced_in_a_new_world(
+    run_job: RunJob, admin_api: kubernetes.client.ApiClient
+) -> None:
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3")
+    before = job.wait_world(3, after=0)
+    victim = before.pods[2]
+    fault = time.time()
+    kubernetes.client.CoreV1Api(admin_api).delete_namespaced_pod(victim, job.namespace)
+    after = job.wait_world(3, after=fault)
+    assert victim not in after.pods.values()
+    assert before.pods[0] == after.pods[0], "rank 0 stays while its pod lives"
+
+
+def test_a_drained_node_moves_its_training_pods(
+    run_job: RunJob, control_plane: ControlPlane
+) -> None:
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3")
+    job.wait_world(3, after=0)
+    victim = lone_pod(job)
+    node = victim["spec"]["nodeName"]
+    fault = time.time()
+    try:
+        control_plane.kubectl(
+            "drain",
+            node,
+            "--ignore-daemonsets",
+            f"--pod-selector=batch.kubernetes.io/job-name={job.name}",
+            "--timeout=120s",
+        )
+        after = job.wait_world(3, after=fault)
+    finally:
+        control_plane.kubectl("uncordon", node)
+    assert victim["metadata"]["name"] not in after.pods.values()
+    assert all(pod["spec"]["nodeName"] != node for pod in job.running_pods())
+
+
+def test_a_lost_node_is_noticed_by_its_heartbeats_and_the_world_shrinks(
+    run_job: RunJob, real_nodes: RealNodes
+) -> None:
+    job: TrainingJob = run_job(
+        parallelism=3, nodes="2:3", annotations={"k8s-rendezvous.dev/heartbeat-timeout": "10"}
+    )
+    before = job.wait_world(3, after=0)
+    victim = lone_pod(job)
+    node = victim["spec"]["nodeName"]
+    fault = time.time()
+    # Power off, as far as a host can tell: the kubelet dies and the node's pods reach
+    # nothing and are reached by nothing, though their processes live on.
+    real_nodes.kill_kubelet(node)
+    real_nodes.cut_network(node)
+    try:
+        after = job.wait_world(2, after=fault)
+    finally:
+        real_nodes.restore_network(node)
+        real_nodes.start_kubelet(node)
+    assert victim["metadata"]["name"] not in after.pods.values()
+    assert set(after.pods.values()) < set(before.pods.values())
+
+
+def test_the_world_follows_the_jobs_parallelism_down_and_up(
+    run_job: RunJob, admin_api: kubernetes.client.ApiClient
+) -> None:
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3")
+    job.wait_world(3, after=0)
+    batch = kubernetes.client.BatchV1Api(admin_api)
+    lowered = time.time()
+    batch.patch_namespaced_job(job.name, job.namespace, {"spec": {"parallelism": 2}})
+    smaller = job.wait_world(2, after=lowered)
+    raised = time.time()
+    batch.patch_namespaced_job(job.name, job.namespace, {"spec": {"parallelism": 3}})
+    larger = job.wait_world(3, after=raised)
+    assert set(smaller.pods.values()) < set(larger.pods.values())

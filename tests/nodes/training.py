@@ -1,0 +1,251 @@
+"""An annotated Job running plain ``torchrun examples/elastic_train.py`` in real containers,
+and what its workers say about the world they train in.
+
+The container runs the trainer image (host userland and the repository's venv by hostPath,
+see tests/cluster/images.py) with no rendezvous flag: torchrun reads them from the
+``PET_*`` environment the operator's injection gives the Job's pods. Each worker prints one
+JSON line per step (``TRAIN_PROGRESS_FILE=/dev/stdout``) to its container's log, which the
+tests read through the API server and the kubelet, as ``kubectl logs`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes.client
+from kubernetes.client.exceptions import ApiException
+from tests.chart import chart
+from tests.cluster import images
+from tests.cluster.controlplane import dig, read_object
+from tests.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
+from tests.cluster.waiting import wait_for
+from tests.support.fixtures import REPO
+
+CONTAINER = "trainer"
+JOB_LABEL = "batch.kubernetes.io/job-name"
+OPERATOR_POD_LABELS = "app.kubernetes.io/name=k8s-rendezvous"
+
+
+def job_manifest(
+    name: str,
+    trainer_image: str,
+    *,
+    parallelism: int,
+    nodes: str,
+    restart_policy: str = "Never",
+    annotations: Mapping[str, str] = (),  # type: ignore[assignment]
+    torchrun_args: tuple[str, ...] = (),
+    train_args: tuple[str, ...] = ("--steps", "100000", "--step-seconds", "0.25"),
+    node_name: str | None = None,
+    backoff_limit: int = 20,
+    command: list[str] | None = None,
+) -> dict[str, Any]:
+    """A Job as a user writes it: the nodes annotation, plain torchrun, nothing else
+    rendezvous-related. Its pods spread over the real nodes (at most one more on a node
+    than on another) unless ``node_name`` pins them. ``command`` replaces torchrun."""
+    volumes, mounts = images.trainer_mounts(REPO)
+    venv = REPO / ".venv" / "bin"
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        "terminationGracePeriodSeconds": 5,
+        "tolerations": [REAL_NODE_TOLERATION],
+        "nodeSelector": {REAL_NODE_LABEL: "true"},
+        "containers": [
+            {
+                "name": CONTAINER,
+                "image": trainer_image,
+                "imagePullPolicy": "Never",
+                "command": command
+                or [
+                    str(venv / "torchrun"),
+                    "--nproc-per-node=1",
+                    *torchrun_args,
+                    str(REPO / "examples" / "elastic_train.py"),
+                    *train_args,
+                ],
+                "env": [
+                    {"name": "PATH", "value": f"{venv}:/usr/local/bin:/usr/bin:/bin"},
+                    {"name": "HOME", "value": "/tmp"},
+                    {"name": "PYTHONUNBUFFERED", "value": "1"},
+                    {"name": "TRAIN_PROGRESS_FILE", "value": "/dev/stdout"},
+                ],
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    if node_name:
+        pod_spec["nodeSelector"] = {"kubernetes.io/hostname": node_name}
+    else:
+        pod_spec["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "DoNotSchedule",
+                # A cordoned node counts no more: a drained pod's replacement may go to
+                # the other node.
+                "nodeTaintsPolicy": "Honor",
+                "labelSelector": {"matchLabels": {JOB_LABEL: name}},
+            }
+        ]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "annotations": {"k8s-rendezvous.dev/nodes": nodes, **dict(annotations)},
+        },
+        "spec": {
+            "parallelism": parallelism,
+            "completions": None,
+            "backoffLimit": backoff_limit,
+            "template": {"spec": pod_spec},
+        },
+    }
+
+
+@dataclass
+class TrainingJob:
+    api: kubernetes.client.ApiClient
+    namespace: str
+    name: str
+
+    @property
+    def core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    def pods(self) -> list[dict[str, Any]]:
+        found = read_object(
+            self.core.list_namespaced_pod,
+            self.namespace,
+            label_selector=f"{JOB_LABEL}={self.name}",
+        )
+        return list(found["items"])
+
+    def running_pods(self) -> list[dict[str, Any]]:
+        return [
+            pod
+            for pod in self.pods()
+            if dig(pod, "status", "phase") == "Running"
+            and not pod["metadata"].get("deletionTimestamp")
+        ]
+
+    def logs(self, pod: str, *, previous: bool = False) -> str:
+        try:
+            return str(
+                self.core.read_namespaced_pod_log(
+                    pod, self.namespace, container=CONTAINER, previous=previous
+                )
+            )
+        except ApiException as exc:
+            # Not started yet, gone, no previous container (400, 404), or its kubelet is
+            # unreachable (500: a lost node's logs cannot be read, as in any cluster).
+            if exc.status in (400, 404, 500):
+                return ""
+            raise
+
+    def progress(self) -> list[dict[str, Any]]:
+        """Every progress line of the Job's pods' current (and previous) containers."""
+        lines: list[dict[str, Any]] = []
+        for pod in self.pods():
+            name = pod["metadata"]["name"]
+            texts = [self.logs(name)]
+            if any(
+                s.get("restartCount") for s in dig(pod, "status", "containerStatuses", default=[])
+            ):
+                texts.append(self.logs(name, previous=True))
+            for text in texts:
+                for line in text.splitlines():
+                    if line.startswith("{") and '"step"' in line:
+                        with contextlib.suppress(json.JSONDecodeError):
+                            lines.append(json.loads(line))
+        return lines
+
+    def world(self, size: int, *, after: float, steps: int = 2) -> World | None:
+        """The latest world of ``size`` workers that started after ``after`` (host clock)
+        and has trained ``steps`` steps on every rank, if there is one. A world is told
+        apart by its master (rank 0's store address and port, new each round)."""
+        by_master: dict[str, list[dict[str, Any]]] = {}
+        for line in self.progress():
+            if line["started"] > after and line["world_size"] == size:
+                by_master.setdefault(line["master"], []).append(line)
+        complete = [
+            world
+            for master, lines in by_master.items()
+            if (world := _complete_world(master, lines, size, steps)) is not None
+        ]
+        return max(complete, key=lambda world: world.started, default=None)
+
+    def wait_world(self, size: int, *, after: float, timeout: float = 240) -> World:
+        return wait_for(
+            lambda: self.world(size, after=after),
+            timeout,
+            f"Job {self.name}: a world of {size} workers started after {after:.1f} and training",
+            interval=0.5,
+            max_interval=2.0,
+        )
+
+
+@dataclass(frozen=True)
+class World:
+    size: int
+    master: str
+    pods: dict[int, str]
+    """Pod of each global rank."""
+    pids: dict[int, int]
+    started: float
+    """When the last of its workers started (host clock)."""
+    first_step: float
+    """When the last rank completed its first step (host clock)."""
+
+
+def _complete_world(
+    master: str, lines: list[dict[str, Any]], size: int, steps: int
+) -> World | None:
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for line in lines:
+        by_rank.setdefault(line["rank"], []).append(line)
+    if sorted(by_rank) != list(range(size)):
+        return None
+    if any(max(line["step"] for line in ranked) < steps - 1 for ranked in by_rank.values()):
+        return None
+    return World(
+        size=size,
+        master=master,
+        pods={rank: ranked[0]["pod"] for rank, ranked in by_rank.items()},
+        pids={rank: ranked[0]["pid"] for rank, ranked in by_rank.items()},
+        started=max(line["started"] for line in lines),
+        first_step=max(min(line["time"] for line in ranked) for ranked in by_rank.values()),
+    )
+
+
+RunJob = Callable[..., TrainingJob]
+"""The run_job fixture: ``run_job(**job_manifest options) -> TrainingJob``."""
+
+
+def create_job(
+    api: kubernetes.client.ApiClient, namespace: str, manifest: dict[str, Any]
+) -> TrainingJob:
+    kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, manifest)
+    return TrainingJob(api, namespace, manifest["metadata"]["name"])
+
+
+def operator_leader(api: kubernetes.client.ApiClient) -> str:
+    """The pod that holds the operator's leader-election Lease."""
+    coordination = kubernetes.client.CoordinationV1Api(api)
+
+    def holder() -> str | None:
+        try:
+            lease = read_object(coordination.read_namespaced_lease, chart.OPERATOR, chart.NAMESPACE)
+        except ApiException as exc:
+            if exc.status == 404:  # no replica has taken it yet
+                return None
+            raise
+        found = (lease.get("spec") or {}).get("holderIdentity")
+        return str(found) if found else None
+
+    return wait_for(holder, 60, "a leader among the operator's pods")
