@@ -91,6 +91,14 @@ def kinds(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {(o["kind"], o["metadata"]["name"]) for o in objects}
 
 
+def serves_mutating_admission_policy(control_plane: ControlPlane) -> bool:
+    """Whether the API server serves admissionregistration.k8s.io/v1 MutatingAdmissionPolicy
+    (Kubernetes 1.36 and later), the capability the chart's injectionPolicy: auto tests."""
+    found = control_plane.kubectl("get", "--raw", "/apis/admissionregistration.k8s.io/v1")
+    resources = json.loads(found.stdout)["resources"]
+    return any(r["name"] == "mutatingadmissionpolicies" for r in resources)
+
+
 def adopt_shared_roles(control_plane: ControlPlane) -> bool:
     """Make room for the release's worker and creator ClusterRoles: copies applied with
     kubectl (the integration fixtures apply manifests/rbac/) cannot be adopted by Helm. True

@@ -24,6 +24,7 @@ from tests.chart.chart import (
     ensure_namespace,
     kinds,
     restore_shared_roles,
+    serves_mutating_admission_policy,
     sets,
 )
 from tests.cluster.controlplane import ControlPlane
@@ -163,12 +164,17 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
             ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
             ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-            # Kubernetes 1.36 and later: the API server serves it, so the chart installs it.
-            ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-            ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
             ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
             ("FlowSchema", "k8s-rendezvous-pod-leases"),
-        }
+        } | (
+            # Where the API server serves it (1.36 and later), the chart installs it.
+            {
+                ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
+                ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
+            }
+            if serves_mutating_admission_policy(control_plane)
+            else set()
+        )
         missing = [describe(o) for o in objects if not exists(control_plane, o)]
         assert not missing, f"installed but not there: {missing}"
         available = control_plane.kubectl(

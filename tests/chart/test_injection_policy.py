@@ -10,15 +10,25 @@ from typing import Any
 
 import kubernetes.client
 import pytest
+from tests.chart import chart
 from tests.chart.chart import ChartOperator, Release
-from tests.cluster.controlplane import read_object
+from tests.cluster.controlplane import ControlPlane, read_object
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import free_port
 from tests.support.jobs import make_job, running_pods
 
 from k8s_rendezvous import state
 
-pytestmark = pytest.mark.usefixtures("chart_release")
+pytestmark = pytest.mark.usefixtures("chart_release", "served_here")
+
+
+@pytest.fixture
+def served_here(control_plane: ControlPlane) -> None:
+    """Before 1.36 there is no MutatingAdmissionPolicy to test: the chart installs none
+    (test_chart_install checks that), and the compatibility run says these did not run."""
+    if not chart.serves_mutating_admission_policy(control_plane):
+        pytest.skip("this API server serves no MutatingAdmissionPolicy (Kubernetes < 1.36)")
+
 
 ANNOTATIONS = {"k8s-rendezvous.dev/nodes": "1:3", "k8s-rendezvous.dev/run-id": "exp-9"}
 
