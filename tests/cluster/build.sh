@@ -8,10 +8,12 @@
 #
 # K8S_RDZV_BINARIES=<dir> or KUBEBUILDER_ASSETS=<dir> pointing at prebuilt binaries skips
 # the build for whatever they hold (envtest assets have etcd and kube-apiserver only).
+# K8S_RDZV_VERSIONS=<file> reads the versions from that file instead of versions.env (the
+# compatibility run, hack/compat.sh, builds other Kubernetes releases so).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
-. "$here/versions.env"
+. "${K8S_RDZV_VERSIONS:-$here/versions.env}"
 
 target=${1:-control-plane}
 cache=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}

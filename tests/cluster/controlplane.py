@@ -101,9 +101,12 @@ class _PortClash(Exception):
 
 
 def read_versions() -> dict[str, str]:
-    """The pinned versions from versions.env."""
+    """The pinned versions from versions.env, or from the file K8S_RDZV_VERSIONS names (as
+    tests/cluster/build.sh reads them: the compatibility run, hack/compat.sh, tests other
+    Kubernetes releases so)."""
     versions: dict[str, str] = {}
-    for line in (CLUSTER_DIR / "versions.env").read_text().splitlines():
+    path = os.environ.get("K8S_RDZV_VERSIONS") or CLUSTER_DIR / "versions.env"
+    for line in Path(path).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#") and "=" in line:
             key, _, value = line.partition("=")
