@@ -5,11 +5,12 @@ A pod can write only its own Lease (the admission policy ties the Lease to the p
 bound token), but it can name any Rendezvous in it and any address. So the operator counts
 a request only when:
 
-1. the pod belongs to the Rendezvous' workload: its controller is the Rendezvous'
-   controller owner (the annotated Job, or the controller of the pod that created it,
-   which the operator makes its owner: :func:`creator_to_adopt`), and its labels match
-   ``spec.podSelector`` if one is set. A Rendezvous with neither (made by hand, without a
-   selector) admits nobody: there is no workload to check against;
+1. the pod belongs to the Rendezvous' workload: its controller chain reaches the
+   Rendezvous' controller owner (the annotated Job, or the workload of the pod that created
+   it, which the operator makes its owner: :func:`creator_to_adopt`,
+   :func:`workload_reference`), and its labels match ``spec.podSelector`` if one is set. A
+   Rendezvous with neither (made by hand, without a selector) admits nobody: there is no
+   workload to check against;
 2. the address it offers is one of its pod's IPs (its node's, for a host-network pod), so
    that rank 0's store is where that pod is and nowhere else.
 
@@ -43,6 +44,12 @@ class PodIdentity:
     addresses: frozenset[str]
     """Its ``status.podIPs`` (its node's ``status.hostIPs`` on the host network), in
     canonical form."""
+    controller_job: str | None = None
+    """The name of its controller, if that is a Job: whose own controller (a JobSet's)
+    may be the workload (:func:`job_to_resolve_for`)."""
+    ancestors: tuple[str, ...] = ()
+    """The uids of its controller's own controllers, nearest first, where the operator has
+    read them (:func:`with_ancestors`); the Pod object alone does not say."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +76,21 @@ def canonical_address(text: str) -> str | None:
         return None
 
 
+JOB_API_VERSION = "batch/v1"
+JOBSET_GROUP = "jobset.x-k8s.io"
+
+
 def _controller(metadata: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return next((o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None)
+
+
+def _is_job(owner: Mapping[str, Any]) -> bool:
+    return owner.get("apiVersion") == JOB_API_VERSION and owner.get("kind") == "Job"
+
+
+def _is_jobset(owner: Mapping[str, Any]) -> bool:
+    group = str(owner.get("apiVersion") or "").partition("/")[0]
+    return group == JOBSET_GROUP and owner.get("kind") == "JobSet"
 
 
 def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
@@ -93,6 +113,7 @@ def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
         controller=f"{controller.get('kind')}/{controller.get('name')}" if controller else None,
         labels=tuple(sorted((k, v) for k, v in labels.items() if k != state.NODE_LABEL)),
         addresses=addresses,
+        controller_job=str(controller.get("name")) if controller and _is_job(controller) else None,
     )
 
 
@@ -106,12 +127,7 @@ def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) 
     return creator if isinstance(creator, str) and creator else None
 
 
-def controller_reference(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    """An ownerReference to ``pod``'s controller (a Job, a StatefulSet, a JobSet's Job...),
-    not blocking its deletion, or ``None`` for a bare pod."""
-    owner = _controller(pod.get("metadata") or {})
-    if owner is None:
-        return None
+def _reference(owner: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": owner.get("apiVersion"),
         "kind": owner.get("kind"),
@@ -120,6 +136,57 @@ def controller_reference(pod: Mapping[str, Any]) -> dict[str, Any] | None:
         "controller": True,
         "blockOwnerDeletion": False,
     }
+
+
+def job_to_resolve(pod: Mapping[str, Any]) -> str | None:
+    """The name of ``pod``'s controller if it is a Job: its own controller decides the
+    workload (:func:`workload_reference`)."""
+    owner = _controller(pod.get("metadata") or {})
+    return str(owner.get("name")) if owner is not None and _is_job(owner) else None
+
+
+def workload_reference(
+    pod: Mapping[str, Any], job: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """An ownerReference (not blocking deletion) to the workload whose pods a Rendezvous
+    made by ``pod`` admits, or ``None`` for a bare pod: the pod's controller (a Job, a
+    StatefulSet...), except that a Job controlled by a JobSet stands for its JobSet
+    (``job`` is the pod's controller Job as the API server has it, if it is one).
+
+    A JobSet's pods come from several Jobs (replicas, replicated Jobs), and on a
+    failure-policy restart it deletes its Jobs and makes them anew: owned by one Job, the
+    Rendezvous would refuse the pods of the others and be garbage-collected with it
+    mid-run. The JobSet is the workload that lasts. Other controllers of Jobs are not
+    followed: a CronJob's Jobs are separate runs, each with its own rendezvous."""
+    owner = _controller(pod.get("metadata") or {})
+    if owner is None:
+        return None
+    if job is not None and _is_job(owner):
+        metadata = job.get("metadata") or {}
+        parent = _controller(metadata)
+        if metadata.get("uid") == owner.get("uid") and parent is not None and _is_jobset(parent):
+            return _reference(parent)
+    return _reference(owner)
+
+
+def job_to_resolve_for(workload: Workload, identity: PodIdentity) -> str | None:
+    """The name of the Job whose controller must be read to tell whether a pod of it
+    belongs to ``workload``: only when the Rendezvous is owned and the pod's own
+    controller, a Job, is not the owner."""
+    if workload.owner_uid is None or identity.controller_uid == workload.owner_uid:
+        return None
+    return identity.controller_job
+
+
+def job_ancestors(identity: PodIdentity, job: Mapping[str, Any] | None) -> tuple[str, ...] | None:
+    """The uids of the controllers above a pod's controller Job, from ``job`` as read, for
+    :attr:`PodIdentity.ancestors`; ``None`` if ``job`` is not that Job (gone, or made anew
+    under the same name since)."""
+    metadata = (job or {}).get("metadata") or {}
+    if job is None or metadata.get("uid") != identity.controller_uid:
+        return None
+    owner = _controller(metadata)
+    return (str(owner["uid"]),) if owner is not None and owner.get("uid") else ()
 
 
 def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:
@@ -145,11 +212,15 @@ def refusal(
             f"checked as one of its workload's and pod {pod} is not admitted. Set "
             "spec.podSelector to the labels of the job's pods.",
         )
-    if workload.owner_uid is not None and identity.controller_uid != workload.owner_uid:
+    if workload.owner_uid is not None and workload.owner_uid not in (
+        identity.controller_uid,
+        *identity.ancestors,
+    ):
         return Refusal(
             REFUSED_OTHER_WORKLOAD,
             f"pod {pod} is controlled by {identity.controller or 'nothing'}, not by "
-            f"{workload.owner}, which owns {where}: only that workload's pods may join it.",
+            f"{workload.owner} or by anything it controls, and {workload.owner} owns "
+            f"{where}: only that workload's pods may join it.",
         )
     if workload.selector is not None and not workload.selector.matches(dict(identity.labels)):
         return Refusal(

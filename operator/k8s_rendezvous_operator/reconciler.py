@@ -119,6 +119,9 @@ class Reconciler:
         self._pod_versions: dict[Key, int] = {}
         self._refused: dict[Key, dict[str, str]] = {}
         """Per rendezvous: the pods whose requests are refused, with the reason reported."""
+        self._job_controllers: dict[Key, tuple[str, ...]] = {}
+        """Per Job (namespace, uid) whose pods asked to join: the uids of its controllers,
+        as :meth:`_with_ancestors` read them."""
         self._injection_checks: dict[Key, asyncio.Task[None]] = {}
         """Per annotated Job: the look for its pods made without the env, if one is due."""
         self._uninjected: dict[Key, set[str]] = {}
@@ -216,6 +219,8 @@ class Reconciler:
         """An annotated Job changed: make or update its Rendezvous, report bad annotations,
         and let its parallelism and completion inform the rounds. Unannotated Jobs cost a
         scan of their annotations and nothing else."""
+        if deleted:
+            self._job_controllers.pop((key[0], (body.get("metadata") or {}).get("uid", "")), None)
         job = None if deleted else observe.observe_job(body)
         previous = self._jobs.pop(key, None) if job is None else self._jobs.get(key)
         if job is None:
@@ -567,10 +572,16 @@ class Reconciler:
                 for node in requests
                 if (observation := self._pods.get((namespace, node))) is not None
             }
-            admission = membership.admit(
-                membership.workload_of(body, spec),
-                requests,
+            workload = membership.workload_of(body, spec)
+            identities = await self._with_ancestors(
+                namespace,
+                workload,
                 {node: observation.identity for node, observation in pods.items()},
+            )
+            admission = membership.admit(
+                workload,
+                requests,
+                identities,
                 frozenset(m.node for m in (*current.members, *current.left_behind)),
                 {node: uid for node in requests if (uid := self._writers.get((namespace, node)))},
             )
@@ -744,6 +755,33 @@ class Reconciler:
         self._waiting[key] = status.nodes_waiting
         metrics.NODES_WAITING.set(sum(self._waiting.values()))
 
+    async def _with_ancestors(
+        self,
+        namespace: str,
+        workload: membership.Workload,
+        identities: Mapping[str, membership.PodIdentity | None],
+    ) -> dict[str, membership.PodIdentity | None]:
+        """The pods' identities with their Job's controller where that decides whether they
+        belong (a JobSet-owned Rendezvous: its pods are its Jobs'). Each Job is read once:
+        its controller does not change, and the answer is kept by the Job's uid."""
+        result = dict(identities)
+        for node, identity in identities.items():
+            if identity is None or identity.controller_uid is None:
+                continue
+            job = membership.job_to_resolve_for(workload, identity)
+            if job is None:
+                continue
+            known = (namespace, identity.controller_uid)
+            ancestors = self._job_controllers.get(known)
+            if ancestors is None:
+                body = await asyncio.to_thread(self._api.get_job, namespace, job)
+                ancestors = membership.job_ancestors(identity, body)
+                if ancestors is None:
+                    continue  # gone or made anew: refused now, read again at its next event
+                self._job_controllers[known] = ancestors
+            result[node] = dataclasses.replace(identity, ancestors=ancestors)
+        return result
+
     def _owning_job(self, key: Key, body: Mapping[str, Any]) -> observe.JobObservation | None:
         job = self._jobs.get(key)
         owners = body["metadata"].get("ownerReferences") or []
@@ -860,14 +898,19 @@ class Reconciler:
             self._labelling[pod] = task
 
     async def _adopt(self, key: Key, body: Mapping[str, Any], creator: str) -> bool:
-        """Make the controller of the pod that created the Rendezvous its owner (once per
-        Rendezvous); ``True`` if it now has one. The pod only said that it made it (the
-        admission policy holds that to its token): which workload that is, is the Pod
-        object's word, never the pod's."""
+        """Make the workload of the pod that created the Rendezvous its owner (once per
+        Rendezvous): its controller, or the JobSet of its Job
+        (:func:`membership.workload_reference`); ``True`` if it now has one. The pod only
+        said that it made it (the admission policy holds that to its token): which
+        workload that is, is the word of the Pod and Job objects, never the pod's."""
         namespace, name = key
         try:
             pod = await asyncio.to_thread(self._api.get_pod, namespace, creator)
-            owner = None if pod is None else membership.controller_reference(pod)
+            job_name = None if pod is None else membership.job_to_resolve(pod)
+            job = None
+            if job_name is not None:
+                job = await asyncio.to_thread(self._api.get_job, namespace, job_name)
+            owner = None if pod is None else membership.workload_reference(pod, job)
             if owner is not None:
                 adopted = await asyncio.to_thread(
                     self._api.adopt_rendezvous, namespace, name, body["metadata"]["uid"], owner

@@ -58,6 +58,7 @@ TODAY: set[Rule] = {
 ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
     ("batch", "jobs", "list", ""),
     ("batch", "jobs", "watch", ""),
+    ("batch", "jobs", "get", ""),  # before its watch event; a node's pod's, for its JobSet
     ("k8s-rendezvous.dev", "rendezvous", "create", ""),
     ("k8s-rendezvous.dev", "rendezvous", "patch", ""),  # spec follows the annotations
     ("", "serviceaccounts", "get", ""),  # a Job's, before binding the worker role to it
@@ -69,7 +70,6 @@ WEBHOOK: set[Rule] = {  # webhook.enabled (the default)
     # configuration only if that found none (create cannot be narrowed by name).
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "create", ""),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch", WEBHOOK_CONFIG),
-    ("batch", "jobs", "get", ""),  # a pod's Job, when its watch event has not arrived yet
 }
 LEADER_ELECTION: set[Rule] = {  # a Role in the release namespace
     ("coordination.k8s.io", "leases", "create", ""),
