@@ -42,5 +42,6 @@ class KubernetesRendezvousClosedError(RendezvousClosedError):
 
 
 class NodeNotAPodError(RendezvousError):
-    """This node is not the pod it names (``POD_NAME``, else the hostname): the operator
-    admits only pods of the rendezvous' workload, so no round can include it."""
+    """This node is not the pod it names (``POD_NAME``, else its token's pod or the
+    hostname): the operator admits only pods of the rendezvous' workload, so no round can
+    include it."""

@@ -121,6 +121,24 @@ def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, s
     return namespace, name
 
 
+def _own_pod_name(client: kube.RendezvousClient) -> str:
+    """This node's name when ``POD_NAME`` is not set: the pod its bound token was issued
+    for (one SelfSubjectReview at start), else the hostname. Not the hostname first: the
+    pods of an Indexed Job with a subdomain (JobSet's, Kubeflow Trainer's) are named
+    ``<job>-<index>-<suffix>`` but have ``<job>-<index>`` as their hostname."""
+    try:
+        _, pod = client.identity()
+    except RendezvousError as error:
+        log.warning(
+            "POD_NAME is not set and this node could not ask whose token it holds (%s); "
+            "taking the hostname %s as its pod's name",
+            error,
+            socket.gethostname(),
+        )
+        pod = None
+    return pod or socket.gethostname()
+
+
 def _route_address(towards: str | None) -> str:
     """The local address that routes to the API server: no DNS involved."""
     with socket.socket(
@@ -627,10 +645,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         api_client = kube.load_api_client()
         host = api_client.configuration.host.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
         addr = params.local_addr or os.environ.get("POD_IP") or _route_address(host)
+        client = kube.RendezvousClient(api_client, namespace, name, retry_seconds=read_timeout)
         return cls(
-            kube.RendezvousClient(api_client, namespace, name, retry_seconds=read_timeout),
+            client,
             run_id=params.run_id,
-            node=os.environ.get("POD_NAME") or socket.gethostname(),
+            node=os.environ.get("POD_NAME") or _own_pod_name(client),
             addr=addr,
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
@@ -797,7 +816,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                     f"node {self._node} runs with the token of pod {pod}, so it is not the "
                     f"node it names: no round of {self._client.reference} can include it. "
                     "Set POD_NAME to the pod's own name (the downward API's "
-                    "metadata.name), or leave it unset where the hostname is the pod's name."
+                    "metadata.name), or leave it unset: the node then takes its pod's name "
+                    "from its token."
                 )
             return None  # a token bound to this very pod: it exists
         if exists is False:

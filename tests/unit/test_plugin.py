@@ -3,14 +3,16 @@ as torch does it, parameters from torchrun, and what importing the plugin costs.
 
 Aspects: torch's registry lists and builds the ``kubernetes`` backend; get_backend()
 matches the entry-point name (torch checks it); the endpoint forms; unknown --rdzv-conf
-keys are refused naming the valid ones; the plugin module imports neither the Kubernetes
-client nor kopf nor the operator.
+keys are refused naming the valid ones; without POD_NAME a node is the pod its token names
+(then the hostname); the plugin module imports neither the Kubernetes client nor kopf nor
+the operator.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -161,3 +163,57 @@ def test_plugin_import_is_light_and_loads_no_operator_code() -> None:
         "kopf": False,
         "k8s_rendezvous_operator": False,
     }
+
+
+def test_without_pod_name_a_node_is_the_pod_its_token_names_not_its_hostname(
+    pod_env: None, built: list[RendezvousHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JobSet's or Trainer's pod (an Indexed Job with a subdomain) has the hostname
+    <job>-<index>, not its name: the bound token says which pod it is."""
+    monkeypatch.delenv("POD_NAME")
+    asked: list[str] = []
+
+    def identity(client: kube.RendezvousClient) -> tuple[str, str | None]:
+        asked.append(client.name)
+        return "system:serviceaccount:team-a:default", "train-workers-0-0-x7k2p"
+
+    monkeypatch.setattr(kube.RendezvousClient, "identity", identity)
+    handler = KubernetesRendezvousHandler.from_parameters(params())
+    built.append(handler)
+    assert handler._node == "train-workers-0-0-x7k2p" and asked == ["job-a"]
+
+
+@pytest.mark.parametrize("answer", ["no pod", "unreachable"])
+def test_without_pod_name_or_a_pod_token_a_node_is_its_hostname(
+    answer: str,
+    pod_env: None,
+    built: list[RendezvousHandler],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.delenv("POD_NAME")
+
+    def identity(client: kube.RendezvousClient) -> tuple[str, str | None]:
+        if answer == "unreachable":
+            raise RendezvousConnectionError("the API server did not answer")
+        return "someone", None
+
+    monkeypatch.setattr(kube.RendezvousClient, "identity", identity)
+    with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
+        handler = KubernetesRendezvousHandler.from_parameters(params())
+    built.append(handler)
+    assert handler._node == socket.gethostname()
+    warned = [r.getMessage() for r in caplog.records if "POD_NAME is not set" in r.getMessage()]
+    assert len(warned) == (answer == "unreachable")
+
+
+def test_pod_name_wins_and_costs_no_request(
+    pod_env: None, built: list[RendezvousHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def identity(client: kube.RendezvousClient) -> tuple[str, str | None]:
+        raise AssertionError("POD_NAME is set: nothing to ask")
+
+    monkeypatch.setattr(kube.RendezvousClient, "identity", identity)
+    handler = KubernetesRendezvousHandler.from_parameters(params())
+    built.append(handler)
+    assert handler._node == "trainer-0"
