@@ -5,7 +5,14 @@ from pathlib import Path
 
 import kubernetes.client
 import pytest
-from tests.contract.job import BACKENDS, C10dPlace, Job, KubernetesPlace, Place
+from tests.contract.job import (
+    BACKENDS,
+    C10dPlace,
+    Job,
+    KubernetesPlace,
+    Place,
+    backend_param,
+)
 from tests.support.fixtures import (  # noqa: F401  (fixtures)
     make_rendezvous,
     operator_process,
@@ -15,7 +22,7 @@ from tests.support.fixtures import (  # noqa: F401  (fixtures)
 )
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[backend_param(backend) for backend in BACKENDS])
 def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Job]:
     """The scenario's agents over the parametrized backend. Only ``kubernetes`` asks for
     the control plane, the operator and a namespace: c10d needs none of them."""

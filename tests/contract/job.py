@@ -22,12 +22,22 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import kubernetes.client
+import pytest
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.e2e.harness import LOCAL_PROCESS_ENV, REPO, LocalPod, kill_tree
 from tests.support.fixtures import Rendezvous, create_pods, free_port
 
 BACKENDS = ("kubernetes", "c10d")
+
+
+def backend_param(backend: str, *rest: object) -> object:
+    """A parameter set of the backend; torch's own backend carries the mark c10d_control,
+    which `make test` leaves to `make contract` and hack/compat.sh."""
+    marks = [pytest.mark.c10d_control] if backend == "c10d" else []
+    return pytest.param(backend, *rest, marks=marks, id="-".join(map(str, (backend, *rest))))
+
+
 JOIN_TIMEOUT = 600
 """Both backends' default: how long a node waits for a round to seal."""
 

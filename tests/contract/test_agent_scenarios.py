@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from tests.cluster.waiting import wait_for
-from tests.contract.job import Agent, Job
+from tests.contract.job import Agent, Job, backend_param
 from tests.contract.workers import AGENT_ENV, SAD_MESSAGE
 
 
@@ -201,7 +201,7 @@ LOCAL_WORLD_SIZES = [1, 2, 3, 1, 2, 3, 1]
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("job", "barrier"),
-    [("kubernetes", 5), ("kubernetes", 120), ("c10d", 120)],
+    [backend_param("kubernetes", 5), backend_param("kubernetes", 120), backend_param("c10d", 120)],
     indirect=["job"],
 )
 def test_correct_rank_assignment(job: Job, barrier: int) -> None:
