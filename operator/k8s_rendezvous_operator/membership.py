@@ -219,8 +219,7 @@ def refusal(
         return Refusal(
             REFUSED_OTHER_WORKLOAD,
             f"pod {pod} is controlled by {identity.controller or 'nothing'}, not by "
-            f"{workload.owner} or by anything it controls, and {workload.owner} owns "
-            f"{where}: only that workload's pods may join it.",
+            f"{workload.owner}, which owns {where}: only that workload's pods may join it.",
         )
     if workload.selector is not None and not workload.selector.matches(dict(identity.labels)):
         return Refusal(

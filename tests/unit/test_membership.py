@@ -303,7 +303,7 @@ def test_a_pod_of_a_jobsets_job_is_admitted_once_its_jobs_controller_is_read() -
     assert membership.job_to_resolve_for(workload, identity) == "train-workers-0"
     unread = membership.refusal(workload, "train-workers-0-0", identity, entry())
     assert unread is not None and unread.reason == membership.REFUSED_OTHER_WORKLOAD
-    assert "not by JobSet/train or by anything it controls" in unread.message
+    assert "controlled by Job/train-workers-0, not by JobSet/train, which owns" in unread.message
     ancestors = membership.job_ancestors(identity, job())
     assert ancestors == (JOBSET_UID,)
     read = dataclasses.replace(identity, ancestors=ancestors)
