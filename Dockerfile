@@ -3,7 +3,14 @@
 #   docker build -t k8s-rendezvous-operator:0.1.0 .
 # The chart runs it as user 65532 with a read-only root filesystem and /tmp on an emptyDir.
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The base by digest, so that a build is repeatable (the tag moves with every Debian and
+# Python patch). Override it to build on another base: --build-arg PYTHON_IMAGE=...
+# (tests/cluster/images.py does, with a base made locally). The digest was taken from
+# public pins of python:3.11-slim-bookworm; check it with
+# `docker buildx imagetools inspect python:3.11-slim-bookworm@sha256:...` before a release.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
+# k8s_rendezvous.__version__, given by whoever builds (the release workflow, images.py).
+ARG VERSION=""
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -24,6 +31,11 @@ COPY operator/ operator/
 RUN uv sync --frozen --no-default-groups --extra operator --no-editable
 
 FROM ${PYTHON_IMAGE}
+ARG VERSION
+LABEL org.opencontainers.image.title="k8s-rendezvous-operator" \
+      org.opencontainers.image.description="The k8s-rendezvous operator: seals torchrun rendezvous rounds kept in a Kubernetes custom resource" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -613,6 +613,8 @@ def operator_image(repo: Path, cache: Path) -> ImageArchive:
                 # would recompile them at every start (the root filesystem is read-only).
                 "--build-arg",
                 f"PYTHON_IMAGE={base}",
+                "--build-arg",
+                f"VERSION={_project_version(repo)}",
                 *(arg for volume in volumes for arg in ("--volume", volume)),
                 "--file",
                 str(repo / "Dockerfile"),
@@ -635,6 +637,15 @@ def operator_image(repo: Path, cache: Path) -> ImageArchive:
                     old.unlink()
         _progress(f"operator image {reference} made in {time.monotonic() - began:.0f} s: {path}")
         return ImageArchive(reference=reference, path=path)
+
+
+def _project_version(repo: Path) -> str:
+    """k8s_rendezvous.__version__ of ``repo`` (read, not imported: it may be another tree)."""
+    init = (repo / "handler" / "k8s_rendezvous" / "__init__.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"', init, re.MULTILINE)
+    if match is None:
+        raise ImageError(f"no __version__ in {repo / 'handler' / 'k8s_rendezvous' / '__init__.py'}")
+    return match.group(1)
 
 
 def _install_tools(steps: _Steps) -> None:
