@@ -16,7 +16,11 @@ What it changes on the host, and restores on `stop()`:
   nodes need: saved before, written back after;
 - a cgroup per node (``k8srdzv-<node>``) in every cgroup hierarchy;
 - mounts under the work directory only (the kubelet's root, made rshared so the volumes
-  it mounts reach containerd; containerd's rootfs and netns mounts).
+  it mounts reach containerd; containerd's rootfs and netns mounts), and containerd's shim
+  sockets in ``/run/krdzv-<pid>`` (their path may not exceed 42 characters).
+
+A run that died without `stop()` (SIGKILLed) is cleaned up by the next `start()`, from
+the state it saved (`stop_abandoned`).
 
 The kubelet writes kernel settings (``vm.overcommit_memory``, ``kernel.panic``...)
 globally; it runs in a mount namespace of its own where files holding the values it wants
@@ -42,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -431,10 +435,6 @@ class RealNodes:
 
     def restore_network(self, name: str) -> None:
         _run("ip", "link", "set", self.node(name).bridge, "up")
-
-    def container_pids(self, name: str) -> list[int]:
-        """PIDs of every process in the node's pods (its cgroup, recursively)."""
-        return sorted(_cgroup_pids(self.node(name)))
 
     # -- host ---------------------------------------------------------------------------
 
@@ -920,13 +920,3 @@ def _mounts_under(directory: Path) -> list[Path]:
         if point == prefix or point.startswith(prefix + "/"):
             points.append(Path(point))
     return sorted(points, key=lambda p: -len(p.parts))
-
-
-@contextlib.contextmanager
-def real_nodes(plane: ControlPlane, count: int = 2, **options: Any) -> Iterator[RealNodes]:
-    nodes = RealNodes(plane, count, **options)
-    nodes.start()
-    try:
-        yield nodes
-    finally:
-        nodes.stop()

@@ -180,6 +180,20 @@ class TrainingJob:
         ]
         return max(complete, key=lambda world: world.started, default=None)
 
+    def first_world(self, *, after: float, steps: int = 2) -> World | None:
+        """The first world of any size whose workers all started after ``after`` and have
+        trained ``steps`` steps, by when its last rank took its first step."""
+        by_world: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for line in self.progress():
+            if line["started"] > after:
+                by_world.setdefault((line["master"], line["world_size"]), []).append(line)
+        complete = [
+            world
+            for (master, size), lines in by_world.items()
+            if (world := _complete_world(master, lines, size, steps)) is not None
+        ]
+        return min(complete, key=lambda world: world.first_step, default=None)
+
     def wait_world(self, size: int, *, after: float, timeout: float = 240) -> World:
         return wait_for(
             lambda: self.world(size, after=after),

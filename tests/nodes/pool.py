@@ -1,0 +1,130 @@
+"""The real nodes of a test session or a benchmark, with the chart installed on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes.client
+from tests.chart import chart
+from tests.cluster import images
+from tests.cluster.controlplane import ControlPlane, dig, read_object
+from tests.cluster.nodes import (
+    REAL_NODE_LABEL,
+    REAL_NODE_TOLERATION,
+    RealNodes,
+    build_node_binaries,
+)
+from tests.cluster.waiting import wait_for
+from tests.nodes.training import OPERATOR_POD_LABELS, operator_leader
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build_node_images() -> dict[str, images.ImageArchive]:
+    """The pause (sandbox), trainer and operator images, built here (cached by content)."""
+    cache = images.default_cache()
+    return {
+        "pause": images.pause_image(build_node_binaries() / "pause", cache),
+        "trainer": images.trainer_image(cache),
+        "operator": images.operator_image(REPO, cache),
+    }
+
+
+class NodePool:
+    """The session's real nodes and the chart release on them, in one configuration at a
+    time (IPv4 or IPv6 first)."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        cluster_helm: chart.Helm,
+        api: kubernetes.client.ApiClient,
+        node_images: dict[str, images.ImageArchive],
+        directory: Path,
+    ) -> None:
+        self.control_plane = control_plane
+        self.helm = cluster_helm
+        self.api = api
+        self.images = node_images
+        self.directory = directory
+        self.nodes: RealNodes | None = None
+        self.release: chart.Release | None = None
+        self._removed_roles = False
+
+    def get(self, ipv6: bool) -> tuple[RealNodes, chart.Release]:
+        if self.nodes is None or self.nodes.ipv6 != ipv6 or self.release is None:
+            self.close()
+            self.nodes = RealNodes(
+                self.control_plane, 2, images=list(self.images.values()), ipv6=ipv6
+            )
+            self.nodes.start()
+            self.release = self._install()
+        return self.nodes, self.release
+
+    def _install(self) -> chart.Release:
+        """`helm install` of the chart with the operator image built here: two replicas (a
+        leader and a standby, one per node), metrics and the webhook served from the pod;
+        returns once the leader serves the webhook (helm's --wait cannot tell: the chart
+        lets every replica be unavailable during a rollout)."""
+        repository, _, tag = self.images["operator"].reference.rpartition(":")
+        values = {
+            "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+            "replicas": 2,
+            "tolerations": [REAL_NODE_TOLERATION],
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "kubernetes.io/hostname",
+                    "whenUnsatisfiable": "DoNotSchedule",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "k8s-rendezvous"}},
+                }
+            ],
+        }
+        values_file = self.directory / "values.json"
+        values_file.write_text(json.dumps(values))
+        self._removed_roles = chart.adopt_shared_roles(self.control_plane) or self._removed_roles
+        chart.ensure_namespace(self.control_plane)
+        self.helm.run(
+            "install",
+            chart.RELEASE,
+            str(chart.CHART),
+            "--namespace",
+            chart.NAMESPACE,
+            "--values",
+            str(values_file),
+            "--wait",
+            "--timeout",
+            "180s",
+        )
+        leader = operator_leader(self.api)
+        core = kubernetes.client.CoreV1Api(self.api)
+
+        def leader_ready() -> bool:
+            pods = read_object(
+                core.list_namespaced_pod, chart.NAMESPACE, label_selector=OPERATOR_POD_LABELS
+            )["items"]
+            return any(
+                pod["metadata"]["name"] == leader.partition("_")[0]
+                and any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in dig(pod, "status", "conditions", default=[])
+                )
+                for pod in pods
+            )
+
+        wait_for(leader_ready, 120, f"the leader {leader} Ready (serving the webhook)")
+        return chart.Release(self.control_plane, self.api)
+
+    def close(self) -> None:
+        if self.release is not None:
+            self.helm.run("uninstall", chart.RELEASE, "--namespace", chart.NAMESPACE, "--wait")
+            self.control_plane.kubectl("-n", chart.NAMESPACE, "delete", "leases", "--all")
+            self.release = None
+        if self.nodes is not None:
+            self.nodes.stop()
+            self.nodes = None
+        if self._removed_roles:
+            chart.restore_shared_roles(self.control_plane)
+            self._removed_roles = False
