@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 from tests.cluster import nodes
 from tests.cluster.images import ImageArchive
 
@@ -85,16 +85,20 @@ def test_the_kubelets_kernel_settings_are_bound_in_its_own_mount_namespace(
     assert "exec " in script and "/kubelet " in script
 
 
+def toml_values(text: str, key: str) -> list[str]:
+    """Every ``key = 'value'`` of a TOML text (the pod side's Python 3.10 has no tomllib)."""
+    return re.findall(rf"^\s*{re.escape(key)} = '([^']*)'", text, re.MULTILINE)
+
+
 def test_containerd_keeps_its_sockets_and_state_to_the_node(tmp_path: Path) -> None:
     cluster = real_nodes(tmp_path, ipv6=True, count=2)
     for node in cluster.nodes:
-        config = tomllib.loads(cluster._containerd_config(node))
-        plugins = config["plugins"]
-        socket_dir = plugins["io.containerd.shim.v1.manager"]["socket_dir"]
+        config = cluster._containerd_config(node)
+        (socket_dir,) = toml_values(config, "socket_dir")
         assert len(socket_dir) <= 42, "containerd refuses a longer shim socket directory"
-        assert plugins["io.containerd.server.v1.grpc"]["address"] == str(node.socket)
+        assert set(toml_values(config, "address")) == {str(node.socket), f"{node.socket}.ttrpc"}
         for key in ("root", "state"):
-            assert Path(config[key]).is_relative_to(node.directory)
-        runtime = plugins["io.containerd.cri.v1.runtime"]
-        assert runtime["cni"]["ip_pref"] == "ipv6"
-        assert runtime["restrict_oom_score_adj"] is True
+            (value,) = toml_values(config, key)
+            assert Path(value).is_relative_to(node.directory)
+        assert toml_values(config, "ip_pref") == ["ipv6"]
+        assert re.search(r"^\s*restrict_oom_score_adj = true$", config, re.MULTILINE)
