@@ -33,7 +33,7 @@ RUN uv sync --frozen --no-default-groups --extra operator --no-editable
 FROM ${PYTHON_IMAGE}
 ARG VERSION
 LABEL org.opencontainers.image.title="k8s-rendezvous-operator" \
-      org.opencontainers.image.description="The k8s-rendezvous operator: seals torchrun rendezvous rounds kept in a Kubernetes custom resource" \
+      org.opencontainers.image.description="The k8s-rendezvous operator: seals elastic training rendezvous rounds kept in a Kubernetes custom resource" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/venv /opt/venv

@@ -39,7 +39,9 @@ def node_images(pytestconfig: pytest.Config) -> dict[str, images.ImageArchive]:
     return pytestconfig.stash.get(_images_key, None) or build_node_images()
 
 
-@pytest.fixture(scope="session")
+# Package scope: the chart's operator watches every namespace, so if it outlived this tier it
+# would seal the rounds of the tiers after it beside their own operator.
+@pytest.fixture(scope="package")
 def node_pool(
     control_plane: ControlPlane,
     cluster_helm: chart.Helm,  # noqa: F811
