@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, Final
 
 import torch
@@ -38,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from k8s_rendezvous import BACKEND_NAME, kube, state
+from k8s_rendezvous import BACKEND_NAME, kube, reforming, state
 from k8s_rendezvous.errors import (
     KubernetesRendezvousClosedError,
     KubernetesRendezvousConnectionError,
@@ -58,6 +59,9 @@ CONFIG_KEYS: Final = {
     "last_call_timeout": _SPEC_TIMEOUT,
     "close_timeout": _SPEC_TIMEOUT,
     "heartbeat_timeout": _SPEC_TIMEOUT,
+    "in_place": "1 to keep the workers running through a change of the world when they "
+    "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
+    "restarts them as torch does",
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
 C10D_KEYS_NOT_USED: Final = {
@@ -87,8 +91,9 @@ _NODE_CHECK_SECONDS: Final = 5.0
 a node no Pod stands for is never admitted, and would otherwise wait out its join
 timeout. Joins admitted sooner (the usual) pay no request for it."""
 _AGENT_FRAMES: Final = 4
-"""How far up its callers ``shutdown()`` looks for torch's agent (it is the caller's
-caller at most: ``launch_agent``, or the agent's ``_shutdown`` from its ``run``)."""
+"""How far up its callers ``shutdown()`` and ``next_rendezvous()`` look for torch's agent
+(it is the caller's caller at most: ``launch_agent``, or the agent's ``_shutdown`` from
+its ``run``; the agent's ``_rendezvous``, under its profiling wrapper)."""
 _STALE_ROUND_POLL_SECONDS: Final = 0.05
 """How often a node still connecting to rank 0's store looks whether the round went stale."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -197,24 +202,32 @@ def _connect_to_store(
     return made[0]
 
 
+def _calling_agent(frame: FrameType | None) -> ElasticAgent | None:
+    """torch's elastic agent among the callers from ``frame`` up (it is the caller's
+    caller at most: ``launch_agent`` holds it as ``agent``, its own methods as ``self``)."""
+    for _ in range(_AGENT_FRAMES):
+        if frame is None:
+            return None
+        for name in ("agent", "self"):
+            candidate = frame.f_locals.get(name)
+            if isinstance(candidate, ElasticAgent):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
 def _called_by_a_succeeded_agent() -> bool:
     """Whether the caller is torch's elastic agent ending with its workers succeeded:
     ``launch_agent`` (which holds it as ``agent``) calls ``shutdown()`` after the agent
     ran, whether its workers succeeded or failed, and before torch 2.8 so does the agent's
     own ``_shutdown``. Only the worker group's state tells the two apart."""
-    caller = sys._getframe(1).f_back  # shutdown()'s
-    for _ in range(_AGENT_FRAMES):
-        if caller is None:
-            return False
-        for name in ("agent", "self"):
-            candidate = caller.f_locals.get(name)
-            if isinstance(candidate, ElasticAgent):
-                try:
-                    return candidate.get_worker_group().state is WorkerState.SUCCEEDED
-                except Exception:  # an agent of its own kind, without a worker group
-                    return False
-        caller = caller.f_back
-    return False
+    agent = _calling_agent(sys._getframe(1).f_back)  # shutdown()'s caller
+    if agent is None:
+        return False
+    try:
+        return agent.get_worker_group().state is WorkerState.SUCCEEDED
+    except Exception:  # an agent of its own kind, without a worker group
+        return False
 
 
 class RoundWatcher:
@@ -572,6 +585,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         max_nodes: torchrun's ``--nnodes`` maximum, checked against the spec.
         read_timeout: Seconds to retry the API server and to wait on the round's store.
         configured_timeouts: Timeouts given in ``--rdzv-conf``, compared with the spec.
+        in_place: Re-form the node's round in place, keeping the workers, when they are
+            on the in-place path (:mod:`k8s_rendezvous.reforming`).
     """
 
     def __init__(
@@ -585,6 +600,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         max_nodes: int,
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
         configured_timeouts: Mapping[str, int] | None = None,
+        in_place: bool = False,
     ) -> None:
         self._client = client
         self._run_id = run_id
@@ -612,6 +628,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._spec_checked = False
         self._node_checked = False
         self._closed_locally = False
+        self._join_lock = threading.Lock()
+        """Held by every join: next_rendezvous()'s, and one in place."""
+        self._reformer = (
+            reforming.Reformer(node, self._wait_for_change, self._rejoin_in_place, self._join_lock)
+            if in_place
+            else None
+        )
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> KubernetesRendezvousHandler:
@@ -634,6 +657,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 (C10D_KEYS_NOT_USED[key]),
             )
         namespace, name = parse_endpoint(params.endpoint, kube.own_namespace())
+        in_place = bool(params.get_as_bool("in_place", False))
         read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
         if read_timeout is None or read_timeout <= 0:
             raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
@@ -655,6 +679,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             max_nodes=params.max_nodes,
             read_timeout=read_timeout,
             configured_timeouts=configured,
+            in_place=in_place,
         )
 
     # -- RendezvousHandler --------------------------------------------------------------
@@ -679,12 +704,44 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 f"node {self._node} could not open a port for its store to join "
                 f"{self._client.reference}: {error}. Check the pod's open-file limit."
             ) from error
+        with self._join_lock:
+            try:
+                joined = self._next_round(offered)
+            finally:
+                offered.close()  # a no-op once the round's store has taken it over
+            status = joined.status
+            assert status.master is not None
+            store = joined.store
+            if self._reformer is not None:
+                agent = _calling_agent(sys._getframe(1))
+                store = self._reformer.started(joined, agent)
+            return RendezvousInfo(
+                store,
+                joined.rank,
+                status.world_size,
+                RendezvousStoreInfo(status.master.addr, status.master.port),
+            )
+
+    def _rejoin_in_place(self) -> reforming.Joined:
+        """The next round, joined as next_rendezvous() joins one, for the in-place path
+        (the caller holds the join lock)."""
+        try:
+            offered = _listen_for_store()
+        except OSError as error:
+            raise KubernetesRendezvousConnectionError(
+                f"node {self._node} could not open a port for its store: {error}"
+            ) from error
         try:
             return self._next_round(offered)
         finally:
-            offered.close()  # a no-op once the round's store has taken it over
+            offered.close()
 
-    def _next_round(self, offered: socket.socket) -> RendezvousInfo:
+    def _wait_for_change(self, deadline: float) -> bool:
+        """Whether the watched status shows, by the monotonic ``deadline``, a change the
+        agent would restart its workers for (what makes num_nodes_waiting() positive)."""
+        return self._watcher.wait(lambda status: self._waiting(status) > 0, deadline) is not None
+
+    def _next_round(self, offered: socket.socket) -> reforming.Joined:
         self._attempt += 1
         self._entry_port = int(offered.getsockname()[1])
         entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
@@ -774,12 +831,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         assert status.master is not None
         self._joined = _Joined(status.round, rank, owner_uid)
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
-        return RendezvousInfo(
-            store,
-            rank,
-            status.world_size,
-            RendezvousStoreInfo(status.master.addr, status.master.port),
-        )
+        return reforming.Joined(status, rank, owner_uid, store)
 
     def _wait(
         self,
@@ -911,16 +963,29 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         )
 
     def num_nodes_waiting(self) -> int:
-        """Answered from the watched status: no API call, never raises."""
+        """Answered from the watched status: no API call, never raises. On the in-place
+        path, 0 while the change is re-formed in place."""
         status = self._watcher.status
-        if status is None or self._joined is None or status.state is state.RoundState.CLOSED:
+        waiting = 0 if status is None else self._waiting(status)
+        if self._reformer is None:
+            return waiting
+        if self._reformer.handles_changes():
+            return 0
+        # Given up (a worker may have, in a round that did not change): the agent must
+        # restart the workers, and the node join anew.
+        return max(1, waiting) if self._reformer.gave_up is not None else waiting
+
+    def _waiting(self, status: state.NodeView) -> int:
+        """What num_nodes_waiting() answers for ``status``, as torch's agent reads it."""
+        joined = self._joined
+        if joined is None or status.state is state.RoundState.CLOSED:
             return 0
         uid = self._watcher.uid
         if uid is None:
             return 0  # deleted: nothing to join, so the members train on
         if (
-            uid == self._joined.uid
-            and status.round == self._joined.round
+            uid == joined.uid
+            and status.round == joined.round
             and status.state is state.RoundState.SEALED
         ):
             return status.nodes_waiting
@@ -944,6 +1009,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         in a new one; the rendezvous closes once every member has left."""
         self._watcher.stop()
         self._heartbeat.stop()
+        if self._reformer is not None:
+            self._reformer.stop()
         finished = _called_by_a_succeeded_agent()
         try:
             if self._attempt > 0 and not self._closed_locally:

@@ -58,6 +58,11 @@ class Step:
     time: float
 
 
+_STEP_FIELDS = frozenset(field.name for field in dataclasses.fields(Step))
+"""A progress line's keys that make a :class:`Step` (the lines carry more, e.g. when the
+worker had imported torch, which :meth:`LocalPod.progress_lines` keeps)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class World:
     """The workers of one world as seen in progress lines."""
@@ -129,9 +134,12 @@ class LocalPod:
         max_restarts: int = 3,
         script_args: Sequence[str] = (),
         exit_barrier_timeout: float | None = None,
+        rdzv_conf: str = "",
+        script: Path = TRAIN_SCRIPT,
     ) -> None:
-        """Start ``torchrun --rdzv-backend=kubernetes`` running examples/elastic_train.py
-        (with ``exit_barrier_timeout``: tests/e2e/launch.py, torchrun with that setting)."""
+        """Start ``torchrun --rdzv-backend=kubernetes`` running ``script``
+        (examples/elastic_train.py by default; with ``exit_barrier_timeout``:
+        tests/e2e/launch.py, torchrun with that setting)."""
         self._launch(
             {},
             [
@@ -145,10 +153,12 @@ class LocalPod:
                 "--rdzv-backend=kubernetes",
                 f"--rdzv-endpoint={rendezvous}",
                 f"--rdzv-id={rendezvous}",
+                *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
                 f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.1",
             ],
             script_args,
+            script,
         )
 
     def _launch(
@@ -156,6 +166,7 @@ class LocalPod:
         container_env: Mapping[str, str],
         torchrun_args: Sequence[str],
         script_args: Sequence[str],
+        script: Path = TRAIN_SCRIPT,
     ) -> None:
         launcher = (
             "tests.e2e.launch"
@@ -163,7 +174,7 @@ class LocalPod:
             else "torch.distributed.run"
         )
         self.spawn(
-            [sys.executable, "-m", launcher, *torchrun_args, str(TRAIN_SCRIPT), *script_args],
+            [sys.executable, "-m", launcher, *torchrun_args, str(script), *script_args],
             {**container_env, "LOGLEVEL": "INFO", PROGRESS_ENV: str(self.progress_path)},
         )
 
@@ -275,12 +286,19 @@ class LocalPod:
         return "\n".join(self.log().splitlines()[-lines:])
 
     def progress(self) -> list[Step]:
+        return [
+            Step(**{key: value for key, value in line.items() if key in _STEP_FIELDS})
+            for line in self.progress_lines()
+        ]
+
+    def progress_lines(self) -> list[dict[str, Any]]:
+        """The progress lines as written, with any keys beyond :class:`Step`'s."""
         try:
             text = self.progress_path.read_text()
         except FileNotFoundError:
             return []
         # A line being appended may be incomplete; it is whole on the next read.
-        return [Step(**json.loads(line)) for line in text.splitlines() if line.endswith("}")]
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
     def api_client(self) -> kubernetes.client.ApiClient:
         """A client with this pod's own credentials (its bound token), as its container has."""

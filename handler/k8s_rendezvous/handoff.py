@@ -1,0 +1,189 @@
+"""What a node's agent and its workers hand each other when they re-form in place.
+
+The agent's handler (``--rdzv-conf in_place=1``) and the workers of its node share a
+directory, named to the workers by :data:`DIRECTORY_ENV` (the handler sets it in the
+agent's environment, which torch's agent passes on to every worker it starts):
+
+- ``round.json``, written by the handler: the latest round this node is in (its number,
+  its store, this node's ranks in it) or that the node fell back to restarting;
+- ``worker-<local rank>.json``, written by each worker: that it can re-form in place, in
+  which round it is, or why it gave up.
+
+Each is replaced whole (written beside, then renamed), so a reader never sees half of one.
+Reading them costs a ``stat`` and a few hundred bytes: the agent's handler reads the
+workers' records each time torch's agent polls it (every ``--monitor-interval``), a worker
+reads the round at each step boundary. No torch and no Kubernetes here: both sides import
+this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Final
+
+DIRECTORY_ENV: Final = "K8S_RENDEZVOUS_IN_PLACE_DIR"
+"""Names the shared directory to the workers; unset, they cannot re-form in place."""
+ROUND_FILE: Final = "round.json"
+FORMAT: Final = 1
+"""Version of both records; a reader refuses one of another version (as unreadable)."""
+
+
+class HandoffError(Exception):
+    """A record is missing a field, has one of the wrong type, or has another format."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRound:
+    """The round this node is in, as its handler publishes it to the node's workers.
+
+    A round the agent started the workers in (``next_rendezvous()``) has no ranks: torch's
+    agent assigns them and gives them to the workers in their environment. A round the
+    handler re-formed in place carries this node's first global rank and the new world
+    size, from torch's own rank assignment, which the handler ran on the agent's behalf.
+    """
+
+    round: int
+    uuid: int
+    """The same on every node of the round and different for every round: what the
+    workers pass to ``dist._reconfigure``, which wants a fresh one each time."""
+    master: str
+    """``addr:port`` of the round's store, served by its rank 0."""
+    group_rank: int
+    group_world_size: int
+    base_rank: int | None = None
+    """This node's first worker's global rank in the round, if it was re-formed in place."""
+    world_size: int | None = None
+    """The number of workers in the round, if it was re-formed in place."""
+    fallback: str | None = None
+    """Set when the node gave up re-forming in place: why. torch's agent restarts the
+    workers; those waiting to re-form stop waiting."""
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the handler re-formed this round around running workers."""
+        return self.base_rank is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> PublishedRound:
+        fields = _checked(data, "round")
+        return cls(
+            round=_int(fields, "round"),
+            uuid=_int(fields, "uuid"),
+            master=_str(fields, "master"),
+            group_rank=_int(fields, "group_rank"),
+            group_world_size=_int(fields, "group_world_size"),
+            base_rank=_optional_int(fields, "base_rank"),
+            world_size=_optional_int(fields, "world_size"),
+            fallback=_optional_str(fields, "fallback"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRecord:
+    """A worker's word to its node's handler."""
+
+    local_rank: int
+    pid: int
+    round: int
+    """The round whose world the worker is in (the one it last re-formed into)."""
+    fallback: str | None = None
+    """Set when the worker gave up re-forming in place: why."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> WorkerRecord:
+        fields = _checked(data, "worker")
+        return cls(
+            local_rank=_int(fields, "local_rank"),
+            pid=_int(fields, "pid"),
+            round=_int(fields, "round"),
+            fallback=_optional_str(fields, "fallback"),
+        )
+
+
+def round_uuid(rendezvous_uid: str, round_number: int, master: str) -> int:
+    """The reconfigure UUID of a round: the same on every node of it (each computes it
+    from what the round says), different for every round, even of a Rendezvous made anew
+    (its uid changes) or a round number seen again."""
+    digest = hashlib.sha256(f"{rendezvous_uid}/{round_number}/{master}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+def worker_file(local_rank: int) -> str:
+    return f"worker-{local_rank}.json"
+
+
+def write(directory: Path, name: str, record: PublishedRound | WorkerRecord) -> None:
+    """Replace ``directory/name`` with ``record`` at once (write beside, then rename)."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(record.to_dict(), file)
+        os.replace(temporary, directory / name)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def read_round(directory: Path) -> PublishedRound | None:
+    """The published round, ``None`` if there is none yet. Raises :class:`HandoffError`."""
+    data = _read(directory / ROUND_FILE)
+    return None if data is None else PublishedRound.from_dict(data)
+
+
+def read_worker(directory: Path, local_rank: int) -> WorkerRecord | None:
+    """A worker's record, ``None`` if it wrote none. Raises :class:`HandoffError`."""
+    data = _read(directory / worker_file(local_rank))
+    return None if data is None else WorkerRecord.from_dict(data)
+
+
+def _read(path: Path) -> object | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data: object = json.loads(text)
+    except ValueError as error:
+        raise HandoffError(f"{path.name} is not JSON: {error}") from error
+    return data
+
+
+def _checked(data: object, what: str) -> dict[str, Any]:
+    if type(data) is not dict:
+        raise HandoffError(f"the {what} record is not an object: {data!r}")
+    if data.get("format") != FORMAT:
+        raise HandoffError(f"the {what} record has format {data.get('format')!r}, not {FORMAT}")
+    return data
+
+
+def _int(fields: dict[str, Any], key: str) -> int:
+    value = fields.get(key)
+    if type(value) is not int:
+        raise HandoffError(f"{key}: expected an integer, got {value!r}")
+    return value
+
+
+def _optional_int(fields: dict[str, Any], key: str) -> int | None:
+    return None if fields.get(key) is None else _int(fields, key)
+
+
+def _str(fields: dict[str, Any], key: str) -> str:
+    value = fields.get(key)
+    if type(value) is not str:
+        raise HandoffError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _optional_str(fields: dict[str, Any], key: str) -> str | None:
+    return None if fields.get(key) is None else _str(fields, key)

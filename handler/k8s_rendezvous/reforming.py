@@ -1,0 +1,270 @@
+"""The agent's side of re-forming in place (``--rdzv-conf in_place=1``).
+
+torch's elastic agent knows one way through a change of the world: when its handler's
+``num_nodes_waiting()`` is positive (or a worker failed), it stops every worker, calls
+``next_rendezvous()`` and starts new ones. On the in-place path the handler keeps it from
+doing so, and does the agent's part itself:
+
+1. When the node's round goes stale (a member was lost) or a node waits to join, and
+   every worker of this node is on the in-place path (each said so in the handoff
+   directory, :mod:`k8s_rendezvous.handoff`), :class:`Reformer` joins the next round in
+   the background, exactly as ``next_rendezvous()`` would, and ``num_nodes_waiting()``
+   answers 0 meanwhile.
+2. Once the round is sealed, it runs torch's own rank assignment on the round's store on
+   the agent's behalf (``_assign_worker_ranks``: a newcomer's agent does its part of it
+   in its ``next_rendezvous()``), records the result in the agent's worker group (ranks,
+   group rank and size, master: what torch reports and what its exit barrier counts), and
+   points the agent's store at the new round (the store ``next_rendezvous()`` returned
+   follows the node's current round).
+3. It publishes the round to the node's workers, who re-form around it
+   (:mod:`k8s_rendezvous.in_place`).
+
+Whatever stops this (a worker not on the path, or one that gave up; a failed join; no
+agent to act for) makes ``num_nodes_waiting()`` answer as it would without the in-place
+path, and the agent restarts the workers as it always does; the reason is logged
+("in-place re-forming failed ... falling back to torch's restart") and published to the
+workers, so those waiting stop waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
+
+from k8s_rendezvous import handoff, in_place, state
+
+log = logging.getLogger(__name__)
+
+_WAKE_SECONDS: Final = 1.0
+"""How often the idle reformer looks up from its wait (to notice it was stopped)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """A round this node joined: what the handler's join returns."""
+
+    status: state.NodeView
+    rank: int
+    uid: str
+    """Of the Rendezvous the round belongs to."""
+    store: Store
+    """The round's store with the agents' prefix."""
+
+
+class Reformer:
+    """Re-forms this node's round in place while its workers keep running.
+
+    Args:
+        node: This node's name, for logs.
+        wait_for_change: Blocks until the watched status shows a change the agent would
+            restart for (the handler's own judgement), or a deadline; returns whether one
+            is there.
+        rejoin: Joins the next round, as ``next_rendezvous()`` does (holding the
+            handler's join lock), and returns it.
+        lock: The handler's join lock: a join by ``next_rendezvous()`` and one in place
+            never overlap.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        wait_for_change: Callable[[float], bool],
+        rejoin: Callable[[], Joined],
+        lock: threading.Lock,
+    ) -> None:
+        self._node = node
+        self._wait_for_change = wait_for_change
+        self._rejoin = rejoin
+        self._lock = lock
+        self.directory = Path(tempfile.mkdtemp(prefix="k8s-rendezvous-in-place-"))
+        # torch's agent starts its workers with this process's environment.
+        os.environ[handoff.DIRECTORY_ENV] = str(self.directory)
+        self._agent: ElasticAgent | None = None
+        self._store: in_place.SwitchedStore | None = None
+        self._gave_up: str | None = None
+        self._busy = False
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- called by the handler -----------------------------------------------------------
+
+    def started(self, joined: Joined, agent: ElasticAgent | None) -> Store:
+        """``next_rendezvous()`` joined ``joined`` for ``agent`` (``None`` if it was not
+        called by torch's agent): the workers it starts are told the round; the agent gets
+        a store that follows the node's round."""
+        self._agent = agent
+        self._gave_up = None
+        for stale in self.directory.glob("worker-*.json"):  # the stopped workers'
+            stale.unlink(missing_ok=True)
+        self._publish(joined, None)
+        self._store = in_place.SwitchedStore(joined.store)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"k8s-rendezvous-in-place-{self._node}", daemon=True
+            )
+            self._thread.start()
+        return self._store
+
+    def handles_changes(self) -> bool:
+        """Whether a change of the world is (being) re-formed in place, so that the agent
+        must not restart the workers for it. Reads the workers' records: one that gave up
+        makes the node give up."""
+        if self._gave_up is not None or self._thread is None or not self._thread.is_alive():
+            return False
+        if self._busy:
+            return True
+        reason = self._workers_not_ready()
+        if reason is not None and reason.startswith("worker gave up"):
+            self._give_up(reason)
+            return False
+        return True
+
+    @property
+    def gave_up(self) -> str | None:
+        """Why this node left the current change to torch's restart, if it did."""
+        return self._gave_up
+
+    def stop(self) -> None:
+        self._stopped.set()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -- the background re-forming -------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._once()
+            except Exception as error:  # never leave the agent without an answer
+                self._give_up(f"{type(error).__name__}: {error}")
+
+    def _once(self) -> None:
+        if self._gave_up is not None:
+            self._stopped.wait(0.05)  # until next_rendezvous() starts afresh
+            return
+        if self._wait_for_change(time.monotonic() + _WAKE_SECONDS):
+            with self._lock:
+                # Judged again under the lock: a next_rendezvous() may just have joined.
+                if self._gave_up is not None or not self._wait_for_change(time.monotonic()):
+                    return
+                reason = self._why_not_now()
+                if reason is not None:
+                    self._give_up(reason)
+                    return
+                self._busy = True
+                try:
+                    self._reform()
+                finally:
+                    self._busy = False
+
+    def _why_not_now(self) -> str | None:
+        if self._agent is None:
+            return "next_rendezvous() was not called by torch's elastic agent"
+        # No torch version check: on a torch that cannot reconfigure, no worker says it
+        # is on the path (k8s_rendezvous.in_place creates a plain group and says why).
+        group = self._agent.get_worker_group()
+        if group.state is not WorkerState.HEALTHY:
+            return f"the workers are {group.state.name}"
+        return self._workers_not_ready()
+
+    def _workers_not_ready(self) -> str | None:
+        """Why not every worker of the agent's group is on the in-place path, if not."""
+        if self._agent is None:
+            return "no agent"
+        for worker in self._agent.get_worker_group().workers:
+            try:
+                record = handoff.read_worker(self.directory, worker.local_rank)
+            except handoff.HandoffError as error:
+                return f"worker {worker.local_rank}'s record is unreadable: {error}"
+            if record is None or record.pid != worker.id:
+                return (
+                    f"worker {worker.local_rank} (pid {worker.id}) has not joined through "
+                    "k8s_rendezvous.in_place (it is starting, or does not use it)"
+                )
+            if record.fallback is not None:
+                return f"worker gave up: worker {worker.local_rank}: {record.fallback}"
+        return None
+
+    def _reform(self) -> None:
+        started = time.monotonic()
+        assert self._agent is not None and self._store is not None
+        log.info("node %s re-forms its round in place; its workers keep running", self._node)
+        joined = self._rejoin()
+        # Its fields are typed as torch's __init__ leaves them (None): Any to set them.
+        group: Any = self._agent.get_worker_group()
+        # torch's own rank assignment, on the round's store, for the agent: a newcomer's
+        # agent does its part of the same exchange in its next_rendezvous().
+        assign: Any = self._agent._assign_worker_ranks  # type: ignore[attr-defined]
+        status = joined.status
+        workers = assign(joined.store, joined.rank, status.world_size, group.spec)
+        for running, assigned in zip(group.workers, workers, strict=True):
+            assigned.id = running.id
+        assert status.master is not None
+        group.workers = workers
+        group.group_rank = joined.rank
+        group.group_world_size = status.world_size
+        group.master_addr = status.master.addr
+        group.master_port = status.master.port
+        self._store.inner = joined.store  # the agent's store, for its exit barrier
+        self._publish(joined, workers[0] if workers else None)
+        log.info(
+            "node %s is rank %d of %d in round %d, re-formed in place (workers kept as ranks "
+            "%d-%d of %d) in %.3f s",
+            self._node,
+            joined.rank,
+            status.world_size,
+            status.round,
+            workers[0].global_rank,
+            workers[-1].global_rank,
+            workers[0].world_size,
+            time.monotonic() - started,
+        )
+
+    def _publish(self, joined: Joined, first: Any) -> None:
+        status = joined.status
+        assert status.master is not None
+        handoff.write(
+            self.directory,
+            handoff.ROUND_FILE,
+            handoff.PublishedRound(
+                round=status.round,
+                uuid=handoff.round_uuid(joined.uid, status.round, status.master.endpoint),
+                master=status.master.endpoint,
+                group_rank=joined.rank,
+                group_world_size=status.world_size,
+                base_rank=None if first is None else first.global_rank,
+                world_size=None if first is None else first.world_size,
+            ),
+        )
+
+    def _give_up(self, reason: str) -> None:
+        """Leave this change to torch's restart: say so, and tell the workers."""
+        if self._gave_up is not None:
+            return
+        self._gave_up = reason
+        log.warning(
+            "node %s: in-place re-forming failed (%s); falling back to torch's restart of "
+            "the workers",
+            self._node,
+            reason,
+        )
+        try:
+            published = handoff.read_round(self.directory)
+            if published is not None:
+                handoff.write(
+                    self.directory,
+                    handoff.ROUND_FILE,
+                    dataclasses.replace(published, fallback=reason),
+                )
+        except (OSError, handoff.HandoffError) as error:
+            log.warning("node %s could not tell its workers: %s", self._node, error)

@@ -1,0 +1,176 @@
+"""Re-forming in place end to end: ``torchrun --rdzv-conf in_place=1`` jobs whose workers
+run examples/elastic_train_in_place.py (k8s_rendezvous.in_place, gloo on the CPU) against
+the real control plane and operator, every node a Pod on a kwok node plus a local
+torchrun with that pod's own credentials.
+
+- The rank-0 node is killed (its processes SIGKILLed, its Pod deleted): the survivors'
+  workers, the very same processes, go on training in a world of 4 with dense ranks in
+  the surviving nodes' order, from the step they were at, with one model on every rank;
+  no agent restarts its workers, and the job finishes.
+- Then a node is added: it joins that world as the last ranks, the others still the same
+  processes, every rank holding the same model.
+
+Progress lines say which process trained which step as which rank, in which round, and
+the model's checksum after the step (4 elements of ``step + 1`` each).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.waiting import wait_for
+from tests.e2e.harness import REPO, LocalPod, LocalPods, describe, timing, wait_all_exit
+from tests.support.fixtures import Rendezvous
+from tests.support.operator import OperatorProcess
+
+IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
+SIZE = 4
+"""Elements of the example's model."""
+FORM_TIMEOUT = 120
+STEPS = ["--steps", "300", "--step-seconds", "0.1"]
+"""Long enough for a kill and an arrival while the others train (a node takes several
+seconds to start on this machine)."""
+RESTARTED = ("Stopping worker group", "Detected 1 new nodes", "will restart worker group")
+"""What torch's agent logs when it restarts its workers."""
+
+Line = dict[str, Any]
+
+
+@pytest.fixture
+def pods(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    operator_process: OperatorProcess,
+    tmp_path: Path,
+) -> Iterator[LocalPods]:
+    group = LocalPods(control_plane, admin_api, workers_namespace, tmp_path / "pods")
+    try:
+        yield group
+    finally:
+        group.stop_all()
+        print(f"--- nodes ---\n{describe(group.all, lines=12)}")
+
+
+def wait_lines(nodes: Iterable[LocalPod], size: int, *, after: float) -> list[Line]:
+    """The progress lines of the world of ``size`` ranks that trains on ``nodes`` after
+    ``after`` (wall clock), once every rank has completed a step in it."""
+    nodes = list(nodes)
+    names = {node.name for node in nodes}
+
+    def world() -> list[Line] | None:
+        exited = [node for node in nodes if not node.running()]
+        lines = [
+            line
+            for node in nodes
+            for line in node.progress_lines()
+            if line["world_size"] == size and line["time"] > after
+        ]
+        if {line["rank"] for line in lines} == set(range(size)) and {
+            line["pod"] for line in lines
+        } == names:
+            return lines
+        assert not exited, f"{[n.name for n in exited]} exited\n{describe(nodes)}"
+        return None
+
+    found: list[Line] = wait_for(
+        world, FORM_TIMEOUT, f"a world of {size} on {sorted(names)}", interval=0.05
+    )
+    return found
+
+
+def pids(lines: Iterable[Line], nodes: Iterable[LocalPod]) -> set[tuple[str, int]]:
+    names = {node.name for node in nodes}
+    return {(line["pod"], line["pid"]) for line in lines if line["pod"] in names}
+
+
+def resumed(lines: Iterable[Line]) -> float:
+    """When every rank of a world had completed its first step in it (wall clock)."""
+    first: dict[int, float] = {}
+    for line in lines:
+        first[line["rank"]] = min(first.get(line["rank"], line["time"]), line["time"])
+    return max(first.values())
+
+
+def assert_one_model(lines: Iterable[Line]) -> None:
+    """Every rank that trained a step holds the same model after it: ``step + 1``."""
+    by_step: dict[int, set[float]] = {}
+    for line in lines:
+        by_step.setdefault(line["step"], set()).add(line["checksum"])
+    for step, checksums in by_step.items():
+        assert checksums == {SIZE * (step + 1.0)}, (step, checksums)
+
+
+def assert_not_restarted(nodes: Iterable[LocalPod]) -> None:
+    for node in nodes:
+        log = node.log()
+        assert not [phrase for phrase in RESTARTED if phrase in log], describe([node])
+        assert "re-formed in place" in log, describe([node])
+
+
+def test_a_killed_rank0_node_and_an_added_node_are_reformed_around_running_workers(
+    pods: LocalPods, make_rendezvous: Any
+) -> None:
+    rdzv: Rendezvous = make_rendezvous(2, 4, lastCallTimeoutSeconds=5)
+    started = time.time()
+    nodes = pods.start(
+        rdzv.name,
+        {"n1": "127.0.0.11", "n2": "127.0.0.12", "n3": "127.0.0.13"},
+        rdzv_conf="in_place=1",
+        script=IN_PLACE_SCRIPT,
+        script_args=STEPS,
+    )
+    wait_lines(nodes, 6, after=started)
+    first = wait_lines(nodes, 6, after=time.time())  # trained a step more, every rank
+    group_ranks = {line["pod"]: line["group_rank"] for line in first}
+    victim = next(node for node in nodes if group_ranks[node.name] == 0)
+    survivors = sorted((n for n in nodes if n is not victim), key=lambda n: group_ranks[n.name])
+    workers = pids(first, survivors)
+
+    killed = time.time()
+    victim.kill()
+    smaller = wait_lines(survivors, 4, after=killed)
+    timing(
+        "rank-0 node killed -> every rank's first step in the world of 4", resumed(smaller) - killed
+    )
+
+    assert pids(smaller, survivors) == workers, "the survivors' workers are the same processes"
+    assert {line["rank"] for line in smaller} == set(range(4))
+    assert {(line["pod"], line["group_rank"]) for line in smaller} == {
+        (node.name, rank) for rank, node in enumerate(survivors)
+    }, "the survivors in their order, dense"
+    assert len({line["master"] for line in smaller}) == 1
+    assert {line["round"] for line in smaller} != {line["round"] for line in first}
+    last_before = max(line["step"] for line in first)
+    assert min(line["step"] for line in smaller) >= last_before, "training went on"
+
+    added = time.time()
+    (newcomer,) = pods.start(
+        rdzv.name,
+        {"n4": "127.0.0.14"},
+        rdzv_conf="in_place=1",
+        script=IN_PLACE_SCRIPT,
+        script_args=STEPS,
+    )
+    everyone = [*survivors, newcomer]
+    larger = wait_lines(everyone, 6, after=added)
+    timing("node added -> every rank's first step in the world of 6", resumed(larger) - added)
+
+    assert pids(larger, survivors) == workers, "still the same processes"
+    joined = [line for line in larger if line["pod"] == newcomer.name]
+    assert {line["rank"] for line in joined} == {4, 5}, "newcomers are appended"
+    assert {line["group_rank"] for line in joined} == {2}
+    assert min(line["step"] for line in larger) > last_before
+
+    codes = wait_all_exit(everyone, FORM_TIMEOUT)
+    assert codes == {node.name: 0 for node in everyone}, describe(everyone)
+    lines = [line for node in everyone for line in node.progress_lines()]
+    assert_one_model(lines)
+    assert pids(lines, survivors) == workers, "no survivor's worker was ever restarted"
+    assert_not_restarted(survivors)

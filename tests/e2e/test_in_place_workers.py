@@ -1,0 +1,238 @@
+"""The workers' side of re-forming in place (k8s_rendezvous.in_place), with real gloo
+processes running examples/elastic_train_in_place.py and the test playing every node's
+handler: it serves each round's store (a TCPStore, as a round's rank 0 does) and writes
+the round each node's workers are in (k8s_rendezvous.handoff), as the handler would after
+the operator sealed it.
+
+- A node's worker is SIGKILLed: the others, the same processes, re-form a world of 2
+  from the step they were at (those blocked on a survivor, not on the dead one, too).
+- A node arrives: the running workers train on until it has joined, then switch to a
+  world of 3 together, the newcomer last.
+- The handler gives up: a worker waiting to re-form stops waiting and says why.
+
+No Kubernetes here: tests/e2e/test_in_place.py runs the whole path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.cluster.waiting import wait_for
+from tests.e2e.harness import LOCAL_PROCESS_ENV, REPO, kill_tree
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from k8s_rendezvous import handoff
+
+SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
+SIZE = 4
+UID = "rendezvous-uid"
+
+
+class Node:
+    """One node's handoff directory and its single worker process."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name = name
+        self.directory = directory / name
+        self.directory.mkdir(parents=True)
+        self.progress = directory / f"{name}.jsonl"
+        self.log = directory / f"{name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def publish(
+        self, round_number: int, master: str, group_rank: int, nodes: int, **ranks: int
+    ) -> None:
+        handoff.write(
+            self.directory,
+            handoff.ROUND_FILE,
+            handoff.PublishedRound(
+                round_number,
+                handoff.round_uuid(UID, round_number, master),
+                master,
+                group_rank,
+                nodes,
+                ranks.get("base_rank"),
+                ranks.get("world_size"),
+            ),
+        )
+
+    def give_up(self, reason: str) -> None:
+        published = handoff.read_round(self.directory)
+        assert published is not None
+        handoff.write(
+            self.directory, handoff.ROUND_FILE, dataclasses.replace(published, fallback=reason)
+        )
+
+    def start(self, rank: int, world_size: int, group_rank: int, master: str) -> None:
+        host, _, port = master.rpartition(":")
+        env = {
+            **os.environ,
+            **LOCAL_PROCESS_ENV,
+            handoff.DIRECTORY_ENV: str(self.directory),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": str(group_rank),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": port,
+            "POD_NAME": self.name,
+            "TRAIN_PROGRESS_FILE": str(self.progress),
+        }
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(SCRIPT), "--steps", "100000", "--step-seconds", "0.02"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+
+    def lines(self) -> list[dict[str, Any]]:
+        try:
+            text = self.progress.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def tail(self) -> str:
+        return f"=== {self.name}\n" + "\n".join(self.log.read_text().splitlines()[-15:])
+
+    def stop(self) -> None:
+        if self.process is not None:
+            kill_tree(self.process)
+
+
+class Rounds:
+    """The rounds' stores, served from the test process (each round's rank 0 would)."""
+
+    def __init__(self) -> None:
+        self.stores: list[TCPStore] = []
+
+    def new(self) -> str:
+        store = TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        self.stores.append(store)
+        return f"127.0.0.1:{store.port}"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[dict[str, Node]]:
+    made = {name: Node(name, tmp_path) for name in ("a", "b", "c", "d")}
+    try:
+        yield made
+    finally:
+        for node in made.values():
+            node.stop()
+
+
+def world(nodes: list[Node], size: int, after: float) -> list[dict[str, Any]]:
+    """The progress lines of the world of ``size`` on ``nodes`` after ``after``, once every
+    rank has completed a step in it."""
+    names = {node.name for node in nodes}
+
+    def found() -> list[dict[str, Any]] | None:
+        lines = [
+            line
+            for node in nodes
+            for line in node.lines()
+            if line["world_size"] == size and line["time"] > after
+        ]
+        if {line["rank"] for line in lines} == set(range(size)) and {
+            line["pod"] for line in lines
+        } == names:
+            return lines
+        for node in nodes:
+            assert node.process is not None and node.process.poll() is None, node.tail()
+        return None
+
+    try:
+        lines: list[dict[str, Any]] = wait_for(found, 120, f"a world of {size}", interval=0.05)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n" + "\n".join(n.tail() for n in nodes)) from None
+    return lines
+
+
+def seen(lines: list[dict[str, Any]], *keys: str) -> set[tuple[Any, ...]]:
+    return {tuple(line[key] for key in keys) for line in lines}
+
+
+def test_a_lost_worker_and_a_new_one_are_reformed_around_the_running_workers(
+    nodes: dict[str, Node],
+) -> None:
+    rounds = Rounds()
+    a, b, c, d = nodes.values()
+    master = rounds.new()
+    for rank, node in enumerate((a, b, c)):
+        node.publish(1, master, rank, 3)
+        node.start(rank, 3, rank, master)
+    first = world([a, b, c], 3, 0)
+    pids = {line["pod"]: line["pid"] for line in first}
+
+    killed = time.time()
+    assert c.process is not None
+    os.killpg(c.process.pid, signal.SIGKILL)
+    master = rounds.new()
+    a.publish(2, master, 0, 2, base_rank=0, world_size=2)
+    b.publish(2, master, 1, 2, base_rank=1, world_size=2)
+    smaller = world([a, b], 2, killed)
+    assert seen(smaller, "pod", "pid", "rank") == {("a", pids["a"], 0), ("b", pids["b"], 1)}
+    before = max(line["step"] for line in first if line["time"] < killed)
+    assert min(line["step"] for line in smaller) >= before, "training went on"
+    assert seen(smaller, "round") == {(2,)}
+
+    added = time.time()
+    master = rounds.new()
+    a.publish(3, master, 0, 3, base_rank=0, world_size=3)
+    b.publish(3, master, 1, 3, base_rank=1, world_size=3)
+    d.publish(3, master, 2, 3)
+    d.start(2, 3, 2, master)
+    larger = world([a, b, d], 3, added)
+    assert seen(larger, "pod", "rank") == {("a", 0), ("b", 1), ("d", 2)}
+    assert {line["pid"] for line in larger if line["pod"] != "d"} == {pids["a"], pids["b"]}
+    by_step: dict[int, set[float]] = {}
+    for line in a.lines() + b.lines() + d.lines():
+        by_step.setdefault(line["step"], set()).add(line["checksum"])
+    assert all(sums == {SIZE * (step + 1.0)} for step, sums in by_step.items()), by_step
+
+
+def test_a_worker_waiting_to_reform_stops_waiting_when_its_handler_gives_up(
+    nodes: dict[str, Node],
+) -> None:
+    rounds = Rounds()
+    a, b, *_ = nodes.values()
+    master = rounds.new()
+    for rank, node in enumerate((a, b)):
+        node.publish(1, master, rank, 2)
+        node.start(rank, 2, rank, master)
+    world([a, b], 2, 0)
+
+    assert b.process is not None
+    os.killpg(b.process.pid, signal.SIGKILL)
+    wait_for(lambda: "re-forming the world in place" in a.log.read_text(), 60, "a's recovery")
+    a.give_up("the join in place failed")
+
+    def gave_up() -> str | None:
+        record = handoff.read_worker(a.directory, 0)
+        return None if record is None else record.fallback
+
+    reason = wait_for(gave_up, 60, "a's worker to give up")
+    assert "the node's handler gave up: the join in place failed" in reason
+    assert "falling back to torch's restart" in a.log.read_text()
+    assert a.process is not None and a.process.poll() is None, "it waits for the agent to stop it"
