@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +82,9 @@ def admin_api(control_plane: ControlPlane) -> Iterator[kubernetes.client.ApiClie
 
 
 @pytest.fixture
-def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[[], str]]:
-    """Fresh namespaces whose `default` ServiceAccount exists; deleted afterwards."""
+def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[..., str]]:
+    """Fresh namespaces (with more ``labels`` if given) whose `default` ServiceAccount
+    exists; deleted afterwards."""
     core = kubernetes.client.CoreV1Api(admin_api)
     made: list[str] = []
 
@@ -96,13 +97,13 @@ def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[
             raise
         return True
 
-    def make() -> str:
+    def make(labels: Mapping[str, str] | None = None) -> str:
         name = f"t-{uuid.uuid4().hex[:10]}"
+        # Labels at creation: a webhook's namespaceSelector may be judged on the API
+        # server's cached copy, which a label added afterwards reaches a moment later.
+        labels = {"k8s-rendezvous.dev/test": "1", **(labels or {})}
         core.create_namespace(
-            to_model(
-                kubernetes.client.V1Namespace,
-                {"metadata": {"name": name, "labels": {"k8s-rendezvous.dev/test": "1"}}},
-            )
+            to_model(kubernetes.client.V1Namespace, {"metadata": {"name": name, "labels": labels}})
         )
         made.append(name)
         # Up to 120 s: after a test restarts the API server, the controller manager's
