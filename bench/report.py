@@ -412,10 +412,28 @@ def markdown(results: Json) -> str:
             "Probe, no Kubernetes involved: TCPStore clients connecting at once to one "
             f"TCPStore server (what ours does in every round): {shown}.",
         ]
+    if results.get("recovery"):
+        from bench import recovery
+
+        lines += recovery.markdown(results["recovery"])
     for backend, why in (results.get("absent") or {}).items():
         lines += ["", f"**{backend} absent:** {why}"]
-    lines += ["", "Plots: seal_latency.png, failure_scaleup.png, cost.png, scale.png.", ""]
+    lines += ["", f"Plots: {', '.join(_plot_names(results))}.", ""]
     return "\n".join(lines)
+
+
+_SECTION_PLOTS = (
+    ("seal_latency.png", ("seal_latency", "scale")),
+    ("failure_scaleup.png", ("failure_to_new_world", "scaleup_notice")),
+    ("cost.png", ("cost",)),
+    ("scale.png", ("scale",)),
+    ("recovery_timeline.png", ("recovery",)),
+)
+
+
+def _plot_names(results: Json) -> list[str]:
+    """The plots a run has data for (a run of a few sections draws only theirs)."""
+    return [name for name, keys in _SECTION_PLOTS if any(results.get(key) for key in keys)]
 
 
 # -- plots ------------------------------------------------------------------------------------
@@ -427,6 +445,13 @@ def plots(results: Json, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    drawn = _plot_names(results)
+    if "recovery_timeline.png" in drawn:
+        from bench import recovery
+
+        recovery.plot(results["recovery"], out / "recovery_timeline.png")
+    if drawn == ["recovery_timeline.png"]:
+        return  # a run of the recovery section alone
     seal = results.get("seal_latency") or {}
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for backend, per_size in seal.items():

@@ -55,6 +55,8 @@ class Plan:
     concurrent_reps: int
     live: tuple[int, int]  # rendezvous, nodes each
     import_reps: int
+    recovery_reps: int
+    recovery_variants: tuple[str, ...]  # of bench/recovery.py's VARIANTS
     max_workers: int
     torch_join_timeout: int  # seconds a torch round may take before it "did not survive"
 
@@ -74,6 +76,9 @@ PLANS = {
         concurrent_reps=1,
         live=(10, 2),
         import_reps=3,
+        recovery_reps=1,
+        # c10d's variants wait out its keep-alive and last call: minutes, in every trial
+        recovery_variants=("ours", "ours-in-place"),
         max_workers=2,
         torch_join_timeout=60,
     ),
@@ -91,13 +96,15 @@ PLANS = {
         concurrent_reps=2,
         live=(200, 4),
         import_reps=30,
+        recovery_reps=3,
+        recovery_variants=("ours", "ours-in-place", "c10d-defaults", "c10d-tuned"),
         max_workers=8,
         torch_join_timeout=240,
     ),
 }
 
 
-SECTIONS = ("import", "seal", "failure", "scaleup", "scale", "live")
+SECTIONS = ("import", "seal", "failure", "scaleup", "scale", "live", "recovery")
 _SCALE_RUN_KEYS = (
     "setup_seconds",
     "processes",
@@ -204,6 +211,7 @@ class Runner:
                 ("live", self.live_section),
                 ("failure", self.failure_section),
                 ("scaleup", self.scaleup_section),
+                ("recovery", self.recovery_section),
             ):
                 if name in self.sections:
                     section()
@@ -422,6 +430,25 @@ class Runner:
                 ],
             },
         }
+
+    def recovery_section(self) -> None:
+        from bench import recovery
+
+        assert self.env is not None and self.env.cluster is not None
+        variants = [
+            name
+            for name in self.plan.recovery_variants
+            if (OURS if recovery.VARIANTS[name].backend == "kubernetes" else C10D) in self.backends
+        ]
+        self.log(f"recovery: {', '.join(variants)}, {self.plan.recovery_reps} repetitions")
+        self.results["recovery"] = recovery.measure(
+            self.env.cluster,
+            self.work / "recovery",
+            self.log,
+            self.plan.recovery_reps,
+            variants,
+            pool.NODE_ENV.get("LD_PRELOAD"),
+        )
 
     def live_section(self) -> None:
         env = self.env

@@ -3,9 +3,11 @@
 Every worker joins the gloo process group torchrun describes in its environment, checks
 that an all-reduce of ones adds up to WORLD_SIZE, then runs ``--steps`` steps (an
 all-reduce and a short sleep each). After each step it appends one JSON line to the file
-named by ``TRAIN_PROGRESS_FILE`` (if set) saying who it is and which world it is in, so
-that tests and the demo can follow the job without guessing. When the world changes,
-torchrun restarts the workers and they start over: this script keeps no checkpoint.
+named by ``TRAIN_PROGRESS_FILE`` (if set) saying who it is, which world it is in and when
+it had imported torch and joined the process group, so that tests, the demo and the
+benchmark's recovery timeline can follow the job without guessing. When the world
+changes, torchrun restarts the workers and they start over: this script keeps no
+checkpoint.
 
     torchrun --nnodes=2:4 --nproc-per-node=2 --rdzv-backend=kubernetes \\
         --rdzv-endpoint=my-rendezvous examples/elastic_train.py --steps 20
@@ -22,6 +24,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+IMPORTED = time.time()
+"""When this worker had imported torch (wall clock): the benchmark's recovery section
+times a restarted worker's interpreter start and ``import torch`` with it."""
 
 
 def check_all_reduce(world_size: int) -> None:
@@ -52,11 +58,14 @@ def main() -> int:
     dist.init_process_group("gloo")  # MASTER_ADDR, RANK, WORLD_SIZE... come from torchrun
     world_size = int(os.environ["WORLD_SIZE"])
     check_all_reduce(world_size)
+    initialized = time.time()
     progress_file = os.environ.get("TRAIN_PROGRESS_FILE")
     who = {
         "pod": os.environ.get("POD_NAME") or socket.gethostname(),
         "pid": os.getpid(),
         "started": started,
+        "imported": IMPORTED,
+        "initialized": initialized,
         "rank": int(os.environ["RANK"]),
         "world_size": world_size,
         "group_rank": int(os.environ["GROUP_RANK"]),

@@ -65,5 +65,12 @@ def test_quick_mode_writes_every_section_with_numbers(tmp_path: Path) -> None:
     assert _number(results["import"]["plugin_load_ms"]["median"])
     assert results["import"]["plugin_registered"]
 
+    recovery = results["recovery"]["summary"]
+    for variant in ("ours", "ours-in-place"):
+        assert not recovery[variant]["errors"], recovery[variant]["errors"]
+        for event in ("kill", "add"):
+            assert _number(recovery[variant][event]["first_step"]["median"]), (variant, event)
+    assert (tmp_path / "recovery_timeline.png").stat().st_size > 0
+
     assert {t["name"].split(" ")[0] for t in results["targets"]} >= {"seal", "failure", "plugin"}
     assert all("verdict" in t for t in results["targets"])
