@@ -1,5 +1,5 @@
 # Everything a newcomer needs, from a fresh machine (Python 3.11 and Go on PATH).
-#   make demo   set up, then run an elastic torchrun job on a local real control plane
+#   make demo   set up, then run an annotated Job of torchrun on local real nodes (root)
 #   make test   set up, then lint, type-check and run every test
 #   make contract  torch's elastic-agent scenarios over our backend and c10d (tests/contract)
 PYTHON ?= python3
@@ -23,7 +23,7 @@ $(VENV)/.synced: pyproject.toml uv.lock
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm,
 # then the real nodes' kubelet, containerd, runc and CNI plugins, built from the Go module
-# proxy into ~/.cache/k8s-rendezvous (about 17 min cold on 2 cores).
+# proxy into ~/.cache/k8s-rendezvous (8 min on 2 cores with Go's module cache warm).
 binaries:
 	tests/cluster/build.sh >/dev/null
 	tests/cluster/build.sh nodes >/dev/null

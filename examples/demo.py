@@ -1,61 +1,42 @@
-"""k8s-rendezvous end to end on this machine: ``python examples/demo.py`` (repo root, venv).
+"""k8s-rendezvous end to end on this machine, as a user runs it: ``python examples/demo.py``
+(repo root, venv, as root).
 
-It starts a real Kubernetes control plane as local processes (tests/cluster: etcd,
-kube-apiserver, controller manager, scheduler and kwok's simulated nodes), installs the
-Rendezvous CRD and the worker role, runs the operator, creates a Rendezvous admitting 2 to
-4 nodes and starts three "pods": Pod objects on kwok nodes, each with a local ``torchrun
---rdzv-backend=kubernetes`` (2 gloo workers running examples/elastic_train.py) using that
-pod's own credentials. Then it kills one node (its processes, and its Pod is deleted) and
-adds another, printing every round the operator seals and ``kubectl get rdzv -o wide``.
-Everything it started is stopped by PID at the end, on error and on Ctrl-C.
+It starts a real Kubernetes control plane and two real nodes as local processes
+(tests/cluster: etcd, kube-apiserver, controller manager, scheduler; on each node a
+kubelet, containerd and runc), builds the operator image from the Dockerfile, and then
+does what a user does: ``helm install`` the chart, and create a Job annotated with
+``k8s-rendezvous.dev/nodes`` whose 3 pods run plain ``torchrun examples/elastic_train.py``
+with no rendezvous flag. It follows the world from the workers' own progress lines,
+deletes one pod (the Job replaces it), raises the Job's parallelism to 4, and prints
+``kubectl get rdzv -o wide`` after each change. Everything it started is stopped by PID at
+the end, on error and on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import FrameType
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the demo reuses the test harness (tests/)
+sys.path.insert(0, str(REPO))  # the demo reuses the test cluster (tests/)
 
+import kubernetes.client  # noqa: E402
+import yaml  # noqa: E402
+from tests.chart import chart  # noqa: E402
 from tests.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
+from tests.cluster.nodes import build_node_binaries  # noqa: E402
 from tests.cluster.waiting import wait_for  # noqa: E402
-from tests.e2e.harness import LocalPod, LocalPods, wait_all_exit, wait_world  # noqa: E402
-from tests.support.fixtures import WORKLOAD_LABELS, Rendezvous  # noqa: E402
-from tests.support.operator import OperatorProcess  # noqa: E402
-
-from k8s_rendezvous import state  # noqa: E402
+from tests.nodes.pool import NodePool, build_node_images  # noqa: E402
+from tests.nodes.training import TrainingJob, World, create_job, job_manifest  # noqa: E402
 
 NAMESPACE = "demo"
-RENDEZVOUS = "demo-job"
-RENDEZVOUS_MANIFEST = f"""
-apiVersion: {state.API_VERSION}
-kind: {state.KIND}
-metadata:
-  name: {RENDEZVOUS}
-  namespace: {NAMESPACE}
-spec:
-  runId: {RENDEZVOUS}
-  minNodes: 2
-  maxNodes: 4
-  lastCallTimeoutSeconds: 5   # after minNodes joined, wait this long for more
-  podSelector:                # the pods that may join: the demo's trainers
-    matchLabels: {json.dumps(WORKLOAD_LABELS)}
-"""
-FIRST_NODES = {"trainer-0": "127.0.0.11", "trainer-1": "127.0.0.12", "trainer-2": "127.0.0.13"}
-LATE_NODE = {"trainer-3": "127.0.0.14"}
-WAIT = 180.0
-_SEALED = re.compile(r"round (\d+) sealed .*?;(?: ([\d.]+) s after the first join;)?")
-
+JOB = "demo-train"
+WAIT = 300.0
 _t0 = time.monotonic()
 
 
@@ -63,152 +44,100 @@ def say(message: str) -> None:
     print(f"[{time.monotonic() - _t0:6.1f}s] {message}", flush=True)
 
 
-class RoundReporter:
-    """Prints each round as the operator seals it, and the MemberLost/Closed events."""
-
-    def __init__(self, rendezvous: Rendezvous, plane: ControlPlane) -> None:
-        self._rendezvous = rendezvous
-        self._plane = plane
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="round-reporter", daemon=True)
-        self.rounds_sealed = 0
-
-    def __enter__(self) -> RoundReporter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        seen_events: set[tuple[str, str, str]] = set()
-        reported_round = 0
-        while not self._stop.wait(0.1):
-            try:
-                status = self._rendezvous.status()
-                events = self._rendezvous.events()
-            except Exception as error:  # the demo goes on; the control plane may be stopping
-                say(f"(could not read the Rendezvous: {error})")
-                continue
-            for event in events:
-                if event not in seen_events and event[1] in ("MemberLost", "Closed"):
-                    say(f"event {event[1]}: {event[2]}")
-                seen_events.add(event)
-            if status.round > reported_round and status.state is not state.RoundState.FORMING:
-                took = {
-                    int(match[1]): match[2]
-                    for _, reason, message in events
-                    if reason == "RoundSealed" and (match := _SEALED.search(message))
-                }
-                if status.round not in took and not self._stop.wait(0.2):
-                    continue  # the RoundSealed event follows the status write: read it next
-                reported_round = status.round
-                self.rounds_sealed += 1
-                self._print_round(status, took.get(status.round))
-
-    def _print_round(self, status: state.RendezvousStatus, took: str | None) -> None:
-        master = status.master.endpoint if status.master else "?"
-        duration = f" {took} s after its first join" if took else ""
-        say(f"round {status.round} sealed{duration}: {status.world_size} nodes, master {master}")
-        for rank, member in enumerate(status.members):
-            say(f"    group rank {rank}: {member.node} ({member.addr})")
-        table = self._plane.kubectl("get", "rdzv", "-n", NAMESPACE, "-o", "wide", check=False)
-        for line in (table.stdout or table.stderr).rstrip().splitlines():
-            print(f"        {line}", flush=True)
+def show(plane: ControlPlane, *args: str) -> None:
+    result = plane.kubectl(*args, check=False)
+    for line in (result.stdout or result.stderr).rstrip().splitlines():
+        print(f"        {line}", flush=True)
 
 
-def install(plane: ControlPlane) -> None:
-    """What a cluster admin does once: CRD and worker role; a namespace whose pods may join."""
-    crds = str(REPO / "manifests" / "crds")
-    plane.kubectl("apply", "--server-side", "-f", crds)
-    plane.kubectl("wait", "--for=condition=established", "-f", crds, "--timeout=60s")
-    plane.kubectl(
-        "apply", "--server-side", "-f", str(REPO / "manifests" / "rbac" / "worker-clusterrole.yaml")
-    )
-    plane.kubectl("create", "namespace", NAMESPACE)
-    plane.kubectl(
-        "-n",
-        NAMESPACE,
-        "create",
-        "rolebinding",
-        "k8s-rendezvous-worker",
-        "--clusterrole=k8s-rendezvous-worker",
-        f"--serviceaccount={NAMESPACE}:default",
-    )
-    wait_for(
-        lambda: plane.kubectl("-n", NAMESPACE, "get", "sa", "default", check=False).returncode == 0,
-        60,
-        f"ServiceAccount {NAMESPACE}/default",
-    )
+def describe(world: World, job: TrainingJob) -> None:
+    nodes = {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in job.running_pods()}
+    for rank, pod in sorted(world.pods.items()):
+        say(f"    rank {rank}: pod {pod} on {nodes.get(pod, '?')}")
 
 
-def run(plane: ControlPlane, workdir: Path, steps: int) -> None:
-    say("starting the control plane (etcd, kube-apiserver, controller manager, scheduler, kwok)")
+def run(plane: ControlPlane, workdir: Path) -> None:
+    say("building/locating the nodes' binaries and images (kubelet, containerd, runc; operator)")
+    build_node_binaries()
+    images = build_node_images()
+    say("starting the control plane")
     plane.start()
     say(f"control plane up at {plane.server} in {plane.startup_seconds:.1f} s")
-    install(plane)
-    operator = OperatorProcess(plane.kubeconfig, workdir / "operator.log", namespaces=(NAMESPACE,))
-    operator.start()
-    say(f"operator running (pid {operator.pid}); log {workdir / 'operator.log'}")
-    api = plane.api_client()
-    pods = LocalPods(plane, api, NAMESPACE, workdir / "pods")
-    try:
-        plane.kubectl("apply", "-f", "-", input=RENDEZVOUS_MANIFEST)
-        rendezvous = Rendezvous(api, NAMESPACE, RENDEZVOUS)
-        say(f"created Rendezvous {NAMESPACE}/{RENDEZVOUS} (minNodes 2, maxNodes 4)")
-        with RoundReporter(rendezvous, plane) as reporter:
-            script = ["--steps", str(steps)]
-            started = time.time()
-            say(
-                f"starting {len(FIRST_NODES)} pods, each: torchrun --nnodes=2:4 "
-                f"--nproc-per-node=2 --rdzv-backend=kubernetes --rdzv-endpoint={RENDEZVOUS} "
-                "examples/elastic_train.py"
-            )
-            nodes = pods.start(RENDEZVOUS, FIRST_NODES, script_args=script)
-            world = wait_world(nodes, 6, after=started, timeout=WAIT)
-            say(
-                f"training in a world of 6 ranks ({world.first_step_at - started:.1f} s after "
-                f"the pods started); master {world.masters.pop()}"
-            )
+    with plane.api_client() as api:
+        helm = chart.Helm(build_binaries() / "helm", workdir / "helm", plane.kubeconfig)
+        pool = NodePool(plane, helm, api, images, workdir)
+        try:
+            say("starting 2 real nodes and: helm install k8s-rendezvous charts/k8s-rendezvous")
+            pool.get(ipv6=False)
+            show(plane, "get", "nodes", "-l", "k8s-rendezvous.dev/real-node", "-o", "wide")
+            show(plane, "-n", chart.NAMESPACE, "get", "pods", "-o", "wide")
+            train(plane, api, images["trainer"].reference)
+        finally:
+            say("stopping the nodes and the control plane")
+            pool.close()
 
-            victim = next(n for n in nodes if world.group_ranks[n.name] == 1)
-            survivors = [n for n in nodes if n is not victim]
-            say(f"killing {victim.name} (group rank 1): SIGKILL its processes, delete its Pod")
-            killed = time.time()
-            victim.kill()
-            world = wait_world(survivors, 4, after=killed, timeout=WAIT)
-            say(
-                f"training in a world of 4 ranks, {world.first_step_at - killed:.1f} s after "
-                "the kill"
-            )
 
-            say(f"adding {next(iter(LATE_NODE))}")
-            added = time.time()
-            late = pods.start(RENDEZVOUS, LATE_NODE, script_args=script)
-            everyone: list[LocalPod] = [*survivors, *late]
-            world = wait_world(everyone, 6, after=added, timeout=WAIT)
-            say(
-                f"training in a world of 6 ranks, {world.first_step_at - added:.1f} s after "
-                "the new pod started"
-            )
+def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -> None:
+    plane.kubectl("create", "namespace", NAMESPACE)
+    manifest = job_manifest(JOB, trainer, parallelism=3, nodes="2:4")
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    say("creating the Job (its pods' container, abridged; the image is host userland):")
+    print(
+        "        "
+        + yaml.safe_dump(
+            {
+                "metadata": manifest["metadata"],
+                "parallelism": 3,
+                "command": container["command"],
+            },
+            sort_keys=False,
+        ).replace("\n", "\n        "),
+        flush=True,
+    )
+    started = time.time()
+    job = create_job(api, NAMESPACE, manifest)
+    world = job.wait_world(3, after=started, timeout=WAIT)
+    say(
+        f"training in a world of 3, {world.first_step - started:.1f} s after the Job was "
+        f"created; master {world.master}"
+    )
+    describe(world, job)
+    show(plane, "-n", NAMESPACE, "get", "rdzv", "-o", "wide")
 
-            codes = wait_all_exit(everyone, WAIT)
-            say(f"torchrun exit codes: {codes}")
-            wait_for(
-                lambda: rendezvous.status().state is state.RoundState.CLOSED,
-                30,
-                "the rendezvous to close once every node left",
-            )
-            time.sleep(0.3)  # let the reporter print the last events
-            say(f"{reporter.rounds_sealed} rounds sealed; final state:")
-        print(plane.kubectl("get", "rdzv", "-n", NAMESPACE, "-o", "wide").stdout, flush=True)
-        if any(codes.values()):
-            raise SystemExit(f"some torchrun failed: {codes}")
-    finally:
-        pods.stop_all()
-        operator.stop()
-        api.close()  # type: ignore[no-untyped-call]
+    victim = world.pods[1]
+    say(f"deleting pod {victim} (rank 1): the Job makes a new one")
+    deleted = time.time()
+    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(victim, NAMESPACE)
+    first = wait_for(
+        lambda: job.first_world(after=deleted), WAIT, "a world after the deletion", interval=0.5
+    )
+    took = first.first_step - deleted
+    say(f"training in a world of {first.size}, {took:.1f} s after the deletion")
+    world = job.wait_world(3, after=deleted, timeout=WAIT)
+    say(f"training in a world of 3 again, {world.first_step - deleted:.1f} s after the deletion")
+    describe(world, job)
+
+    say("raising the Job's parallelism to 4")
+    raised = time.time()
+    kubernetes.client.BatchV1Api(api).patch_namespaced_job(
+        JOB, NAMESPACE, {"spec": {"parallelism": 4}}
+    )
+    world = job.wait_world(4, after=raised, timeout=WAIT)
+    say(f"training in a world of 4, {world.first_step - raised:.1f} s after the change")
+    describe(world, job)
+    show(plane, "-n", NAMESPACE, "get", "rdzv", "-o", "wide")
+    show(
+        plane,
+        "-n",
+        NAMESPACE,
+        "get",
+        "events",
+        "--field-selector",
+        "involvedObject.kind=Rendezvous",
+    )
+    kubernetes.client.BatchV1Api(api).delete_namespaced_job(
+        JOB, NAMESPACE, propagation_policy="Foreground"
+    )
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
@@ -217,34 +146,24 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=100,
-        help="training steps per world (0.2 s each); enough for a pod to join",
-    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     signal.signal(signal.SIGTERM, _interrupt)
     say("building/locating the control-plane binaries (tests/cluster/build.sh)")
-    binaries = build_binaries(stream_log=True)
+    plane = ControlPlane(build_binaries(stream_log=True), keep_workdir=args.keep)
     workdir = Path(tempfile.mkdtemp(prefix="k8s-rdzv-demo-"))
-    plane = ControlPlane(binaries, keep_workdir=args.keep)
     failure: BaseException | None = None
     try:
-        run(plane, workdir, args.steps)
+        run(plane, workdir)
     except KeyboardInterrupt:
         say("interrupted: stopping everything")
-    except (AssertionError, SystemExit) as error:  # a wait that timed out, a failed torchrun
+    except AssertionError as error:  # a wait that timed out
         failure = error
     finally:
         plane.stop()
-        if failure is None and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-            say("stopped everything")
-        else:
-            say(f"stopped everything; logs of the operator and the pods in {workdir}")
+        kept = f" (logs in {plane.workdir}/logs and {workdir})" if args.keep else ""
+        say(f"stopped everything{kept}")
     if failure is not None:
         print(f"\nDEMO FAILED: {failure}", file=sys.stderr)
         sys.exit(1)

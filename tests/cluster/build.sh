@@ -174,7 +174,7 @@ build_helm() {
 start=$(date +%s)
 if [ "$target" = control-plane ]; then
   if ! { have kube-apiserver && have kube-controller-manager && have kube-scheduler && have kubectl; }; then
-    step kubernetes "Kubernetes v$KUBERNETES_VERSION (about 20 minutes cold on 2 cores)" build_control_plane
+    step kubernetes "Kubernetes v$KUBERNETES_VERSION (5 min on 2 cores, 20 with Go's module cache cold)" build_control_plane
   fi
   have etcd || step etcd "etcd v$ETCD_VERSION" build_etcd
   { have kwok && [ -d "$out/kwok-stages" ]; } || step kwok "kwok v$KWOK_VERSION" build_kwok

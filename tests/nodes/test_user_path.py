@@ -5,13 +5,11 @@ the workers' own progress lines say."""
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import signal
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import kubernetes.client
@@ -20,37 +18,18 @@ from tests.chart import chart
 from tests.cluster import images
 from tests.cluster.controlplane import ControlPlane, dig, read_object
 from tests.cluster.nodes import RealNodes
-from tests.nodes.training import OPERATOR_POD_LABELS, RunJob, TrainingJob, operator_leader
+from tests.nodes.training import (
+    OPERATOR_POD_LABELS,
+    RunJob,
+    TrainingJob,
+    agent_pid,
+    operator_leader,
+    worker_pid,
+)
 
 from k8s_rendezvous import __version__
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def pod_processes(pod: dict[str, Any]) -> dict[int, str]:
-    """PID -> command line of every process in the pod's containers, from its cgroup."""
-    uid = pod["metadata"]["uid"]
-    found: dict[int, str] = {}
-    for procs in Path("/sys/fs/cgroup/pids").rglob(f"pod{uid}/*/cgroup.procs"):
-        for pid in procs.read_text().split():
-            with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                found[int(pid)] = cmdline.decode(errors="replace")
-    return found
-
-
-def agent_pid(pod: dict[str, Any]) -> int:
-    (pid,) = [p for p, cmd in pod_processes(pod).items() if "/torchrun " in cmd]
-    return pid
-
-
-def worker_pid(pod: dict[str, Any]) -> int:
-    (pid,) = [
-        p
-        for p, cmd in pod_processes(pod).items()
-        if "elastic_train.py" in cmd and "/torchrun " not in cmd
-    ]
-    return pid
 
 
 def pod_of(job: TrainingJob, name: str) -> dict[str, Any]:

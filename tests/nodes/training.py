@@ -14,6 +14,7 @@ import contextlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import kubernetes.client
@@ -263,3 +264,29 @@ def operator_leader(api: kubernetes.client.ApiClient) -> str:
         return str(found) if found else None
 
     return wait_for(holder, 60, "a leader among the operator's pods")
+
+
+def pod_processes(pod: dict[str, Any]) -> dict[int, str]:
+    """PID -> command line of every process in the pod's containers, from its cgroup."""
+    uid = pod["metadata"]["uid"]
+    found: dict[int, str] = {}
+    for procs in Path("/sys/fs/cgroup/pids").rglob(f"pod{uid}/*/cgroup.procs"):
+        for pid in procs.read_text().split():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found[int(pid)] = cmdline.decode(errors="replace")
+    return found
+
+
+def agent_pid(pod: dict[str, Any]) -> int:
+    (pid,) = [p for p, cmd in pod_processes(pod).items() if "/torchrun " in cmd]
+    return pid
+
+
+def worker_pid(pod: dict[str, Any]) -> int:
+    (pid,) = [
+        p
+        for p, cmd in pod_processes(pod).items()
+        if "elastic_train.py" in cmd and "/torchrun " not in cmd
+    ]
+    return pid
