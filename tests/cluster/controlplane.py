@@ -118,9 +118,15 @@ def build_binaries(*, stream_log: bool = False) -> Path:
     """Run tests/cluster/build.sh (idempotent; a no-op when everything is cached) and return
     the directory it prints. With ``stream_log`` its progress goes to our stderr; otherwise
     the log is kept and its tail shown on failure."""
+    return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
+
+
+def run_build_script(script: Path, *args: str, stream_log: bool = False) -> Path:
+    """Run one of tests/cluster's build scripts, which prints the directory of what it
+    built (or found cached) last; that directory."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.run(
-            ["bash", str(BUILD_SCRIPT)],
+            ["bash", str(script), *args],
             stdout=subprocess.PIPE,
             stderr=None if stream_log else log,
             text=True,
@@ -130,11 +136,11 @@ def build_binaries(*, stream_log: bool = False) -> Path:
             log.seek(0)
             tail = "".join(log.readlines()[-40:])
             raise ControlPlaneError(
-                f"{BUILD_SCRIPT} failed with exit code {proc.returncode}:\n{tail}"
+                f"{script} {' '.join(args)} failed with exit code {proc.returncode}:\n{tail}"
             )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     if not lines or not Path(lines[-1]).is_dir():
-        raise ControlPlaneError(f"{BUILD_SCRIPT} printed no directory: {proc.stdout!r}")
+        raise ControlPlaneError(f"{script} printed no directory: {proc.stdout!r}")
     return Path(lines[-1])
 
 

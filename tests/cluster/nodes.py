@@ -59,6 +59,7 @@ from tests.cluster.controlplane import (
     ControlPlaneError,
     dig,
     read_object,
+    run_build_script,
 )
 from tests.cluster.images import ImageArchive
 from tests.cluster.pki import CertPair, sign_certificate
@@ -104,15 +105,7 @@ def _run(*args: str, check: bool = True, timeout: float = 60) -> subprocess.Comp
 
 def build_node_binaries() -> Path:
     """tests/cluster/build.sh nodes: kubelet, containerd, runc, CNI plugins, pause."""
-    proc = subprocess.run(
-        ["bash", str(CLUSTER_DIR / "build.sh"), "nodes"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise NodeError(f"build.sh nodes failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return run_build_script(CLUSTER_DIR / "build.sh", "nodes")
 
 
 @dataclass

@@ -113,6 +113,31 @@ def sign_certificate(
     return pair
 
 
+def create_ca(directory: Path, name: str, subject: str) -> CertPair:
+    """A self-signed CA, ``<name>.crt`` and ``<name>.key``, for ``subject``."""
+    ca = CertPair(directory / f"{name}.crt", directory / f"{name}.key")
+    _ec_key(ca.key)
+    _openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        str(ca.key),
+        "-subj",
+        subject,
+        "-days",
+        str(VALIDITY_DAYS),
+        "-out",
+        str(ca.cert),
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        cwd=directory,
+    )
+    return ca
+
+
 def create_pki(
     directory: Path,
     *,
@@ -124,26 +149,7 @@ def create_pki(
     certificate per entry of ``clients`` (file stem -> (common name = user, organisations =
     groups))."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca = CertPair(directory / "ca.crt", directory / "ca.key")
-    _ec_key(ca.key)
-    _openssl(
-        "req",
-        "-x509",
-        "-new",
-        "-key",
-        str(ca.key),
-        "-subj",
-        "/CN=k8s-rendezvous-test-ca",
-        "-days",
-        str(VALIDITY_DAYS),
-        "-out",
-        str(ca.cert),
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-        cwd=directory,
-    )
+    ca = create_ca(directory, "ca", "/CN=k8s-rendezvous-test-ca")
     sans = [f"IP:{ip}" for ip in serving_ips] + [f"DNS:{name}" for name in serving_dns]
     sign_certificate(
         directory,

@@ -27,12 +27,10 @@ import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -41,12 +39,14 @@ from typing import Any
 
 import kubernetes.client
 import yaml
+from tests.cluster import pki
 from tests.cluster.controlplane import (
     CLUSTER_DIR,
     ControlPlane,
     ControlPlaneError,
     read_object,
     read_versions,
+    run_build_script,
 )
 from tests.cluster.waiting import wait_for
 
@@ -61,76 +61,10 @@ STOP_GRACE_SECONDS = 10.0
 def build_controllers(*, stream_log: bool = False) -> Path:
     """Run tests/cluster/build-controllers.sh (a no-op once cached); the directory it
     prints, holding ``kueue/``, ``jobset/`` and ``trainer/``."""
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.run(
-            ["bash", str(BUILD_SCRIPT)],
-            stdout=subprocess.PIPE,
-            stderr=None if stream_log else log,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            log.seek(0)
-            tail = "".join(log.readlines()[-40:])
-            raise ControlPlaneError(f"{BUILD_SCRIPT} failed ({proc.returncode}):\n{tail}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if not lines or not Path(lines[-1]).is_dir():
-        raise ControlPlaneError(f"{BUILD_SCRIPT} printed no directory: {proc.stdout!r}")
-    return Path(lines[-1])
+    return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
 
 
 # -- certificates ------------------------------------------------------------------------
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise ControlPlaneError(f"openssl {' '.join(args)} failed: {proc.stderr.strip()}")
-
-
-def _key(path: Path) -> None:
-    _openssl(
-        "genpkey",
-        "-algorithm",
-        "EC",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-out",
-        str(path),
-        cwd=path.parent,
-    )
-    path.chmod(0o600)
-
-
-def _sign(directory: Path, ca: tuple[Path, Path], name: str, subject: str, ext: str) -> Path:
-    """``<name>.crt`` and ``<name>.key`` for ``subject``, signed by ``ca`` (cert, key)."""
-    _key(directory / f"{name}.key")
-    _openssl(
-        "req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=directory
-    )
-    (directory / f"{name}.ext").write_text(
-        "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n" + ext
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        f"{name}.csr",
-        "-CA",
-        str(ca[0]),
-        "-CAkey",
-        str(ca[1]),
-        "-set_serial",
-        "0x" + secrets.token_hex(16),
-        "-days",
-        "7",
-        "-extfile",
-        f"{name}.ext",
-        "-out",
-        f"{name}.crt",
-        cwd=directory,
-    )
-    return directory / f"{name}.crt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,34 +80,15 @@ class Certificates:
     @classmethod
     def make(cls, directory: Path) -> Certificates:
         directory.mkdir(parents=True, exist_ok=True)
-        _key(directory / "webhook-ca.key")
-        _openssl(
-            "req",
-            "-x509",
-            "-new",
-            "-key",
-            "webhook-ca.key",
-            "-subj",
-            "/CN=k8s-rendezvous-controllers-webhook-ca",
-            "-days",
-            "7",
-            "-out",
-            "webhook-ca.crt",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-            cwd=directory,
-        )
-        ca = (directory / "webhook-ca.crt", directory / "webhook-ca.key")
-        _sign(
+        ca = pki.create_ca(directory, "webhook-ca", "/CN=k8s-rendezvous-controllers-webhook-ca")
+        serving = pki.sign_certificate(
             directory,
             ca,
             "serving",
-            "/CN=127.0.0.1",
+            f"/CN={HOST}",
             f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{HOST}\n",
         )
-        return cls(directory, ca[0], directory / "serving.crt", directory / "serving.key")
+        return cls(directory, ca.cert, serving.cert, serving.key)
 
     def ca_bundle(self) -> str:
         return base64.b64encode(self.webhook_ca.read_bytes()).decode()
@@ -187,13 +102,8 @@ class Certificates:
 
     def client_kubeconfig(self, plane: ControlPlane, user: str) -> Path:
         """A kubeconfig authenticating as ``user`` with a certificate of the cluster's CA."""
-        pki = plane.pki
-        cert = _sign(
-            self.directory,
-            (pki.ca.cert, pki.ca.key),
-            user,
-            f"/CN={user}",
-            "extendedKeyUsage=clientAuth\n",
+        client = pki.sign_certificate(
+            self.directory, plane.pki.ca, user, f"/CN={user}", "extendedKeyUsage=clientAuth\n"
         )
         config = {
             "apiVersion": "v1",
@@ -201,15 +111,18 @@ class Certificates:
             "clusters": [
                 {
                     "name": "test",
-                    "cluster": {"server": plane.server, "certificate-authority": str(pki.ca.cert)},
+                    "cluster": {
+                        "server": plane.server,
+                        "certificate-authority": str(plane.pki.ca.cert),
+                    },
                 }
             ],
             "users": [
                 {
                     "name": user,
                     "user": {
-                        "client-certificate": str(cert),
-                        "client-key": str(cert.with_suffix(".key")),
+                        "client-certificate": str(client.cert),
+                        "client-key": str(client.key),
                     },
                 }
             ],

@@ -1,3 +1,12 @@
+"""Fixtures of the e2e layer: torchrun as local "pods" beside kwok's."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import kubernetes.client
+import pytest
+from tests.cluster.controlplane import ControlPlane
+from tests.e2e.harness import LocalPods, describe
 from tests.support.fixtures import (  # noqa: F401  (fixtures)
     make_rendezvous,
     operator_process,
@@ -5,3 +14,22 @@ from tests.support.fixtures import (  # noqa: F401  (fixtures)
     rendezvous_crd,
     workers_namespace,
 )
+from tests.support.operator import OperatorProcess
+
+
+@pytest.fixture
+def pods(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,  # noqa: F811
+    operator_process: OperatorProcess,  # noqa: F811
+    tmp_path: Path,
+) -> Iterator[LocalPods]:
+    """Local torchrun "pods" in the test's namespace, stopped by PID at teardown, with each
+    one's log tail printed (pytest shows it when the test failed)."""
+    group = LocalPods(control_plane, admin_api, workers_namespace, tmp_path / "pods")
+    try:
+        yield group
+    finally:
+        group.stop_all()
+        print(f"--- nodes ---\n{describe(group.all, lines=12)}")

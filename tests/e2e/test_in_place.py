@@ -17,17 +17,12 @@ the model's checksum after the step (4 elements of ``step + 1`` each).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
-import kubernetes.client
-import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.e2e.harness import REPO, LocalPod, LocalPods, describe, timing, wait_all_exit
 from tests.support.fixtures import Rendezvous
-from tests.support.operator import OperatorProcess
 
 IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
 SIZE = 4
@@ -40,22 +35,6 @@ RESTARTED = ("Stopping worker group", "Detected 1 new nodes", "will restart work
 """What torch's agent logs when it restarts its workers."""
 
 Line = dict[str, Any]
-
-
-@pytest.fixture
-def pods(
-    control_plane: ControlPlane,
-    admin_api: kubernetes.client.ApiClient,
-    workers_namespace: str,
-    operator_process: OperatorProcess,
-    tmp_path: Path,
-) -> Iterator[LocalPods]:
-    group = LocalPods(control_plane, admin_api, workers_namespace, tmp_path / "pods")
-    try:
-        yield group
-    finally:
-        group.stop_all()
-        print(f"--- nodes ---\n{describe(group.all, lines=12)}")
 
 
 def wait_lines(nodes: Iterable[LocalPod], size: int, *, after: float) -> list[Line]:

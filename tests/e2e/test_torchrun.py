@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import kubernetes.client
-import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.cluster.waiting import wait_for
 from tests.e2e.harness import (
     LocalPod,
@@ -46,22 +43,6 @@ STEPS = ["--steps", "15"]
 LONG_STEPS = ["--steps", "100"]
 """Used where a node must arrive while the others still train (starting a torchrun on
 this machine takes several seconds)."""
-
-
-@pytest.fixture
-def pods(
-    control_plane: ControlPlane,
-    admin_api: kubernetes.client.ApiClient,
-    workers_namespace: str,
-    operator_process: OperatorProcess,
-    tmp_path: Path,
-) -> Iterator[LocalPods]:
-    group = LocalPods(control_plane, admin_api, workers_namespace, tmp_path / "pods")
-    try:
-        yield group
-    finally:
-        group.stop_all()
-        print(f"--- nodes ---\n{describe(group.all, lines=8)}")
 
 
 def rendezvous(make_rendezvous: MakeRendezvous, **spec: int) -> Rendezvous:
