@@ -9,7 +9,8 @@ of one kind run together (pytest runs a module's tests together)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import kubernetes.client
@@ -39,23 +40,44 @@ def node_images(pytestconfig: pytest.Config) -> dict[str, images.ImageArchive]:
     return pytestconfig.stash.get(_images_key, None) or build_node_images()
 
 
-# Package scope: the chart's operator watches every namespace, so if it outlived this tier it
-# would seal the rounds of the tiers after it beside their own operator.
-@pytest.fixture(scope="package")
+_pool_key = pytest.StashKey[NodePool]()
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
 def node_pool(
+    pytestconfig: pytest.Config,
     control_plane: ControlPlane,
     cluster_helm: chart.Helm,  # noqa: F811
     admin_api: kubernetes.client.ApiClient,
     node_images: dict[str, images.ImageArchive],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[NodePool]:
+    """The real nodes and the chart on them, closed after this tier's last test
+    (:func:`pytest_runtest_teardown`) and at the latest with the session."""
     pool = NodePool(
         control_plane, cluster_helm, admin_api, node_images, tmp_path_factory.mktemp("nodes")
     )
+    pytestconfig.stash[_pool_key] = pool
     try:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    """Once this tier's last test is torn down, stop the nodes and uninstall the chart: its
+    operator watches every namespace, and would seal the next tiers' rounds beside their
+    own operator. (A "package" fixture would not do: for a directory without __init__.py
+    pytest ends it with the session.)"""
+    result = yield
+    pool = item.config.stash.get(_pool_key, None)
+    if pool is not None and (nextitem is None or HERE not in nextitem.path.parents):
+        pool.close()
+    return result
 
 
 @pytest.fixture
