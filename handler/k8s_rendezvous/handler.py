@@ -304,7 +304,7 @@ class RoundWatcher:
 
     def offer(self, obj: Mapping[str, Any]) -> None:
         """Take ``obj`` if it is newer than what we hold (watch events, reads)."""
-        version = _version_number(obj)
+        version = state.resource_version(obj)
         with self._changed:
             if version <= self._version:
                 return
@@ -437,7 +437,7 @@ class RoundWatcher:
     def _bookmark(self, obj: Mapping[str, Any]) -> None:
         """Nothing of ours changed up to this version: resume from it next time."""
         with self._changed:
-            if _version_number(obj) > self._version:
+            if state.resource_version(obj) > self._version:
                 self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
 
     def _lose_track(self) -> None:
@@ -472,15 +472,6 @@ def _slices_allowed(obj: Mapping[str, Any]) -> int:
 
 def _raw_round_key(obj: Mapping[str, Any]) -> str:
     return str((obj.get("status") or {}).get("roundKey") or "")
-
-
-def _version_number(obj: Mapping[str, Any]) -> int:
-    # resourceVersions are opaque, but on every API server backed by etcd they are its
-    # revisions; comparing them is how we drop a patch response older than a watch event.
-    try:
-        return int((obj.get("metadata") or {}).get("resourceVersion", -1))
-    except (TypeError, ValueError):
-        return -1
 
 
 class Heartbeat:

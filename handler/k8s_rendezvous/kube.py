@@ -198,16 +198,12 @@ class RendezvousClient:
             annotations[state.POD_UID_ANNOTATION] = self._pod_uid
         if entry is not None:
             annotations[state.ENTRY_ANNOTATION] = entry.to_annotation()
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        now = state.format_time(datetime.datetime.now(datetime.timezone.utc))
         spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
         owners = [
-            {
-                "apiVersion": state.API_VERSION,
-                "kind": state.KIND,
-                "name": self.name,
-                "uid": owner_uid,
-                "blockOwnerDeletion": False,
-            }
+            state.owner_reference(
+                state.API_VERSION, state.KIND, self.name, owner_uid, controller=False
+            )
         ]
         lease = {
             "apiVersion": "coordination.k8s.io/v1",

@@ -119,6 +119,31 @@ class DecodeError(ValueError):
     """A stored object does not match the wire format; the message names the field."""
 
 
+def resource_version(obj: Mapping[str, Any]) -> int:
+    """``obj``'s resourceVersion as a number, -1 if it has none.
+
+    resourceVersions are opaque, but on every API server backed by etcd they are its
+    revisions: comparing them is how a watch event and a write's response of the same
+    object are told apart by age.
+    """
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def owner_reference(
+    api_version: str, kind: str, name: str, uid: str, *, controller: bool = True
+) -> dict[str, Any]:
+    """An ownerReference that never blocks the owner's deletion: blocking would need
+    ``update`` on the owner's finalizers, and nothing we make must outlive its owner."""
+    reference: dict[str, Any] = {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid}
+    if controller:
+        reference["controller"] = True
+    reference["blockOwnerDeletion"] = False
+    return reference
+
+
 def rendezvous_uid(obj: Mapping[str, Any]) -> str:
     """The uid of the Rendezvous ``obj`` is, or is a slice of (its owner)."""
     metadata = obj.get("metadata") or {}

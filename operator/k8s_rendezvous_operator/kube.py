@@ -51,14 +51,7 @@ def job_owner(name: str, uid: str) -> dict[str, Any]:
     """The ownerReference of what the operator makes for an annotated Job. Not blocking
     the Job's deletion: that would need update on jobs/finalizers, and nothing made for a
     Job must outlive it anyway."""
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "name": name,
-        "uid": uid,
-        "controller": True,
-        "blockOwnerDeletion": False,
-    }
+    return state.owner_reference("batch/v1", "Job", name, uid)
 
 
 def load_api_client() -> client.ApiClient:
@@ -138,14 +131,9 @@ class OperatorApi:
         except ApiException as error:
             if error.status != 404:
                 raise
-        owner = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
-            "name": metadata["name"],
-            "uid": metadata["uid"],
-            "controller": True,
-            "blockOwnerDeletion": False,
-        }
+        owner = state.owner_reference(
+            state.API_VERSION, state.KIND, metadata["name"], metadata["uid"]
+        )
         body = {
             "apiVersion": state.API_VERSION,
             "kind": state.SLICE_KIND,

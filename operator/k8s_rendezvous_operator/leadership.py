@@ -37,15 +37,14 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
+from k8s_rendezvous import state
+from k8s_rendezvous.kube import own_namespace
 from k8s_rendezvous_operator import health
 from k8s_rendezvous_operator.kube import ApiClient, LeaseLock, Taken
 
 log = logging.getLogger(__name__)
-
-_NAMESPACE_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +105,7 @@ class Record:
 
 
 def _micro_time() -> str:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return state.format_time(datetime.datetime.now(datetime.timezone.utc))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,12 +285,7 @@ class Elector:
 
 def default_namespace() -> str:
     """POD_NAMESPACE (downward API), else the service account's namespace, else 'default'."""
-    if namespace := os.environ.get("POD_NAMESPACE"):
-        return namespace
-    with contextlib.suppress(OSError):
-        if namespace := _NAMESPACE_FILE.read_text().strip():
-            return namespace
-    return "default"
+    return own_namespace() or "default"
 
 
 def default_identity() -> str:

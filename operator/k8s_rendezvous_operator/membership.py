@@ -128,14 +128,12 @@ def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) 
 
 
 def _reference(owner: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": owner.get("apiVersion"),
-        "kind": owner.get("kind"),
-        "name": owner.get("name"),
-        "uid": owner.get("uid"),
-        "controller": True,
-        "blockOwnerDeletion": False,
-    }
+    return state.owner_reference(
+        str(owner.get("apiVersion")),
+        str(owner.get("kind")),
+        str(owner.get("name")),
+        str(owner.get("uid")),
+    )
 
 
 def job_to_resolve(pod: Mapping[str, Any]) -> str | None:

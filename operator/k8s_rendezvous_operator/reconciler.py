@@ -26,15 +26,6 @@ Key = tuple[str, str]
 """(namespace, name)"""
 
 
-def _version(body: Mapping[str, Any]) -> int:
-    # Etcd-backed resourceVersions are revisions; comparing them lets us keep the newest
-    # of a watch event and our own write's response.
-    try:
-        return int(body.get("metadata", {}).get("resourceVersion", -1))
-    except (TypeError, ValueError):
-        return -1
-
-
 def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -496,7 +487,7 @@ class Reconciler:
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
         known = self._bodies.get(key)
-        if known is None or _version(body) > _version(known):
+        if known is None or state.resource_version(body) > state.resource_version(known):
             self._bodies[key] = dict(body)
 
     # -- scheduling --------------------------------------------------------------------
@@ -959,7 +950,7 @@ class Reconciler:
                 observe.observe_pod(body),
                 rendezvous,
                 node_name=(body.get("spec") or {}).get("nodeName"),
-                version=_version(body),
+                version=state.resource_version(body),
             )
         except kube.NotFound:
             self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
@@ -1059,7 +1050,7 @@ async def pod_event(
         observation,
         labels.get(state.NODE_LABEL),
         node_name=(body.get("spec") or {}).get("nodeName"),
-        version=_version(body),
+        version=state.resource_version(body),
     )
 
 
