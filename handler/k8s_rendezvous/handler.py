@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from k8s_rendezvous import BACKEND_NAME, kube, reforming, state
+from k8s_rendezvous import BACKEND_NAME, kube, reforming, rest, state
 from k8s_rendezvous.errors import (
     KubernetesRendezvousClosedError,
     KubernetesRendezvousConnectionError,
@@ -647,7 +647,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 key,
                 (C10D_KEYS_NOT_USED[key]),
             )
-        namespace, name = parse_endpoint(params.endpoint, kube.own_namespace())
+        namespace, name = parse_endpoint(params.endpoint, rest.own_namespace())
         in_place = bool(params.get_as_bool("in_place", False))
         read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
         if read_timeout is None or read_timeout <= 0:

@@ -15,7 +15,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import urllib3
@@ -28,12 +27,9 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousStateError,
     RendezvousNotFoundError,
 )
+from k8s_rendezvous.rest import service_account_dir
 
 log = logging.getLogger(__name__)
-
-SERVICE_ACCOUNT_DIR_ENV: Final = "K8S_RENDEZVOUS_SERVICE_ACCOUNT_DIR"
-"""Where the pod's service-account files are, if not at the standard path."""
-DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 _POD_NAME_EXTRA: Final = "authentication.kubernetes.io/pod-name"
 """What the API server adds to the user info of a token bound to a pod: its name."""
@@ -43,20 +39,6 @@ _REFUSAL_GRACE_SECONDS: Final = 5.0
 just restarted refuses requests until its authorizer has loaded the roles. A lasting
 refusal (a missing RoleBinding) is still named within seconds."""
 _T = TypeVar("_T")
-
-
-def service_account_dir() -> Path:
-    return Path(os.environ.get(SERVICE_ACCOUNT_DIR_ENV, DEFAULT_SERVICE_ACCOUNT_DIR))
-
-
-def own_namespace() -> str | None:
-    """The pod's namespace: ``POD_NAMESPACE`` (downward API) or the service-account file."""
-    if namespace := os.environ.get("POD_NAMESPACE"):
-        return namespace
-    try:
-        return (service_account_dir() / "namespace").read_text().strip() or None
-    except OSError:
-        return None
 
 
 def load_api_client() -> client.ApiClient:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import urllib.parse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Final, cast
 
 import urllib3
@@ -27,6 +29,25 @@ MERGE_PATCH: Final = "application/merge-patch+json"
 DEFAULT_TIMEOUT: Final = (5.0, 30.0)
 """Connect and read timeouts of every request but watches: a request caught by an API
 server restart must fail and be retried, not hang forever."""
+
+SERVICE_ACCOUNT_DIR_ENV: Final = "K8S_RENDEZVOUS_SERVICE_ACCOUNT_DIR"
+"""Where the pod's service-account files are, if not at the standard path."""
+DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def service_account_dir() -> Path:
+    return Path(os.environ.get(SERVICE_ACCOUNT_DIR_ENV, DEFAULT_SERVICE_ACCOUNT_DIR))
+
+
+def own_namespace() -> str | None:
+    """The pod's namespace: ``POD_NAMESPACE`` (downward API) or the service-account file."""
+    if namespace := os.environ.get("POD_NAMESPACE"):
+        return namespace
+    try:
+        return (service_account_dir() / "namespace").read_text().strip() or None
+    except OSError:
+        return None
+
 
 Query = Sequence[tuple[str, str]]
 Timeout = float | tuple[float, float]

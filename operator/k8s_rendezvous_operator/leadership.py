@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from k8s_rendezvous import state
-from k8s_rendezvous.kube import own_namespace
+from k8s_rendezvous.rest import own_namespace
 from k8s_rendezvous_operator import health
 from k8s_rendezvous_operator.kube import ApiClient, LeaseLock, Taken
 

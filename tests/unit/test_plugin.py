@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from k8s_rendezvous import BACKEND_NAME, kube
+from k8s_rendezvous import BACKEND_NAME, kube, rest
 from k8s_rendezvous.handler import KubernetesRendezvousHandler, parse_endpoint
 
 
@@ -36,7 +36,7 @@ def pod_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "token").write_text("token")
     (tmp_path / "ca.crt").write_text("not checked until a request is made")
     (tmp_path / "namespace").write_text("team-a")
-    monkeypatch.setenv(kube.SERVICE_ACCOUNT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(rest.SERVICE_ACCOUNT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
     monkeypatch.setenv("POD_NAME", "trainer-0")
