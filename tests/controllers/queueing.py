@@ -20,7 +20,7 @@ FLAVOR = "k8s-rendezvous-default"
 LOCAL_QUEUE = "training"
 
 
-def queue_objects(namespace: str, cpu: int) -> list[dict[str, Any]]:
+def queue_objects(namespace: str, cpu: int | str) -> list[dict[str, Any]]:
     """A ResourceFlavor (any node), a ClusterQueue of ``cpu`` CPUs for ``namespace`` that
     preempts lower priorities within itself, and the LocalQueue users name in their Jobs."""
     return [

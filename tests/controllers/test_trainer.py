@@ -9,6 +9,11 @@ Aspects:
 - a pod whose container is killed (Failed, exit code 137): the two survivors train on at
   2, its Job makes it anew, and the world is 3 again with it; the TrainJob neither fails
   nor restarts.
+
+The stand-in kubelet runs every pod as ``restartPolicy: Never`` has it. JobSet gives
+Trainer's template ``OnFailure``, so on a real node the kubelet restarts the killed
+container in its pod instead, and it rejoins (tests/nodes/test_workload_controllers.py);
+what this test checks is how the world fares while a member is gone and comes back.
 """
 
 from __future__ import annotations

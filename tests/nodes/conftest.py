@@ -19,6 +19,8 @@ from tests.chart import chart
 from tests.cluster import images
 from tests.cluster.controlplane import ControlPlane, dig
 from tests.cluster.nodes import RealNodes
+from tests.controllers import fixtures as fixtures_of_controllers
+from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
 from tests.nodes.pool import NodePool, build_node_images
 from tests.nodes.training import RunJob, TrainingJob, create_job, job_manifest
 from tests.support.fixtures import cluster_helm, helm  # noqa: F401  (fixtures)
@@ -33,6 +35,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if any("node_images" in getattr(item, "fixturenames", ()) for item in session.items):
         session.config.stash[_images_key] = build_node_images()
+    fixtures_of_controllers.build_if_needed(session)
 
 
 @pytest.fixture(scope="session")
@@ -69,11 +72,13 @@ def node_pool(
 def pytest_runtest_teardown(
     item: pytest.Item, nextitem: pytest.Item | None
 ) -> Generator[None, None, None]:
-    """Once this tier's last test is torn down, stop the nodes and uninstall the chart: its
-    operator watches every namespace, and would seal the next tiers' rounds beside their
+    """Once this tier's last test is torn down, stop the workload controllers (if a test
+    started them), then the nodes, and uninstall the chart: its operator watches every
+    namespace, and would seal the next tiers' rounds beside their
     own operator. (A "package" fixture would not do: for a directory without __init__.py
     pytest ends it with the session.)"""
     result = yield
+    fixtures_of_controllers.stop_after_layer(item, nextitem, HERE)
     pool = item.config.stash.get(_pool_key, None)
     if pool is not None and (nextitem is None or HERE not in nextitem.path.parents):
         pool.close()

@@ -26,6 +26,9 @@ from tests.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from tests.cluster.waiting import wait_for
 from tests.support.fixtures import REPO
 
+TRAIN_SCRIPT = REPO / "examples" / "elastic_train.py"
+VENV_BIN = REPO / ".venv" / "bin"
+
 CONTAINER = "trainer"
 JOB_LABEL = "batch.kubernetes.io/job-name"
 OPERATOR_POD_LABELS = "app.kubernetes.io/name=k8s-rendezvous"
@@ -48,37 +51,14 @@ def job_manifest(
     """A Job as a user writes it: the nodes annotation, plain torchrun, nothing else
     rendezvous-related. Its pods spread over the real nodes (at most one more on a node
     than on another) unless ``node_name`` pins them. ``command`` replaces torchrun."""
-    volumes, mounts = images.trainer_mounts(REPO)
-    venv = REPO / ".venv" / "bin"
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": restart_policy,
-        "terminationGracePeriodSeconds": 5,
-        "tolerations": [REAL_NODE_TOLERATION],
-        "nodeSelector": {REAL_NODE_LABEL: "true"},
-        "containers": [
-            {
-                "name": CONTAINER,
-                "image": trainer_image,
-                "imagePullPolicy": "Never",
-                "command": command
-                or [
-                    str(venv / "torchrun"),
-                    "--nproc-per-node=1",
-                    *torchrun_args,
-                    str(REPO / "examples" / "elastic_train.py"),
-                    *train_args,
-                ],
-                "env": [
-                    {"name": "PATH", "value": f"{venv}:/usr/local/bin:/usr/bin:/bin"},
-                    {"name": "HOME", "value": "/tmp"},
-                    {"name": "PYTHONUNBUFFERED", "value": "1"},
-                    {"name": "TRAIN_PROGRESS_FILE", "value": "/dev/stdout"},
-                ],
-                "volumeMounts": mounts,
-            }
-        ],
-        "volumes": volumes,
+    container = {
+        "name": CONTAINER,
+        "command": command
+        or ["torchrun", "--nproc-per-node=1", *torchrun_args, "train.py", *train_args],
     }
+    pod_spec = on_real_nodes(
+        {"restartPolicy": restart_policy, "containers": [container]}, trainer_image
+    )
     if node_name:
         pod_spec["nodeSelector"] = {"kubernetes.io/hostname": node_name}
     else:
@@ -109,11 +89,50 @@ def job_manifest(
     }
 
 
+def local_command(words: list[str]) -> list[str]:
+    """A container's command with ``torchrun`` the checkout venv's and ``train.py``
+    examples/elastic_train.py, as the trainer image runs them."""
+    local = {"torchrun": str(VENV_BIN / "torchrun"), "train.py": str(TRAIN_SCRIPT)}
+    return [local.get(word, word) for word in words]
+
+
+def on_real_nodes(pod_spec: dict[str, Any], trainer_image: str) -> dict[str, Any]:
+    """``pod_spec`` (a user's, or a workload controller's template) made to run on the real
+    nodes in the trainer image: each container's ``torchrun`` is the checkout venv's and
+    ``train.py`` is examples/elastic_train.py, reading the host's /usr, Python and checkout
+    by hostPath (tests/cluster/images.py); its progress lines go to the container's log.
+    Nothing rendezvous-related is added. Changed in place, and returned."""
+    volumes, mounts = images.trainer_mounts(REPO)
+    for container in pod_spec["containers"]:
+        container["image"] = trainer_image
+        container["imagePullPolicy"] = "Never"
+        container["command"] = local_command(container.get("command") or [])
+        container["env"] = [
+            *(container.get("env") or []),
+            {"name": "PATH", "value": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"},
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "TRAIN_PROGRESS_FILE", "value": "/dev/stdout"},
+        ]
+        container["volumeMounts"] = [*(container.get("volumeMounts") or []), *mounts]
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), *volumes]
+    pod_spec["tolerations"] = [*(pod_spec.get("tolerations") or []), REAL_NODE_TOLERATION]
+    pod_spec.setdefault("nodeSelector", {REAL_NODE_LABEL: "true"})
+    pod_spec.setdefault("terminationGracePeriodSeconds", 5)
+    return pod_spec
+
+
 @dataclass
 class TrainingJob:
+    """A training workload's pods: a Job's, or (with ``selector``) those of the Jobs a
+    workload controller made."""
+
     api: kubernetes.client.ApiClient
     namespace: str
     name: str
+    selector: str = ""
+    """The pods' label selector; the Job ``name``'s pods if empty."""
+    container: str = CONTAINER
 
     @property
     def core(self) -> kubernetes.client.CoreV1Api:
@@ -123,7 +142,7 @@ class TrainingJob:
         found = read_object(
             self.core.list_namespaced_pod,
             self.namespace,
-            label_selector=f"{JOB_LABEL}={self.name}",
+            label_selector=self.selector or f"{JOB_LABEL}={self.name}",
         )
         return list(found["items"])
 
@@ -139,7 +158,7 @@ class TrainingJob:
         try:
             return str(
                 self.core.read_namespaced_pod_log(
-                    pod, self.namespace, container=CONTAINER, previous=previous
+                    pod, self.namespace, container=self.container, previous=previous
                 )
             )
         except ApiException as exc:
@@ -150,7 +169,9 @@ class TrainingJob:
             raise
 
     def progress(self) -> list[dict[str, Any]]:
-        """Every progress line of the Job's pods' current (and previous) containers."""
+        """Every progress line of the pods' current (and previous) containers, each naming
+        the pod whose log it is in (a worker names its hostname, which is not its pod's
+        name in a JobSet)."""
         lines: list[dict[str, Any]] = []
         for pod in self.pods():
             name = pod["metadata"]["name"]
@@ -163,7 +184,7 @@ class TrainingJob:
                 for line in text.splitlines():
                     if line.startswith("{") and '"step"' in line:
                         with contextlib.suppress(json.JSONDecodeError):
-                            lines.append(json.loads(line))
+                            lines.append({**json.loads(line), "pod": name})
         return lines
 
     def world(self, size: int, *, after: float, steps: int = 2) -> World | None:

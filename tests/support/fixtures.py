@@ -55,6 +55,12 @@ def cluster_helm(helm: chart.Helm, control_plane: ControlPlane) -> chart.Helm:
 @pytest.fixture
 def workers_namespace(namespace: str, control_plane: ControlPlane, rendezvous_crd: None) -> str:
     """A namespace whose `default` ServiceAccount may use the rendezvous (worker role)."""
+    bind_worker_role(control_plane, namespace)
+    return namespace
+
+
+def bind_worker_role(control_plane: ControlPlane, namespace: str) -> None:
+    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) use a Rendezvous."""
     control_plane.kubectl(
         "-n",
         namespace,
@@ -64,7 +70,6 @@ def workers_namespace(namespace: str, control_plane: ControlPlane, rendezvous_cr
         "--clusterrole=k8s-rendezvous-worker",
         f"--serviceaccount={namespace}:default",
     )
-    return namespace
 
 
 def free_port() -> int:
