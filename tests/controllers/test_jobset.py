@@ -26,6 +26,8 @@ import pytest
 from tests.cluster.controlplane import dig, read_object
 from tests.cluster.waiting import wait_for
 from tests.controllers import controllers
+from tests.controllers import jobsets as jobset_spec
+from tests.controllers.jobsets import GROUP, NAME, VERSION
 from tests.controllers.kubelet import Kubelet
 from tests.controllers.recovery import survive_a_pod_kill
 from tests.e2e.harness import timing, wait_world
@@ -33,60 +35,22 @@ from tests.support.fixtures import Rendezvous
 
 pytestmark = pytest.mark.usefixtures("operator_process", "creator_role")
 
-NAME = "train"
-GROUP, VERSION = "jobset.x-k8s.io", "v1alpha2"
-RESTARTS_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 FORM_TIMEOUT = 180
 FAIL_JOB_EXIT_CODE = 42
 
 
 def jobset(replicas: int) -> dict[str, Any]:
-    """``replicas`` Jobs of one pod each, torchrun with only the backend changed; a Job
-    fails at once when its container exits FAIL_JOB_EXIT_CODE, and the JobSet then
-    restarts once."""
+    """``replicas`` Jobs of one pod each; a Job fails at once when its container exits
+    FAIL_JOB_EXIT_CODE, and the JobSet then restarts once."""
     container = {
-        "name": "trainer",
+        "name": jobset_spec.CONTAINER,
         "image": "example.invalid/trainer",
-        "command": [
-            "torchrun",
-            "--rdzv-backend=kubernetes",
-            f"--rdzv-endpoint={NAME}",
-            "--nnodes=2:3",
-            "--max-restarts=3",
-            "train.py",
-            "--steps",
-            "100000",
-        ],
+        "command": [*jobset_spec.TORCHRUN, "--steps", "100000"],
     }
-    job = {
-        "parallelism": 1,
-        "completions": 1,
-        "backoffLimit": 2,
-        "podFailurePolicy": {
-            "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {
-                        "containerName": "trainer",
-                        "operator": "In",
-                        "values": [FAIL_JOB_EXIT_CODE],
-                    },
-                }
-            ]
-        },
-        "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
-    }
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "JobSet",
-        "metadata": {"name": NAME},
-        "spec": {
-            "failurePolicy": {"maxRestarts": 1},
-            "replicatedJobs": [
-                {"name": "workers", "replicas": replicas, "template": {"spec": job}}
-            ],
-        },
-    }
+    pod_spec = {"restartPolicy": "Never", "containers": [container]}
+    return jobset_spec.manifest(
+        pod_spec, replicas=replicas, fail_job_on_exit_code=FAIL_JOB_EXIT_CODE
+    )
 
 
 class JobSets:
@@ -111,7 +75,7 @@ class JobSets:
         found = read_object(
             self.core.list_namespaced_pod,
             self.namespace,
-            label_selector=f"jobset.sigs.k8s.io/jobset-name={NAME}",
+            label_selector=jobset_spec.PODS,
         )
         return found["items"]
 
@@ -173,7 +137,7 @@ def test_a_jobset_restart_makes_its_jobs_anew_and_their_pods_rejoin_its_rendezvo
     again = kubelet.wait_running(3)
     assert not {node.name for node in again} & {node.name for node in first}
     attempts = {
-        dig(p, "metadata", "labels", RESTARTS_LABEL)
+        dig(p, "metadata", "labels", jobset_spec.RESTART_ATTEMPT_LABEL)
         for p in jobsets.pods()
         if p["metadata"]["name"] in {node.name for node in again}
     }

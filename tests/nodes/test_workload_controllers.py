@@ -35,7 +35,7 @@ import yaml
 from tests.cluster import images
 from tests.cluster.controlplane import ControlPlane, dig
 from tests.cluster.waiting import wait_for
-from tests.controllers import controllers, queueing, timeline
+from tests.controllers import controllers, jobsets, queueing, timeline
 from tests.e2e.harness import timing
 from tests.nodes.training import TrainingJob, agent_pid, local_command, on_real_nodes
 from tests.support import fixtures
@@ -44,11 +44,8 @@ from k8s_rendezvous import state
 
 pytestmark = pytest.mark.timeout(600)
 
-NAME = "train"
-JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
+NAME = jobsets.NAME
 TRAINER_GROUP, TRAINER_VERSION = "trainer.kubeflow.org", "v1alpha1"
-JOBSET_PODS = f"jobset.sigs.k8s.io/jobset-name={NAME}"
-RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 TRAIN_ARGS = ["--steps", "100000", "--step-seconds", "0.25"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "trainer"
 KILLED_EXIT_CODE = 137
@@ -87,67 +84,29 @@ def pod_named(job: TrainingJob, name: str) -> dict[str, Any]:
 
 
 def jobset_manifest(trainer_image: str, *, fail_job_when_killed: bool) -> dict[str, Any]:
-    """Three Jobs of one pod each, torchrun with only the backend changed. With
-    ``fail_job_when_killed``, a killed container fails its Job at once (podFailurePolicy),
-    and the JobSet restarts once (failurePolicy)."""
-    container = {
-        "name": "trainer",
-        "command": [
-            "torchrun",
-            "--rdzv-backend=kubernetes",
-            f"--rdzv-endpoint={NAME}",
-            "--nnodes=2:3",
-            "--max-restarts=3",
-            "train.py",
-            *TRAIN_ARGS,
-        ],
-    }
-    job: dict[str, Any] = {
-        "parallelism": 1,
-        "completions": 1,
-        "backoffLimit": 2,
-        "template": {
-            "spec": on_real_nodes(
-                {"restartPolicy": "Never", "containers": [container]}, trainer_image
-            )
-        },
-    }
-    if fail_job_when_killed:
-        job["podFailurePolicy"] = {
-            "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {
-                        "containerName": "trainer",
-                        "operator": "In",
-                        "values": [KILLED_EXIT_CODE],
-                    },
-                }
-            ]
-        }
-    return {
-        "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
-        "kind": "JobSet",
-        "metadata": {"name": NAME},
-        "spec": {
-            "failurePolicy": {"maxRestarts": 1},
-            "replicatedJobs": [{"name": "workers", "replicas": 3, "template": {"spec": job}}],
-        },
-    }
+    """Three Jobs of one pod each. With ``fail_job_when_killed``, a killed container fails
+    its Job at once, and the JobSet restarts."""
+    container = {"name": jobsets.CONTAINER, "command": [*jobsets.TORCHRUN, *TRAIN_ARGS]}
+    pod_spec = on_real_nodes({"restartPolicy": "Never", "containers": [container]}, trainer_image)
+    return jobsets.manifest(
+        pod_spec,
+        replicas=3,
+        fail_job_on_exit_code=KILLED_EXIT_CODE if fail_job_when_killed else None,
+    )
 
 
 def create_jobset(
     api: kubernetes.client.ApiClient, namespace: str, body: dict[str, Any]
 ) -> tuple[str, TrainingJob]:
     made = kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-        JOBSET_GROUP, JOBSET_VERSION, namespace, "jobsets", body
+        jobsets.GROUP, jobsets.VERSION, namespace, "jobsets", body
     )
-    return str(made["metadata"]["uid"]), TrainingJob(api, namespace, NAME, selector=JOBSET_PODS)
+    return str(made["metadata"]["uid"]), TrainingJob(api, namespace, NAME, selector=jobsets.PODS)
 
 
 def jobset_restarts(api: kubernetes.client.ApiClient, namespace: str) -> int:
     found = kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object(
-        JOBSET_GROUP, JOBSET_VERSION, namespace, "jobsets", NAME
+        jobsets.GROUP, jobsets.VERSION, namespace, "jobsets", NAME
     )
     return int(dig(found, "status", "restarts", default=0))
 
@@ -212,7 +171,7 @@ def test_a_jobset_restart_makes_its_jobs_anew_and_they_train_in_the_same_rendezv
     )
     assert not set(again.pods.values()) & set(first.pods.values()), "every pod made anew"
     attempts = {
-        dig(p, "metadata", "labels", RESTART_ATTEMPT_LABEL)
+        dig(p, "metadata", "labels", jobsets.RESTART_ATTEMPT_LABEL)
         for p in job.pods()
         if p["metadata"]["name"] in again.pods.values()
     }
@@ -270,7 +229,9 @@ def test_an_elastic_trainjob_trains_and_a_killed_container_restarts_and_rejoins(
     custom.create_namespaced_custom_object(
         TRAINER_GROUP, TRAINER_VERSION, controlled_namespace, "trainjobs", train_job
     )
-    job = TrainingJob(admin_api, controlled_namespace, NAME, selector=JOBSET_PODS, container="node")
+    job = TrainingJob(
+        admin_api, controlled_namespace, NAME, selector=jobsets.PODS, container="node"
+    )
     world = job.wait_world(3, after=started)
     timing(
         "Trainer (real nodes): TrainJob created -> first step of its world of 3",
