@@ -3,7 +3,7 @@
     python bench/real_nodes.py                 # every fault, both backends, 1 repetition
     python bench/real_nodes.py --faults pod,node --reps 3
 
-Needs root (the real nodes of tests/cluster/nodes.py). It starts a control plane with two
+Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
 real nodes, installs the chart with the operator image built here, and for each fault and
 backend runs a Job of 4 pods (2 per node, ``--nnodes=2:4``, one gloo worker each) training
 examples/elastic_train.py, injects the fault once the world trains, and records, by this
@@ -54,10 +54,12 @@ if str(REPO) not in sys.path:
 
 import kubernetes.client  # noqa: E402
 import kubernetes.watch  # noqa: E402
-from tests.chart import chart  # noqa: E402
-from tests.cluster.controlplane import ControlPlane, build_binaries, dig  # noqa: E402
-from tests.nodes.pool import NodePool, build_node_images  # noqa: E402
-from tests.nodes.training import (  # noqa: E402
+
+from bench import recovery  # noqa: E402
+from devkit import chart  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries, dig  # noqa: E402
+from devkit.nodepool import NodePool, build_node_images  # noqa: E402
+from devkit.training import (  # noqa: E402
     TrainingJob,
     World,
     agent_pid,
@@ -65,8 +67,6 @@ from tests.nodes.training import (  # noqa: E402
     job_manifest,
     worker_pid,
 )
-
-from bench import recovery  # noqa: E402
 from k8s_rendezvous import state  # noqa: E402
 
 FAULTS = {

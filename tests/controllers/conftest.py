@@ -10,7 +10,6 @@ from pathlib import Path
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.controllers import controllers
 from tests.controllers.kubelet import Kubelet
 from tests.support import fixtures
@@ -20,6 +19,8 @@ from tests.support.fixtures import (  # noqa: F401  (fixtures)
     rendezvous_crd,
     workers_namespace,
 )
+
+from devkit.cluster.controlplane import ControlPlane
 
 CONTROLLER_FIXTURES = frozenset(controllers.ALL)
 HERE = Path(__file__).resolve().parent

@@ -24,11 +24,12 @@ from typing import Any
 
 import kubernetes.client
 import torch
-from tests.cluster.controlplane import ControlPlane, build_binaries, read_versions, to_model
-from tests.cluster.waiting import wait_for
 from tests.soak.soak import Config, Soak, log_to
-from tests.support.fixtures import CRD, RBAC
-from tests.support.operator import OperatorProcess
+
+from devkit.cluster.controlplane import ControlPlane, build_binaries, read_versions, to_model
+from devkit.operator import OperatorProcess
+from devkit.paths import CRD, RBAC
+from devkit.waiting import wait_for
 
 
 def _namespace(plane: ControlPlane, api: kubernetes.client.ApiClient) -> str:

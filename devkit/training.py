@@ -2,7 +2,7 @@
 and what its workers say about the world they train in.
 
 The container runs the trainer image (host userland and the repository's venv by hostPath,
-see tests/cluster/images.py) with no rendezvous flag: torchrun reads them from the
+see devkit/cluster/images.py) with no rendezvous flag: torchrun reads them from the
 ``PET_*`` environment the operator's injection gives the Job's pods. Each worker prints one
 JSON line per step (``TRAIN_PROGRESS_FILE=/dev/stdout``) to its container's log, which the
 tests read through the API server and the kubelet, as ``kubectl logs`` does.
@@ -19,12 +19,13 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.chart import chart
-from tests.cluster import images
-from tests.cluster.controlplane import dig, read_object
-from tests.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
-from tests.cluster.waiting import wait_for
-from tests.support.fixtures import REPO
+
+from devkit import chart
+from devkit.cluster import images
+from devkit.cluster.controlplane import dig, read_object
+from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
+from devkit.paths import REPO, TRAIN_SCRIPT
+from devkit.waiting import wait_for
 
 CONTAINER = "trainer"
 JOB_LABEL = "batch.kubernetes.io/job-name"
@@ -65,7 +66,7 @@ def job_manifest(
                     str(venv / "torchrun"),
                     "--nproc-per-node=1",
                     *torchrun_args,
-                    str(REPO / "examples" / "elastic_train.py"),
+                    str(TRAIN_SCRIPT),
                     *train_args,
                 ],
                 "env": [
@@ -245,7 +246,8 @@ RunJob = Callable[..., TrainingJob]
 def create_job(
     api: kubernetes.client.ApiClient, namespace: str, manifest: dict[str, Any]
 ) -> TrainingJob:
-    kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, manifest)
+    # The manifest as written (the client sends a dict as it is).
+    kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, manifest)  # type: ignore[arg-type]
     return TrainingJob(api, namespace, manifest["metadata"]["name"])
 
 
