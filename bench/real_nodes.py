@@ -56,7 +56,7 @@ import kubernetes.client  # noqa: E402
 import kubernetes.watch  # noqa: E402
 
 from bench import recovery  # noqa: E402
-from devkit import chart  # noqa: E402
+from devkit import chart, namespaces  # noqa: E402
 from devkit.cluster.controlplane import ControlPlane, build_binaries, dig  # noqa: E402
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import (  # noqa: E402
@@ -67,6 +67,7 @@ from devkit.training import (  # noqa: E402
     job_manifest,
     worker_pid,
 )
+from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
 from k8s_rendezvous import state  # noqa: E402
 
 FAULTS = {
@@ -198,7 +199,7 @@ class Run:
     def start(self) -> tuple[TrainingJob, World, str]:
         """The Job training in a world of PODS; returns it, its world and the pod that
         must not be the victim (rank 0, or c10d's store host)."""
-        self.core.create_namespace({"metadata": {"name": self.namespace}})
+        namespaces.create(self.api, self.namespace)
         job = create_job(self.api, self.namespace, self.manifest())
         protected = ""
         if self.backend == "c10d":
@@ -390,20 +391,24 @@ def _bracketed(address: str) -> str:
 
 
 def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    found = _wait_or_none(predicate, timeout)
-    if found is None:
-        raise TimeoutError(f"{what} within {timeout:.0f} s")
-    return found
+    """``predicate``'s first truthy value, polled every 0.2 s (an API error counts as
+    not yet)."""
+    return wait_for(
+        predicate,
+        timeout,
+        what,
+        interval=0.2,
+        max_interval=0.2,
+        ignore=(kubernetes.client.exceptions.ApiException,),
+    )
 
 
 def _wait_or_none(predicate: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(kubernetes.client.exceptions.ApiException):
-            if found := predicate():
-                return found
-        time.sleep(0.2)
-    return None
+    """As :func:`_wait`, but None once ``timeout`` has passed."""
+    try:
+        return _wait(predicate, timeout, "")
+    except WaitTimeout:
+        return None
 
 
 def _kill(pid: int) -> None:
