@@ -5,7 +5,7 @@
 
 # The base by digest, so that a build is repeatable (the tag moves with every Debian and
 # Python patch). Override it to build on another base: --build-arg PYTHON_IMAGE=...
-# (tests/cluster/images.py does, with a base made locally). The digest was taken from
+# (devkit/cluster/images.py does, with a base made locally). The digest was taken from
 # public pins of python:3.11-slim-bookworm; check it with
 # `docker buildx imagetools inspect python:3.11-slim-bookworm@sha256:...` before a release.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b

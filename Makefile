@@ -25,8 +25,8 @@ $(VENV)/.synced: pyproject.toml uv.lock
 # then the real nodes' kubelet, containerd, runc and CNI plugins, built from the Go module
 # proxy into ~/.cache/k8s-rendezvous (8 min on 2 cores with Go's module cache warm).
 binaries:
-	tests/cluster/build.sh >/dev/null
-	tests/cluster/build.sh nodes >/dev/null
+	devkit/cluster/build.sh >/dev/null
+	devkit/cluster/build.sh nodes >/dev/null
 
 # Seconds, once actionlint is built (about 10 s, once, from the Go module proxy into
 # ~/.cache/k8s-rendezvous): actionlint runs shellcheck on the workflows' scripts, and the
@@ -61,7 +61,7 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 cluster-up: setup
-	$(BIN)/python -m tests.cluster up
+	$(BIN)/python -m devkit.cluster up
 
 cluster-down: venv
-	$(BIN)/python -m tests.cluster down
+	$(BIN)/python -m devkit.cluster down

@@ -1,19 +1,15 @@
-"""The system under test: the real control plane (tests/cluster), the CRD and roles, the
-operator as its own process (as a Deployment runs it: no ``--verbose``), namespaces,
-pods on kwok nodes with pod-bound tokens, the API server's /metrics and per-process
-CPU/RSS sampling with psutil."""
+"""The system under test: the real control plane (devkit/cluster), the CRD and roles, the
+operator as its own process (as a Deployment runs it: no ``--verbose``, metrics served),
+namespaces, pods on kwok nodes with pod-bound tokens, the API server's /metrics and
+per-process CPU/RSS sampling with psutil."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import os
 import re
-import signal
 import ssl
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -26,36 +22,16 @@ from typing import Any
 import kubernetes.client
 import psutil
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
-from tests.support.fixtures import WORKLOAD_LABELS, WORKLOAD_SELECTOR
 
+from devkit import manifests, namespaces, paths
+from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
+from devkit.operator import OperatorProcess
+from devkit.waiting import WaitTimeout, wait_for
 from k8s_rendezvous import state
 
-REPO = Path(__file__).resolve().parents[1]
-CRD = REPO / "manifests" / "crds"
-RBAC = REPO / "manifests" / "rbac"
-# What a production install adds: CEL admission, API Priority and Fairness for Leases.
-POLICY = REPO / "manifests" / "policy"
-FLOW_CONTROL = REPO / "manifests" / "flowcontrol"
-WORKER_ROLE = "k8s-rendezvous-worker"
-
 Log = Callable[[str], None]
-
-
-def wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until truthy; bounded by ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            value = predicate()
-        except ApiException as error:
-            value, last = None, error
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what} within {timeout:.0f} s (last: {last!r})")
-        time.sleep(interval)
+OPERATOR_METRICS_PORT = 8081
+"""The operator's default, which the chart's Deployment serves on."""
 
 
 def pod_ips(pod: dict[str, Any]) -> list[str]:
@@ -63,46 +39,6 @@ def pod_ips(pod: dict[str, Any]) -> list[str]:
     from its node."""
     status = pod.get("status") or {}
     return [item["ip"] for item in status.get("podIPs") or []] or [status.get("podIP", "")]
-
-
-class Operator:
-    """``python -m k8s_rendezvous_operator`` cluster-wide with the admin kubeconfig."""
-
-    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
-        self.kubeconfig = kubeconfig
-        self.log_path = log_path
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self._process is not None
-        return self._process.pid
-
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness="],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def stop(self) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
 
 
 @dataclasses.dataclass
@@ -117,7 +53,7 @@ class Cluster:
         self.workdir = workdir
         self.log = log
         self.plane: ControlPlane | None = None
-        self.operator: Operator | None = None
+        self.operator: OperatorProcess | None = None
         self._admin: kubernetes.client.ApiClient | None = None
         self._metrics_context: ssl.SSLContext | None = None
 
@@ -129,29 +65,21 @@ class Cluster:
         self.plane = ControlPlane(binaries)
         self.plane.start()
         self.log(f"control plane up in {time.monotonic() - started:.1f} s at {self.plane.server}")
-        self.plane.kubectl("apply", "--server-side", "-f", str(CRD))
-        self.plane.kubectl(
-            "wait",
-            "--for=condition=established",
-            "-f",
-            str(CRD),
-            "--timeout=60s",
-        )
-        self.plane.kubectl("apply", "--server-side", "-f", str(RBAC))
-        for extra in (POLICY, FLOW_CONTROL):
-            self.plane.kubectl("apply", "--server-side", "-f", str(extra))
+        # What a production install adds: CEL admission, API Priority and Fairness for
+        # the nodes' Leases.
+        manifests.install(self.plane, paths.POLICY, paths.FLOW_CONTROL)
         self._admin = self.plane.api_client()
         self._admin.configuration.connection_pool_maxsize = 64
-        self.operator = Operator(self.plane.kubeconfig, self.workdir / "operator.log")
+        self.operator = OperatorProcess(
+            self.plane.kubeconfig,
+            self.workdir / "operator.log",
+            extra_args=(f"--metrics-port={OPERATOR_METRICS_PORT}",),
+            verbose=False,
+        )
         self.operator.start()
         probe = self.new_namespace("probe")
         self.create_rendezvous(probe, "probe", 1, 1)
-        wait(
-            lambda: (self.rendezvous(probe, "probe").get("status") or {}).get("roundKey"),
-            120,
-            "operator initialises a Rendezvous status",
-            interval=0.1,
-        )
+        self.wait_initialised(probe, ["probe"], timeout=120, interval=0.1)
         self.delete_namespace(probe)
         self.log(f"operator ready (pid {self.operator.pid})")
 
@@ -180,6 +108,7 @@ class Cluster:
 
     def pids(self) -> dict[str, int]:
         assert self.plane is not None and self.operator is not None
+        assert self.operator.pid is not None
         pids = {
             "kube-apiserver": self.plane.pids["kube-apiserver"],
             "etcd": self.plane.pids["etcd"],
@@ -190,32 +119,8 @@ class Cluster:
     # -- objects ---------------------------------------------------------------------------
 
     def new_namespace(self, prefix: str) -> str:
-        core = kubernetes.client.CoreV1Api(self.admin)
-        name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-        core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
-
-        def default_sa() -> bool:
-            try:
-                core.read_namespaced_service_account("default", name)
-            except ApiException as error:
-                if error.status == 404:
-                    return False
-                raise
-            return True
-
-        wait(default_sa, 60, f"ServiceAccount {name}/default", interval=0.1)
-        kubernetes.client.RbacAuthorizationV1Api(self.admin).create_namespaced_role_binding(
-            name,
-            {  # type: ignore[arg-type]
-                "metadata": {"name": WORKER_ROLE},
-                "roleRef": {
-                    "apiGroup": "rbac.authorization.k8s.io",
-                    "kind": "ClusterRole",
-                    "name": WORKER_ROLE,
-                },
-                "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": name}],
-            },
-        )
+        name = namespaces.create(self.admin, f"{prefix}-{uuid.uuid4().hex[:6]}")
+        namespaces.bind_worker_role(self.admin, name)
         return name
 
     def delete_namespace(self, name: str, timeout: float = 300) -> None:
@@ -242,8 +147,15 @@ class Cluster:
             return False
 
         try:
-            wait(gone, timeout, f"namespace {name} deleted", interval=0.25)
-        except TimeoutError as error:
+            wait_for(
+                gone,
+                timeout,
+                f"namespace {name} deleted",
+                interval=0.25,
+                max_interval=0.25,
+                ignore=(ApiException,),
+            )
+        except WaitTimeout as error:
             self.log(f"warning: {error}")
 
     def create_pods(
@@ -255,27 +167,19 @@ class Cluster:
     ) -> list[Pod]:
         """Pods scheduled onto kwok nodes, Running, each with a pod-bound token and the IP
         ``addresses`` gives it (pod name to address, the one its node offers). They carry
-        :data:`WORKLOAD_LABELS`, which the Rendezvous select, and are labelled with their
-        rendezvous, as the operator's webhook labels an annotated Job's pods at admission
-        (so the operator need not label them itself)."""
+        :data:`~devkit.manifests.WORKLOAD_LABELS`, which the Rendezvous select, and are
+        labelled with their rendezvous, as the operator's webhook labels an annotated Job's
+        pods at admission (so the operator need not label them itself)."""
         core = kubernetes.client.CoreV1Api(self.admin)
         names = list(rendezvous_of)
 
         def create(name: str) -> None:
-            body = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "labels": {**WORKLOAD_LABELS, state.NODE_LABEL: rendezvous_of[name]},
-                    "annotations": {POD_IP_ANNOTATION: addresses[name]},
-                },
-                "spec": {
-                    "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
-                    "restartPolicy": "Never",
-                    "terminationGracePeriodSeconds": 0,
-                },
-            }
+            body = manifests.bare_pod(
+                name,
+                labels={**manifests.WORKLOAD_LABELS, state.NODE_LABEL: rendezvous_of[name]},
+                annotations={POD_IP_ANNOTATION: addresses[name]},
+                terminationGracePeriodSeconds=0,
+            )
             for attempt in range(5):
                 try:
                     core.create_namespaced_pod(namespace, body)  # type: ignore[arg-type]
@@ -301,7 +205,14 @@ class Cluster:
             }
             return ready if wanted <= set(ready) else None
 
-        started: dict[str, Any] = wait(running, timeout, f"{len(names)} pods Running", interval=0.5)
+        started: dict[str, Any] = wait_for(
+            running,
+            timeout,
+            f"{len(names)} pods Running",
+            interval=0.5,
+            max_interval=0.5,
+            ignore=(ApiException,),
+        )
         elsewhere = {
             name: ips for name in names if addresses[name] not in (ips := pod_ips(started[name]))
         }
@@ -347,18 +258,7 @@ class Cluster:
     def create_rendezvous(
         self, namespace: str, name: str, min_nodes: int, max_nodes: int, **spec: Any
     ) -> None:
-        body = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {
-                "minNodes": min_nodes,
-                "maxNodes": max_nodes,
-                "runId": name,
-                "podSelector": WORKLOAD_SELECTOR,
-                **spec,
-            },
-        }
+        body = manifests.rendezvous(namespace, name, min_nodes, max_nodes, **spec)
         kubernetes.client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
             state.GROUP, state.VERSION, namespace, state.PLURAL, body
         )
@@ -369,15 +269,20 @@ class Cluster:
         )
         return dict(found)
 
-    def wait_initialised(self, namespace: str, names: Iterable[str], timeout: float = 60) -> None:
+    def wait_initialised(
+        self, namespace: str, names: Iterable[str], timeout: float = 60, interval: float = 0.05
+    ) -> None:
         """The operator has written the first status (roundKey) of each Rendezvous."""
         for name in names:
-            wait(
+            wait_for(
                 lambda name=name: (self.rendezvous(namespace, name).get("status") or {}).get(
                     "roundKey"
                 ),
                 timeout,
                 f"{namespace}/{name} initialised by the operator",
+                interval=interval,
+                max_interval=interval,
+                ignore=(ApiException,),
             )
 
     # -- metrics ---------------------------------------------------------------------------

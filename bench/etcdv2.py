@@ -1,6 +1,6 @@
 """An etcd 3.5 with the v2 API on 127.0.0.1, for torch's ``etcd-v2`` rendezvous backend.
 
-etcd 3.6 (the control plane's) no longer serves the v2 API, so bench/build_etcd_v2.sh
+etcd 3.6 (the control plane's) serves no v2 API, so bench/build_etcd_v2.sh
 builds 3.5 from the Go module proxy. Started in its own session, stopped by PID.
 """
 

@@ -127,8 +127,8 @@ def measure(
     from concurrent.futures import ThreadPoolExecutor
 
     import kubernetes.client
-    from tests.support.fixtures import WORKLOAD_SELECTOR
 
+    from devkit import manifests
     from k8s_rendezvous import state
     from k8s_rendezvous_operator.kube import OperatorApi
 
@@ -139,17 +139,7 @@ def measure(
         state.VERSION,
         namespace,
         state.PLURAL,
-        {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
-            "metadata": {"name": "fanout"},
-            "spec": {
-                "minNodes": members,
-                "maxNodes": members,
-                "runId": "fanout",
-                "podSelector": WORKLOAD_SELECTOR,
-            },
-        },
+        manifests.rendezvous(namespace, "fanout", members, members),
     )
     round_members = tuple(
         state.Member(member_name(i), f"{i:016x}", 1, member_address(i)) for i in range(members)
@@ -245,15 +235,13 @@ def measure(
 
 
 def main() -> dict[str, Any]:
-    from tests.cluster.controlplane import ControlPlane, build_binaries
-
-    from bench.cluster import CRD
+    from devkit import manifests
+    from devkit.cluster.controlplane import ControlPlane, build_binaries
 
     plane = ControlPlane(build_binaries())
     plane.start()
     try:
-        plane.kubectl("apply", "--server-side", "-f", str(CRD))
-        plane.kubectl("wait", "--for=condition=established", "-f", str(CRD))
+        manifests.install(plane)
         return measure(plane.api_client(), "default")
     finally:
         plane.stop()

@@ -1,8 +1,8 @@
 """A worker process hosting many simulated nodes, each a real rendezvous handler in threads.
 
-Started by :mod:`bench.pool` as ``python -m bench.nodehost``; it reads one JSON command
-per line on stdin and answers one JSON line on the original stdout (everything else the
-process prints goes to stderr, i.e. the worker's log file). Long operations (joins,
+Started by :mod:`bench.pool` as ``python -m bench.nodehost``, and driven over the kit's
+JSON-line protocol (:mod:`devkit.child`: everything else the process prints goes to its
+log file). Long operations (joins,
 polling ``num_nodes_waiting()``) run in threads and are collected by a later command, so
 the parent can, meanwhile, kill another worker or delete a pod.
 
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 import resource
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
+
+from devkit import child
 
 Json = dict[str, Any]
 
@@ -145,11 +144,9 @@ def _time_join_writes(slot: Slot) -> None:
 
 
 class Host:
-    def __init__(self, out: IO[str]) -> None:
-        self._out = out
+    def __init__(self) -> None:
         self._slots: dict[int, Slot] = {}
         self._pollers: list[threading.Thread] = []
-        self._lock = threading.Lock()
         self._cpu_at_join: dict[int, float] = {}
         self._process_cpu_at_join = 0.0
         self._joined_at = 0.0
@@ -358,29 +355,22 @@ class Host:
             if pending:
                 time.sleep(interval)
 
-    # -- loop --------------------------------------------------------------------------------
+    # -- operations --------------------------------------------------------------------------
 
-    def serve(self, lines: IO[str]) -> None:
-        for line in lines:
-            if not line.strip():
-                continue
-            request = json.loads(line)
-            op = request.pop("op")
-            if op == "exit":
-                self._send({"ok": True})
-                return
-            try:
-                if op == "ping":
-                    reply: Json = {"pid": os.getpid()}
-                elif op == "prepare":
-                    reply = self.prepare(request.get("backend", ""))
-                else:
-                    reply = getattr(self, op)(**request)
-                reply["ok"] = True
-            except Exception as error:
-                reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-                traceback.print_exc(file=sys.stderr)
-            self._send(reply)
+    def operations(self) -> dict[str, Callable[..., Json]]:
+        """What the parent may ask for (:func:`devkit.child.serve`)."""
+        return {
+            "ping": lambda: {"pid": os.getpid()},
+            "prepare": self.prepare,
+            "add_nodes": self.add_nodes,
+            "ready": self.ready,
+            "join": self.join,
+            "rejoin_when_waiting": self.rejoin_when_waiting,
+            "watch_waiting": self.watch_waiting,
+            "collect": self.collect,
+            "shutdown": self.shutdown,
+            "stats": self.stats,
+        }
 
     def prepare(self, backend: str) -> Json:
         """Import what the backend needs before anything is timed."""
@@ -392,11 +382,6 @@ class Host:
         elif backend == "etcd-v2":
             import torch.distributed.elastic.rendezvous.etcd_rendezvous_backend  # noqa: F401
         return {"seconds": time.monotonic() - started}
-
-    def _send(self, reply: Json) -> None:
-        with self._lock:
-            self._out.write(json.dumps(reply) + "\n")
-            self._out.flush()
 
 
 _THREAD_KINDS = (
@@ -457,14 +442,11 @@ def _process_cpu_seconds() -> float:
 
 
 def main() -> None:
-    # The protocol owns the real stdout; anything printed goes to stderr (the log file).
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     # The handlers start their threads with a target, so wrapping run() sees them all.
     threading.Thread.run = _run_and_report  # type: ignore[method-assign]
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    Host(protocol).serve(sys.stdin)
+    child.serve(Host().operations())
 
 
 if __name__ == "__main__":

@@ -1,117 +1,46 @@
 """Parent side of the node-hosting worker processes (see :mod:`bench.nodehost`).
 
-Each worker is ``python -m bench.nodehost`` in its own session, talked to with one JSON
-line per request and per answer; it is stopped by its PID (``exit``, then SIGKILL).
+Each worker is ``python -m bench.nodehost`` in its own session, driven over the kit's
+JSON-line protocol (:mod:`devkit.child`); it is stopped by its PID (``exit``, then SIGKILL).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from devkit import child
+from devkit.paths import REPO
 
-Json = dict[str, Any]
+Json = child.Json
 
 NODE_ENV: dict[str, str] = {}
 """Extra environment of every worker process (``--reverse-dns numeric`` sets LD_PRELOAD)."""
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
-class Worker:
+class Worker(child.ChildProcess):
     """One ``bench.nodehost`` process."""
 
     def __init__(self, name: str, log_dir: Path) -> None:
-        self.name = name
         env = {
-            **os.environ,
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
             "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
             **NODE_ENV,
         }
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = (log_dir / f"{name}.log").open("ab")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "bench.nodehost"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            cwd=REPO,
+        super().__init__(
+            "bench.nodehost",
+            log_path=log_dir / f"{name}.log",
             env=env,
-            start_new_session=True,
+            unset=["KUBERNETES_SERVICE_HOST"],
+            name=name,
         )
-        self._answers: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._lock = threading.Lock()
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    def _read(self) -> None:
-        assert self._process.stdout is not None
-        for raw in self._process.stdout:
-            self._answers.put(raw.decode())
-        self._answers.put(None)
-
-    def call(self, op: str, timeout: float = 120, **args: Any) -> Json:
-        with self._lock:
-            if self._process.poll() is not None:
-                raise WorkerError(f"{self.name} exited with {self._process.returncode}")
-            assert self._process.stdin is not None
-            self._process.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
-            self._process.stdin.flush()
-            try:
-                line = self._answers.get(timeout=timeout)
-            except queue.Empty:
-                raise WorkerError(
-                    f"{self.name}: no answer to {op} within {timeout:.0f} s"
-                ) from None
-            if line is None:
-                raise WorkerError(f"{self.name} exited during {op}")
-            answer: Json = json.loads(line)
-            if not answer.get("ok"):
-                raise WorkerError(f"{self.name}: {op} failed: {answer.get('error')}")
-            return answer
-
-    def kill(self) -> None:
-        """SIGKILL by PID: a node that dies."""
-        if self._process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(10)
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            try:
-                assert self._process.stdin is not None
-                self._process.stdin.write(b'{"op": "exit"}\n')
-                self._process.stdin.flush()
-                self._process.wait(3)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self.kill()
-        self._log.close()
 
 
 class Pool:
@@ -120,6 +49,8 @@ class Pool:
     def __init__(self, count: int, log_dir: Path, backend: str, prefix: str = "w") -> None:
         self.workers = [Worker(f"{prefix}{i}", log_dir) for i in range(count)]
         try:
+            for worker in self.workers:
+                worker.answer(60)  # {"ready": pid}: started, nothing imported yet
             self.each("prepare", timeout=300, backend=backend)
         except BaseException:
             self.stop()

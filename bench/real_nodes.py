@@ -3,7 +3,7 @@
     python bench/real_nodes.py                 # every fault, both backends, 1 repetition
     python bench/real_nodes.py --faults pod,node --reps 3
 
-Needs root (the real nodes of tests/cluster/nodes.py). It starts a control plane with two
+Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
 real nodes, installs the chart with the operator image built here, and for each fault and
 backend runs a Job of 4 pods (2 per node, ``--nnodes=2:4``, one gloo worker each) training
 examples/elastic_train.py, injects the fault once the world trains, and records, by this
@@ -54,10 +54,12 @@ if str(REPO) not in sys.path:
 
 import kubernetes.client  # noqa: E402
 import kubernetes.watch  # noqa: E402
-from tests.chart import chart  # noqa: E402
-from tests.cluster.controlplane import ControlPlane, build_binaries, dig  # noqa: E402
-from tests.nodes.pool import NodePool, build_node_images  # noqa: E402
-from tests.nodes.training import (  # noqa: E402
+
+from bench import recovery  # noqa: E402
+from devkit import chart, namespaces  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries, dig  # noqa: E402
+from devkit.nodepool import NodePool, build_node_images  # noqa: E402
+from devkit.training import (  # noqa: E402
     TrainingJob,
     World,
     agent_pid,
@@ -65,8 +67,7 @@ from tests.nodes.training import (  # noqa: E402
     job_manifest,
     worker_pid,
 )
-
-from bench import recovery  # noqa: E402
+from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
 from k8s_rendezvous import state  # noqa: E402
 
 FAULTS = {
@@ -198,7 +199,7 @@ class Run:
     def start(self) -> tuple[TrainingJob, World, str]:
         """The Job training in a world of PODS; returns it, its world and the pod that
         must not be the victim (rank 0, or c10d's store host)."""
-        self.core.create_namespace({"metadata": {"name": self.namespace}})
+        namespaces.create(self.api, self.namespace)
         job = create_job(self.api, self.namespace, self.manifest())
         protected = ""
         if self.backend == "c10d":
@@ -390,20 +391,24 @@ def _bracketed(address: str) -> str:
 
 
 def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    found = _wait_or_none(predicate, timeout)
-    if found is None:
-        raise TimeoutError(f"{what} within {timeout:.0f} s")
-    return found
+    """``predicate``'s first truthy value, polled every 0.2 s (an API error counts as
+    not yet)."""
+    return wait_for(
+        predicate,
+        timeout,
+        what,
+        interval=0.2,
+        max_interval=0.2,
+        ignore=(kubernetes.client.exceptions.ApiException,),
+    )
 
 
 def _wait_or_none(predicate: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(kubernetes.client.exceptions.ApiException):
-            if found := predicate():
-                return found
-        time.sleep(0.2)
-    return None
+    """As :func:`_wait`, but None once ``timeout`` has passed."""
+    try:
+        return _wait(predicate, timeout, "")
+    except WaitTimeout:
+        return None
 
 
 def _kill(pid: int) -> None:

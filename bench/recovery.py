@@ -36,9 +36,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.harness import LOCAL_PROCESS_ENV, container_environment, kill_tree
-
 from bench.cluster import Cluster
+from devkit.processes import LOCAL_PROCESS_ENV, container_environment, kill_tree
 
 Json = dict[str, Any]
 Log = Callable[[str], None]

@@ -2,7 +2,7 @@
 (repo root, venv, as root).
 
 It starts a real Kubernetes control plane and two real nodes as local processes
-(tests/cluster: etcd, kube-apiserver, controller manager, scheduler; on each node a
+(devkit/cluster: etcd, kube-apiserver, controller manager, scheduler; on each node a
 kubelet, containerd and runc), builds the operator image from the Dockerfile, and then
 does what a user does: ``helm install`` the chart, and create a Job annotated with
 ``k8s-rendezvous.dev/nodes`` whose 3 pods run plain ``torchrun examples/elastic_train.py``
@@ -23,16 +23,17 @@ from pathlib import Path
 from types import FrameType
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the demo reuses the test cluster (tests/)
+sys.path.insert(0, str(REPO))  # the demo runs on the dev kit (devkit/)
 
 import kubernetes.client  # noqa: E402
 import yaml  # noqa: E402
-from tests.chart import chart  # noqa: E402
-from tests.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
-from tests.cluster.nodes import build_node_binaries  # noqa: E402
-from tests.cluster.waiting import wait_for  # noqa: E402
-from tests.nodes.pool import NodePool, build_node_images  # noqa: E402
-from tests.nodes.training import TrainingJob, World, create_job, job_manifest  # noqa: E402
+
+from devkit import chart  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
+from devkit.cluster.nodes import build_node_binaries  # noqa: E402
+from devkit.nodepool import NodePool, build_node_images  # noqa: E402
+from devkit.training import TrainingJob, World, create_job, job_manifest  # noqa: E402
+from devkit.waiting import wait_for  # noqa: E402
 
 NAMESPACE = "demo"
 JOB = "demo-train"
@@ -150,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     signal.signal(signal.SIGTERM, _interrupt)
-    say("building/locating the control-plane binaries (tests/cluster/build.sh)")
+    say("building/locating the control-plane binaries (devkit/cluster/build.sh)")
     plane = ControlPlane(build_binaries(stream_log=True), keep_workdir=args.keep)
     workdir = Path(tempfile.mkdtemp(prefix="k8s-rdzv-demo-"))
     failure: BaseException | None = None

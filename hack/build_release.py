@@ -15,7 +15,7 @@
   ``--image-repository`` when given (the published chart pulls the published image).
 
 uv comes from ``--uv`` (a command; default: ``uv`` on the PATH, else ``python3 -m uv``),
-helm from ``--helm``, ``$HELM`` or tests/cluster/build.sh, as for hack/sync_chart.py.
+helm from ``--helm``, ``$HELM`` or devkit/cluster/build.sh, as for hack/sync_chart.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 #
 # Python 3.10 (the oldest pod-side Python) cannot run them unchanged: the operator extra
 # needs kopf, which needs Python >= 3.11, and the e2e and the contract suite start the
-# operator with the test interpreter (tests/support/operator.py uses sys.executable). On a
+# operator with the test interpreter (devkit/operator.py uses sys.executable). On a
 # Python below 3.11 the venv therefore gets the pod side only and runs tests/unit without
 # test_webhook_config.py (it imports kopf); the e2e and the contract suite of that torch run
 # in a second venv on Python 3.11.
@@ -28,9 +28,9 @@
 # other venvs keep the newest client.
 #
 # Kubernetes side, written to tests/compat/kubernetes.md (COMPAT_KUBERNETES_RESULTS). For
-# each version a copy of tests/cluster/versions.env with that Kubernetes and etcd, at
+# each version a copy of devkit/cluster/versions.env with that Kubernetes and etcd, at
 # $cache/compat/kubernetes-<ver>-etcd<ver>/versions.env, is named by K8S_RDZV_VERSIONS for
-# tests/cluster/build.sh (which builds into a cache directory named by the versions) and
+# devkit/cluster/build.sh (which builds into a cache directory named by the versions) and
 # for the test session's control plane; then, with the newest torch's venv
 # (COMPAT_KUBERNETES_TORCH, default 2.15.0@3.13):
 #
@@ -40,7 +40,7 @@
 # KUBEBUILDER_ASSETS are unset for them. Exits non-zero if any build or run failed.
 #
 # Environment:
-#   K8S_RDZV_CACHE       cache root, as for tests/cluster/build.sh (~/.cache/k8s-rendezvous)
+#   K8S_RDZV_CACHE       cache root, as for devkit/cluster/build.sh (~/.cache/k8s-rendezvous)
 #   UV                   the uv binary (default: uv on PATH, else python3 -m uv)
 #   UV_CACHE_DIR         uv's cache (default: $cache/compat/uv-cache, so that the download
 #                        of a first install is measured cold and never shared with .venv)
@@ -67,7 +67,7 @@ else
   uv=(python3 -m uv)
 fi
 
-pinned() { awk -F= -v key="$1" '$1 == key {print $2}' "$repo/tests/cluster/versions.env"; }
+pinned() { awk -F= -v key="$1" '$1 == key {print $2}' "$repo/devkit/cluster/versions.env"; }
 
 # The Python each default torch runs on: the oldest torch with the oldest pod-side Python,
 # the newest with the newest. Anything else runs on the test suite's Python unless given.
@@ -146,7 +146,7 @@ prepare() {  # prepare VENV PYTHON EXTRA KUBERNETES TORCH: create or reuse, then
     "${uv[@]}" venv --quiet --python "$python" "$venv"
   fi
   local packages=(-e "$repo$extra" "torch==$torch" "${test_deps[@]}")
-  # The test session imports pydantic (tests/cluster/controlplane.py), which only newer
+  # The test session imports pydantic (devkit/cluster/controlplane.py), which only newer
   # clients pull in.
   [ -z "$client" ] || packages+=("kubernetes==$client" pydantic)
   log "$(basename "$venv"): installing ($state venv)"
@@ -326,13 +326,13 @@ run_kubernetes() {
     build_log="$dir/build.log"
     mkdir -p "$dir"
     sed -e "s/^KUBERNETES_VERSION=.*/KUBERNETES_VERSION=$k8s/" -e "s/^ETCD_VERSION=.*/ETCD_VERSION=$etcd/" \
-      "$repo/tests/cluster/versions.env" >"$versions"
-    log "Kubernetes $k8s, etcd $etcd: tests/cluster/build.sh (log: $build_log)"
+      "$repo/devkit/cluster/versions.env" >"$versions"
+    log "Kubernetes $k8s, etcd $etcd: devkit/cluster/build.sh (log: $build_log)"
     before=$(rx_bytes)
     started=$EPOCHREALTIME
     set +e
     binaries=$(env -u K8S_RDZV_BINARIES -u KUBEBUILDER_ASSETS K8S_RDZV_VERSIONS="$versions" \
-      bash "$repo/tests/cluster/build.sh" 2>"$build_log")
+      bash "$repo/devkit/cluster/build.sh" 2>"$build_log")
     status=$?
     set -e
     cat "$build_log" >&2
@@ -374,8 +374,8 @@ write_kubernetes_results() {
     echo "Written by hack/compat.sh on $(date -u +%Y-%m-%dT%H:%MZ), $(commit_line); the"
     echo "Kubernetes side took $(minutes "$total") in all (builds included) on $(nproc) cores."
     echo
-    echo "For each version, \`tests/cluster/build.sh\` built (or found cached) the control plane"
-    echo "for a copy of tests/cluster/versions.env with that Kubernetes and etcd (kwok"
+    echo "For each version, \`devkit/cluster/build.sh\` built (or found cached) the control plane"
+    echo "for a copy of devkit/cluster/versions.env with that Kubernetes and etcd (kwok"
     echo "$(pinned KWOK_VERSION) and helm $(pinned HELM_VERSION) kept; helm is built per Kubernetes"
     echo "minor, for \`helm template\`'s default), named by \`K8S_RDZV_VERSIONS\`. Then"
     echo "\`python -m pytest ${kubernetes_paths[*]} -p no:cacheprovider -q${extra_pytest[*]:+ ${extra_pytest[*]}}\` ran from the"

@@ -18,7 +18,7 @@
         -f manifests/operator/ -f manifests/policy/ -f manifests/flowcontrol/ \\
         [-f manifests/injection/]
 
-helm comes from --helm, $HELM, or tests/cluster/build.sh (which builds it once, for the
+helm comes from --helm, $HELM, or devkit/cluster/build.sh (which builds it once, for the
 pinned Kubernetes version: the chart's kubeVersion needs no --kube-version then; a release
 build of helm assumes the Kubernetes version of its client-go, recent enough too).
 """
@@ -188,7 +188,9 @@ def write(files: dict[Path, bytes]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report drift (exit 1)")
-    parser.add_argument("--helm", help="the helm binary (default: $HELM or tests/cluster/build.sh)")
+    parser.add_argument(
+        "--helm", help="the helm binary (default: $HELM or devkit/cluster/build.sh)"
+    )
     args = parser.parse_args()
     helm = find_helm(args.helm)
     try:

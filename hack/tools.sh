@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Developer tools built from the Go module proxy at pinned versions, into a versioned cache
-# directory outside the repository (as tests/cluster/build.sh does for the control plane).
+# directory outside the repository (as devkit/cluster/build.sh does for the control plane).
 # A tool already built is not built again; the Go tool's output goes to a log beside it.
 #
 #   hack/tools.sh actionlint      # builds it if needed, prints the binary's path

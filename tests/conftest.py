@@ -1,6 +1,6 @@
-"""Fixtures for tests that need the real control plane (see tests/cluster/controlplane.py).
+"""Fixtures for tests that need the real control plane (see devkit/cluster/controlplane.py).
 
-K8S_RDZV_KUBECONFIG_DIR=<dir of `python -m tests.cluster up`> reuses a running cluster.
+K8S_RDZV_KUBECONFIG_DIR=<dir of `python -m devkit.cluster up`> reuses a running cluster.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import ControlPlane, build_binaries, to_model
-from tests.cluster.waiting import wait_for
+
+from devkit import namespaces
+from devkit.cluster.controlplane import ControlPlane, build_binaries, to_model
 
 ATTACH_ENV = "K8S_RDZV_KUBECONFIG_DIR"
 
@@ -29,7 +30,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line("building/locating control-plane binaries (tests/cluster/build.sh)")
+            reporter.write_line(
+                "building/locating control-plane binaries (devkit/cluster/build.sh)"
+            )
         session.config.stash[_binaries_key] = build_binaries()
 
 
@@ -88,32 +91,12 @@ def make_namespace(admin_api: kubernetes.client.ApiClient) -> Iterator[Callable[
     core = kubernetes.client.CoreV1Api(admin_api)
     made: list[str] = []
 
-    def default_sa(name: str) -> bool:
-        try:
-            core.read_namespaced_service_account("default", name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
     def make(labels: Mapping[str, str] | None = None) -> str:
         name = f"t-{uuid.uuid4().hex[:10]}"
-        # Labels at creation: a webhook's namespaceSelector may be judged on the API
-        # server's cached copy, which a label added afterwards reaches a moment later.
-        labels = {"k8s-rendezvous.dev/test": "1", **(labels or {})}
-        core.create_namespace(
-            to_model(kubernetes.client.V1Namespace, {"metadata": {"name": name, "labels": labels}})
-        )
         made.append(name)
-        # Up to 120 s: after a test restarts the API server, the controller manager's
-        # informers retry with client-go's backoff, which stops at [30, 60) s.
-        wait_for(
-            lambda: default_sa(name),
-            120,
-            f"ServiceAccount {name}/default (serviceaccount controller)",
+        return namespaces.create(
+            admin_api, name, {"k8s-rendezvous.dev/test": "1", **(labels or {})}
         )
-        return name
 
     yield make
     for name in made:

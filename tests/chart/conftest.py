@@ -7,12 +7,13 @@ from collections.abc import Iterator
 
 import kubernetes.client
 import pytest
-from tests.chart import chart
-from tests.cluster.controlplane import ControlPlane
 
 # The rendezvous fixtures (make_rendezvous, make_nodes and whatever they need) and helm;
 # workers_namespace is overridden below.
 from tests.support.fixtures import *  # noqa: F403
+
+from devkit import chart
+from devkit.cluster.controlplane import ControlPlane
 
 
 @pytest.fixture(scope="module")

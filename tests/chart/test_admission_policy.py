@@ -13,10 +13,10 @@ from typing import Any
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.chart.chart import Release
-from tests.cluster.controlplane import ControlPlane
 from tests.support.fixtures import Rendezvous, bind_creator_role, create_pods
 
+from devkit.chart import Release
+from devkit.cluster.controlplane import ControlPlane
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("chart_release")

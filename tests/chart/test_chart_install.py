@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import yaml
-from tests.chart.chart import (
+
+from devkit.chart import (
     CHART,
     CRD_NAMES,
     CREATOR_ROLE,
     NAMESPACE,
     OPERATOR,
     RELEASE,
-    REPO,
     WEBHOOK_CONFIG,
     WEBHOOK_SERVICE,
     WORKER_ROLE,
@@ -27,8 +27,9 @@ from tests.chart.chart import (
     serves_mutating_admission_policy,
     sets,
 )
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
+from devkit.cluster.controlplane import ControlPlane
+from devkit.paths import REPO
+from devkit.waiting import wait_for
 
 NON_DEFAULT = sets(
     {

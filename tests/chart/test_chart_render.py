@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import yaml
 from hack import chart_readme
-from tests.chart.chart import (
+
+from devkit.chart import (
     CHART,
     CREATOR_ROLE,
     NAMESPACE,
     OPERATOR,
-    REPO,
     WEBHOOK_CONFIG,
     WEBHOOK_SERVICE,
     WORKER_ROLE,
@@ -28,7 +28,8 @@ from tests.chart.chart import (
     kinds,
     sets,
 )
-from tests.cluster.controlplane import read_versions
+from devkit.cluster.controlplane import read_versions
+from devkit.paths import REPO
 
 WEBHOOK_ARGS = [
     "--webhook",
@@ -53,7 +54,7 @@ def test_lint_strict_passes(helm: Helm) -> None:
 
 
 def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None:
-    """No --kube-version anywhere: tests/cluster/build.sh builds helm for the pinned version
+    """No --kube-version anywhere: devkit/cluster/build.sh builds helm for the pinned version
     (a helm built without its Makefile's ldflags assumes 1.20, below the chart's kubeVersion;
     a release build, that of its client-go)."""
     chart = helm.home / "capabilities"
@@ -68,7 +69,7 @@ def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None
     least = required.removeprefix(">=").split(".")
     assert (int(major), int(minor)) >= (int(least[0]), int(least[1])), (version, required)
     if not helm.binary.is_symlink() and Path(f"{helm.binary}.ldflags").exists():
-        # built by tests/cluster/build.sh (a prebuilt helm is a link to it)
+        # built by devkit/cluster/build.sh (a prebuilt helm is a link to it)
         pinned = read_versions()["KUBERNETES_VERSION"].split(".")
         assert (major, minor) == (pinned[0], pinned[1]), version
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.chart import chart
-from tests.chart.chart import ChartOperator, Release
-from tests.cluster.controlplane import ControlPlane, read_object
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import free_port
 from tests.support.jobs import make_job, running_pods
 
+from devkit import chart
+from devkit.chart import ChartOperator, Release
+from devkit.cluster.controlplane import ControlPlane, read_object
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("chart_release", "served_here")

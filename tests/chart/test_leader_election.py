@@ -18,10 +18,11 @@ from typing import Any
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.chart.chart import NAMESPACE, OPERATOR, ChartOperator, Release
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous
+
+from devkit.chart import NAMESPACE, OPERATOR, ChartOperator, Release
+from devkit.cluster.controlplane import ControlPlane
+from devkit.waiting import wait_for
 
 FAILOVER_BUDGET_SECONDS = 15.0
 

@@ -14,7 +14,10 @@ from typing import Any
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.chart.chart import (
+from tests.support import fixtures
+from tests.support.fixtures import Node, Rendezvous, delete_pod, free_port
+
+from devkit.chart import (
     NAMESPACE,
     OPERATOR,
     WEBHOOK_CONFIG,
@@ -22,11 +25,8 @@ from tests.chart.chart import (
     ChartOperator,
     Release,
 )
-from tests.cluster.controlplane import ControlPlane, read_object
-from tests.cluster.waiting import wait_for
-from tests.support import fixtures
-from tests.support.fixtures import Node, Rendezvous, delete_pod, free_port
-
+from devkit.cluster.controlplane import ControlPlane, read_object
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("chart_release")

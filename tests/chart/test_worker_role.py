@@ -9,9 +9,9 @@ from collections.abc import Callable
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import ControlPlane
 from tests.support.fixtures import Rendezvous, create_pods
 
+from devkit.cluster.controlplane import ControlPlane
 from k8s_rendezvous import kube, state
 
 MERGE = "application/merge-patch+json"

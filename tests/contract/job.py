@@ -23,10 +23,13 @@ from typing import Any, Protocol
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
-from tests.e2e.harness import LOCAL_PROCESS_ENV, REPO, LocalPod, kill_tree
+from tests.e2e.harness import LocalPod
 from tests.support.fixtures import Rendezvous, create_pods, free_port
+
+from devkit.cluster.controlplane import ControlPlane
+from devkit.paths import REPO
+from devkit.processes import LOCAL_PROCESS_ENV, kill_tree
+from devkit.waiting import wait_for
 
 BACKENDS = ("kubernetes", "c10d")
 

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.cluster.waiting import wait_for
 from tests.contract.job import Agent, Job, backend_param
 from tests.contract.workers import AGENT_ENV, SAD_MESSAGE
+
+from devkit.waiting import wait_for
 
 
 def values(result: dict[str, Any]) -> dict[int, dict[str, Any]]:

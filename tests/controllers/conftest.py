@@ -10,7 +10,6 @@ from pathlib import Path
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.controllers import controllers
 from tests.controllers import fixtures as fixtures_of_controllers
 from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
@@ -22,6 +21,8 @@ from tests.support.fixtures import (  # noqa: F401  (fixtures)
     rendezvous_crd,
     workers_namespace,
 )
+
+from devkit.cluster.controlplane import ControlPlane
 
 HERE = Path(__file__).resolve().parent
 

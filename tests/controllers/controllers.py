@@ -1,6 +1,6 @@
 """Kueue, JobSet and Kubeflow Trainer v2 as local processes against the test control plane.
 
-Each controller is the binary tests/cluster/build-controllers.sh built from its Go module,
+Each controller is the binary devkit/cluster/build-controllers.sh built from its Go module,
 installed the way its release manifests install it: its CRDs, its ClusterRole (bound to a
 client certificate of its own, signed by the cluster's CA, so it runs with exactly the RBAC
 its manifests give it), its webhook configurations, its configuration file and its feature
@@ -39,8 +39,9 @@ from typing import Any
 
 import kubernetes.client
 import yaml
-from tests.cluster import pki
-from tests.cluster.controlplane import (
+
+from devkit.cluster import pki
+from devkit.cluster.controlplane import (
     CLUSTER_DIR,
     ControlPlane,
     ControlPlaneError,
@@ -48,7 +49,7 @@ from tests.cluster.controlplane import (
     read_versions,
     run_build_script,
 )
-from tests.cluster.waiting import wait_for
+from devkit.waiting import wait_for
 
 BUILD_SCRIPT = CLUSTER_DIR / "build-controllers.sh"
 CONTROLLERS_LABEL = "k8s-rendezvous.dev/controllers"
@@ -59,7 +60,7 @@ STOP_GRACE_SECONDS = 10.0
 
 
 def build_controllers(*, stream_log: bool = False) -> Path:
-    """Run tests/cluster/build-controllers.sh (a no-op once cached); the directory it
+    """Run devkit/cluster/build-controllers.sh (a no-op once cached); the directory it
     prints, holding ``kueue/``, ``jobset/`` and ``trainer/``."""
     return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.controllers import controllers
+
+from devkit.cluster.controlplane import ControlPlane
 
 CONTROLLER_FIXTURES = frozenset(controllers.ALL)
 _built_key = pytest.StashKey[Path]()

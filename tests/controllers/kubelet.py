@@ -30,9 +30,11 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import ControlPlane, dig, read_object, set_pod_phase
-from tests.cluster.waiting import wait_for
-from tests.e2e.harness import PROGRESS_ENV, TRAIN_SCRIPT, LocalPod, Step
+from tests.e2e.harness import PROGRESS_ENV, LocalPod, Step
+
+from devkit.cluster.controlplane import ControlPlane, dig, read_object, set_pod_phase
+from devkit.paths import TRAIN_SCRIPT
+from devkit.waiting import wait_for
 
 GRACE_SECONDS = 10.0
 """Between SIGTERM and SIGKILL, as terminationGracePeriodSeconds (30 by default; shorter

@@ -8,7 +8,8 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import dig
+
+from devkit.cluster.controlplane import dig
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -23,8 +23,6 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import dig, read_object
-from tests.cluster.waiting import wait_for
 from tests.controllers import controllers
 from tests.controllers import jobsets as jobset_spec
 from tests.controllers.jobsets import GROUP, NAME, VERSION
@@ -32,6 +30,9 @@ from tests.controllers.kubelet import Kubelet
 from tests.controllers.recovery import survive_a_pod_kill
 from tests.e2e.harness import timing, wait_world
 from tests.support.fixtures import Rendezvous
+
+from devkit.cluster.controlplane import dig, read_object
+from devkit.waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("operator_process", "creator_role")
 

@@ -29,14 +29,14 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import dig, read_object
-from tests.cluster.waiting import wait_for
 from tests.controllers import controllers, queueing, timeline
 from tests.controllers.kubelet import Kubelet
 from tests.e2e.harness import LocalPod, describe, timing, wait_world
 from tests.support.fixtures import Rendezvous
-from tests.support.operator import OperatorProcess
 
+from devkit.cluster.controlplane import dig, read_object
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = [pytest.mark.usefixtures("operator_process"), pytest.mark.webhook]

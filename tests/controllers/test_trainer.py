@@ -26,12 +26,13 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
-from tests.cluster.controlplane import dig, read_object
 from tests.controllers import controllers
 from tests.controllers.kubelet import Kubelet
 from tests.controllers.recovery import survive_a_pod_kill
 from tests.e2e.harness import timing, wait_world
 from tests.support.fixtures import Rendezvous
+
+from devkit.cluster.controlplane import dig, read_object
 
 pytestmark = pytest.mark.usefixtures("operator_process", "creator_role")
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes import watch
-from tests.cluster.waiting import wait_for
+
+from devkit.waiting import wait_for
 
 Seen = tuple[float, str, dict[str, Any]]
 """(arrival wall time, event type, object)"""

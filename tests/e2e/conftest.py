@@ -5,7 +5,6 @@ from pathlib import Path
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.e2e.harness import LocalPods, describe
 from tests.support.fixtures import (  # noqa: F401  (fixtures)
     make_rendezvous,
@@ -14,7 +13,9 @@ from tests.support.fixtures import (  # noqa: F401  (fixtures)
     rendezvous_crd,
     workers_namespace,
 )
-from tests.support.operator import OperatorProcess
+
+from devkit.cluster.controlplane import ControlPlane
+from devkit.operator import OperatorProcess
 
 
 @pytest.fixture

@@ -13,16 +13,14 @@ dies at once (SIGKILL) and the kubelet reports the pod gone (deleted, grace peri
 torchrun starts its workers in sessions of their own, so they are found through
 ``/proc`` and killed by PID with the agent.
 
-Used by tests/e2e and by examples/demo.py.
+The pod's environment and :func:`~devkit.processes.kill_tree` are the kit's
+(:mod:`devkit.processes`); tests/e2e, tests/contract and tests/controllers use this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes.client
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import create_pods, delete_pod
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = REPO / "examples" / "elastic_train.py"
+from devkit.cluster.controlplane import ControlPlane
+from devkit.paths import REPO, TRAIN_SCRIPT
+from devkit.processes import container_environment, kill_tree
+from devkit.waiting import wait_for
+
 PROGRESS_ENV = "TRAIN_PROGRESS_FILE"
 NPROC_PER_NODE = 2
 
@@ -424,72 +423,3 @@ def timing(label: str, seconds: float, sink: Callable[[str], None] = print) -> f
     """Print a measured duration in a greppable form (``pytest -s`` shows it)."""
     sink(f"TIMING {label}: {seconds:.2f} s")
     return seconds
-
-
-LOCAL_PROCESS_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-"""For every local stand-in of a node: gloo on the loopback interface the nodes' addresses
-live on, one thread per worker (2 shared cores), output as it happens."""
-
-
-def container_environment(
-    control_plane: ControlPlane,
-    namespace: str,
-    pod_name: str,
-    pod_uid: str,
-    addr: str,
-    service_account_dir: Path,
-) -> dict[str, str]:
-    """The environment a container of the pod sees, on top of this process's own: its
-    in-cluster credentials (a real pod-bound token), POD_NAME, POD_NAMESPACE and POD_IP
-    (``addr``), and :data:`LOCAL_PROCESS_ENV`."""
-    env = {
-        **os.environ,
-        **control_plane.pod_environment(
-            namespace=namespace,
-            pod_name=pod_name,
-            pod_uid=pod_uid,
-            pod_ip=addr,
-            directory=service_account_dir,
-        ),
-        **LOCAL_PROCESS_ENV,
-    }
-    env.pop("KUBECONFIG", None)  # a container has none: in-cluster credentials only
-    return env
-
-
-def kill_tree(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``process`` (the leader of its own session) and everything below it, by
-    PID. Idempotent."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGSTOP)  # freeze the agent: it spawns no more
-    for pid in _descendants(process.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)  # workers lead sessions of their own
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc (children before grandchildren)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rpartition(")")[2].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(0), []):
-            found.append(child)
-            todo.append(child)
-    return found

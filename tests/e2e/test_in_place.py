@@ -20,9 +20,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tests.cluster.waiting import wait_for
-from tests.e2e.harness import REPO, LocalPod, LocalPods, describe, timing, wait_all_exit
+from tests.e2e.harness import LocalPod, LocalPods, describe, timing, wait_all_exit
 from tests.support.fixtures import Rendezvous
+
+from devkit.paths import REPO
+from devkit.waiting import wait_for
 
 IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
 SIZE = 4

@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.cluster.waiting import wait_for
-from tests.e2e.harness import LOCAL_PROCESS_ENV, REPO, kill_tree
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from devkit.paths import REPO
+from devkit.processes import LOCAL_PROCESS_ENV, kill_tree
+from devkit.waiting import wait_for
 from k8s_rendezvous import handoff
 
 SCRIPT = REPO / "examples" / "elastic_train_in_place.py"

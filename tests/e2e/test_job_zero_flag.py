@@ -18,9 +18,10 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane, read_object
-from tests.cluster.waiting import wait_for
 from tests.e2e.harness import LocalPod, describe, timing, wait_world
+
+from devkit.cluster.controlplane import ControlPlane, read_object
+from devkit.waiting import wait_for
 
 pytestmark = [pytest.mark.usefixtures("operator_process"), pytest.mark.webhook]
 

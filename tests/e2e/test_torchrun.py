@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 
 import kubernetes.client
-from tests.cluster.waiting import wait_for
 from tests.e2e.harness import (
     LocalPod,
     LocalPods,
@@ -29,8 +28,9 @@ from tests.e2e.harness import (
     wait_world,
 )
 from tests.support.fixtures import Rendezvous
-from tests.support.operator import OperatorProcess
 
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 MakeRendezvous = Callable[..., Rendezvous]

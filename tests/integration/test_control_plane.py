@@ -19,7 +19,8 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.incluster_config import InClusterConfigLoader
-from tests.cluster.controlplane import (
+
+from devkit.cluster.controlplane import (
     NODE_ZONES,
     POD_CIDR,
     ControlPlane,
@@ -29,7 +30,7 @@ from tests.cluster.controlplane import (
     set_pod_phase,
     to_model,
 )
-from tests.cluster.waiting import wait_for
+from devkit.waiting import wait_for
 
 GROUP = "proof.k8s-rendezvous.dev"
 VERSION = "v1"

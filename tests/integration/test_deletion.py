@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import kubernetes.client
 import pytest
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Node, Rendezvous, join_all, wait_told_to_rejoin
 from tests.support.jobs import job_events, make_job, running_pods
 
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 from k8s_rendezvous.errors import KubernetesRendezvousClosedError
 

@@ -17,8 +17,6 @@ from collections.abc import Callable
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import (
     Node,
     Rendezvous,
@@ -26,9 +24,11 @@ from tests.support.fixtures import (
     delete_pod,
     wait_told_to_rejoin,
 )
-from tests.support.operator import OperatorProcess
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from devkit.cluster.controlplane import ControlPlane
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
 
 pytestmark = pytest.mark.usefixtures("operator_process")

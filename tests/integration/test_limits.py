@@ -16,9 +16,10 @@ from typing import Any
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.waiting import wait_for
-from tests.support.fixtures import WORKLOAD_SELECTOR, Node, Rendezvous, create_pods
+from tests.support.fixtures import Node, Rendezvous, create_pods
 
+from devkit.manifests import WORKLOAD_SELECTOR
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("operator_process")

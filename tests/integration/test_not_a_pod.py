@@ -12,10 +12,10 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import Joining, Node, Rendezvous, create_pods
 
+from devkit.cluster.controlplane import ControlPlane
+from devkit.waiting import wait_for
 from k8s_rendezvous import kube
 from k8s_rendezvous.errors import NodeNotAPodError
 from k8s_rendezvous.handler import KubernetesRendezvousHandler

@@ -20,11 +20,8 @@ from collections.abc import Callable
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
 from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod
-from tests.support.operator import OperatorProcess
 
 # Exported at run time, missing from torch's type stubs.
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -34,6 +31,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from devkit.cluster.controlplane import ControlPlane
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, delete_pod
 
+from devkit.cluster.controlplane import ControlPlane
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("operator_process")

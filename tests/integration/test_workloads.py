@@ -18,8 +18,6 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane, read_object, set_pod_phase
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import (
     Node,
     Rendezvous,
@@ -29,8 +27,10 @@ from tests.support.fixtures import (
     wait_told_to_rejoin,
 )
 from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
-from tests.support.operator import OperatorProcess
 
+from devkit.cluster.controlplane import ControlPlane, read_object, set_pod_phase
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 

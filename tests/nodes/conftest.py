@@ -15,15 +15,16 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.chart import chart
-from tests.cluster import images
-from tests.cluster.controlplane import ControlPlane, dig
-from tests.cluster.nodes import RealNodes
 from tests.controllers import fixtures as fixtures_of_controllers
 from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
-from tests.nodes.pool import NodePool, build_node_images
-from tests.nodes.training import RunJob, TrainingJob, create_job, job_manifest
 from tests.support.fixtures import cluster_helm, helm  # noqa: F401  (fixtures)
+
+from devkit import chart
+from devkit.cluster import images
+from devkit.cluster.controlplane import ControlPlane, dig
+from devkit.cluster.nodes import RealNodes
+from devkit.nodepool import NodePool, build_node_images
+from devkit.training import RunJob, TrainingJob, create_job, job_manifest
 
 _images_key = pytest.StashKey[dict[str, images.ImageArchive]]()
 

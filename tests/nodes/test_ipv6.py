@@ -9,9 +9,10 @@ import time
 
 import kubernetes.client
 import pytest
-from tests.chart import chart
-from tests.cluster.controlplane import read_object
-from tests.nodes.training import OPERATOR_POD_LABELS, RunJob, TrainingJob, World
+
+from devkit import chart
+from devkit.cluster.controlplane import read_object
+from devkit.training import OPERATOR_POD_LABELS, RunJob, TrainingJob, World
 
 IPV6 = True
 pytestmark = pytest.mark.timeout(600)

@@ -9,11 +9,11 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster import images
-from tests.cluster.controlplane import read_object
-from tests.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION, RealNodes
-from tests.cluster.waiting import wait_for
 
+from devkit.cluster import images
+from devkit.cluster.controlplane import read_object
+from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION, RealNodes
+from devkit.waiting import wait_for
 from k8s_rendezvous import __version__
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,9 +8,10 @@ import json
 from typing import Any
 
 import pytest
-from tests.cluster.waiting import wait_for
-from tests.nodes.training import RunJob, TrainingJob
-from tests.support.fixtures import REPO
+
+from devkit.paths import REPO
+from devkit.training import RunJob, TrainingJob
+from devkit.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,11 +14,12 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.chart import chart
-from tests.cluster import images
-from tests.cluster.controlplane import ControlPlane, dig, read_object
-from tests.cluster.nodes import RealNodes
-from tests.nodes.training import (
+
+from devkit import chart
+from devkit.cluster import images
+from devkit.cluster.controlplane import ControlPlane, dig, read_object
+from devkit.cluster.nodes import RealNodes
+from devkit.training import (
     OPERATOR_POD_LABELS,
     RunJob,
     TrainingJob,
@@ -26,7 +27,6 @@ from tests.nodes.training import (
     operator_leader,
     worker_pid,
 )
-
 from k8s_rendezvous import __version__
 
 pytestmark = pytest.mark.timeout(600)

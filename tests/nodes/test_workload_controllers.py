@@ -32,14 +32,15 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
-from tests.cluster import images
-from tests.cluster.controlplane import ControlPlane, dig
-from tests.cluster.waiting import wait_for
 from tests.controllers import controllers, jobsets, queueing, timeline
 from tests.e2e.harness import timing
-from tests.nodes.training import TrainingJob, agent_pid, local_command, on_real_nodes
 from tests.support import fixtures
 
+from devkit import namespaces
+from devkit.cluster import images
+from devkit.cluster.controlplane import ControlPlane, dig
+from devkit.training import TrainingJob, agent_pid, local_command, on_real_nodes
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,12 +54,15 @@ KILLED_EXIT_CODE = 137
 
 @pytest.fixture
 def controlled_namespace(
-    make_namespace: Callable[..., str], control_plane: ControlPlane, operator_release: object
+    make_namespace: Callable[..., str],
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    operator_release: object,
 ) -> str:
     """A namespace the controllers' webhooks see, whose pods may use and make a Rendezvous
     (the worker and creator roles, as docs/workloads.md has users bind them)."""
     namespace = make_namespace({controllers.CONTROLLERS_LABEL: "on"})
-    fixtures.bind_worker_role(control_plane, namespace)
+    namespaces.bind_worker_role(admin_api, namespace)
     fixtures.bind_creator_role(control_plane, namespace)
     return namespace
 

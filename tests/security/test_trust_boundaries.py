@@ -10,8 +10,6 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import wait_for
 from tests.support.fixtures import (
     Node,
     Rendezvous,
@@ -19,8 +17,10 @@ from tests.support.fixtures import (
     join_all,
 )
 from tests.support.jobs import make_job, running_pods, wait_webhook_registered
-from tests.support.operator import OperatorProcess
 
+from devkit.cluster.controlplane import ControlPlane
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("operator_process")

@@ -24,29 +24,17 @@ from typing import Any
 
 import kubernetes.client
 import torch
-from tests.cluster.controlplane import ControlPlane, build_binaries, read_versions, to_model
-from tests.cluster.waiting import wait_for
 from tests.soak.soak import Config, Soak, log_to
-from tests.support.fixtures import CRD, RBAC
-from tests.support.operator import OperatorProcess
+
+from devkit import manifests, namespaces
+from devkit.cluster.controlplane import ControlPlane, build_binaries, read_versions
+from devkit.operator import OperatorProcess
 
 
-def _namespace(plane: ControlPlane, api: kubernetes.client.ApiClient) -> str:
+def _namespace(api: kubernetes.client.ApiClient) -> str:
     """A namespace whose `default` ServiceAccount holds the worker role."""
-    core = kubernetes.client.CoreV1Api(api)
-    name = f"soak-{uuid.uuid4().hex[:8]}"
-    core.create_namespace(to_model(kubernetes.client.V1Namespace, {"metadata": {"name": name}}))
-    wait_for(
-        lambda: any(
-            sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items
-        ),
-        60,
-        f"ServiceAccount {name}/default",
-    )
-    plane.kubectl(
-        "-n", name, "create", "rolebinding", "k8s-rendezvous-worker",
-        "--clusterrole=k8s-rendezvous-worker", f"--serviceaccount={name}:default",
-    )  # fmt: skip
+    name = namespaces.create(api, f"soak-{uuid.uuid4().hex[:8]}")
+    namespaces.bind_worker_role(api, name)
     return name
 
 
@@ -141,14 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         plane.start()
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     try:
-        plane.kubectl("apply", "--server-side", "-f", str(CRD))
-        plane.kubectl(
-            "wait", "--for=condition=established", "-f", str(CRD),
-            "--timeout=60s",
-        )  # fmt: skip
-        plane.kubectl("apply", "--server-side", "-f", str(RBAC))
+        manifests.install(plane)
         with plane.api_client() as api:
-            namespace = _namespace(plane, api)
+            namespace = _namespace(api)
             operator = OperatorProcess(
                 plane.kubeconfig, work / "operator.log", namespaces=(namespace,)
             )

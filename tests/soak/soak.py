@@ -30,12 +30,13 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import ControlPlane
-from tests.cluster.waiting import WaitTimeout, wait_for
 from tests.support import invariants
-from tests.support.fixtures import WORKLOAD_SELECTOR, create_pods
-from tests.support.operator import OperatorProcess
+from tests.support.fixtures import create_pods
 
+from devkit.cluster.controlplane import ControlPlane
+from devkit.manifests import WORKLOAD_SELECTOR
+from devkit.operator import OperatorProcess
+from devkit.waiting import WaitTimeout, wait_for
 from k8s_rendezvous import errors, kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 

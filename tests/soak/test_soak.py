@@ -14,9 +14,10 @@ from pathlib import Path
 
 import kubernetes.client
 import pytest
-from tests.cluster.controlplane import ControlPlane
 from tests.soak.soak import Config, Result, Soak, log_to
-from tests.support.operator import OperatorProcess
+
+from devkit.cluster.controlplane import ControlPlane
+from devkit.operator import OperatorProcess
 
 
 def soak(

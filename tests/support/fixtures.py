@@ -14,30 +14,20 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.chart import chart
-from tests.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries
-from tests.cluster.waiting import wait_for
 from tests.support import invariants
-from tests.support.operator import OperatorProcess
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
+from devkit import chart, manifests, namespaces
+from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
-
-REPO = Path(__file__).resolve().parents[2]
-WORKLOAD_LABELS = {"k8s-rendezvous.dev/test-workload": "trainer"}
-"""On the tests' bare pods; the Rendezvous the tests make select them (spec.podSelector),
-as an admin's hand-made Rendezvous must."""
-WORKLOAD_SELECTOR = {"matchLabels": WORKLOAD_LABELS}
-CRD = REPO / "manifests" / "crds"
-RBAC = REPO / "manifests" / "rbac"
 
 
 @pytest.fixture(scope="session")
 def rendezvous_crd(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "--server-side", "-f", str(CRD))
-    control_plane.kubectl("wait", "--for=condition=established", "-f", str(CRD), "--timeout=60s")
-    control_plane.kubectl("apply", "--server-side", "-f", str(RBAC))
+    manifests.install(control_plane)
 
 
 @pytest.fixture(scope="session")
@@ -53,23 +43,12 @@ def cluster_helm(helm: chart.Helm, control_plane: ControlPlane) -> chart.Helm:
 
 
 @pytest.fixture
-def workers_namespace(namespace: str, control_plane: ControlPlane, rendezvous_crd: None) -> str:
+def workers_namespace(
+    namespace: str, admin_api: kubernetes.client.ApiClient, rendezvous_crd: None
+) -> str:
     """A namespace whose `default` ServiceAccount may use the rendezvous (worker role)."""
-    bind_worker_role(control_plane, namespace)
+    namespaces.bind_worker_role(admin_api, namespace)
     return namespace
-
-
-def bind_worker_role(control_plane: ControlPlane, namespace: str) -> None:
-    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) use a Rendezvous."""
-    control_plane.kubectl(
-        "-n",
-        namespace,
-        "create",
-        "rolebinding",
-        "k8s-rendezvous-worker",
-        "--clusterrole=k8s-rendezvous-worker",
-        f"--serviceaccount={namespace}:default",
-    )
 
 
 def free_port() -> int:
@@ -235,18 +214,7 @@ def make_rendezvous(
 ) -> Callable[..., Rendezvous]:
     def make(min_nodes: int, max_nodes: int, **spec: Any) -> Rendezvous:
         name = f"rdzv-{uuid.uuid4().hex[:6]}"
-        body = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
-            "metadata": {"name": name, "namespace": workers_namespace},
-            "spec": {
-                "minNodes": min_nodes,
-                "maxNodes": max_nodes,
-                "runId": name,
-                "podSelector": WORKLOAD_SELECTOR,
-                **spec,
-            },
-        }
+        body = manifests.rendezvous(workers_namespace, name, min_nodes, max_nodes, **spec)
         rendezvous = recorded(name)
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
             state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
@@ -353,30 +321,22 @@ def create_pods(
     labels: dict[str, str] | None = None,
     addresses: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Bare pods with :data:`WORKLOAD_LABELS` (or ``labels``), scheduled by kube-scheduler
-    onto kwok nodes (or placed by ``placement``, pod name to kwok node name), each with the
-    IP ``addresses`` gives it or one kwok picks; returns them Running."""
+    """Bare pods with :data:`~devkit.manifests.WORKLOAD_LABELS` (or ``labels``), scheduled
+    by kube-scheduler onto kwok nodes (or placed by ``placement``, pod name to kwok node
+    name), each with the IP ``addresses`` gives it or one kwok picks; returns them Running."""
     core = kubernetes.client.CoreV1Api(api)
     for name in names:
         pinned = {"nodeName": placement[name]} if placement else {}
         chosen = {POD_IP_ANNOTATION: addresses[name]} if addresses else {}
         core.create_namespaced_pod(
             namespace,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "labels": WORKLOAD_LABELS if labels is None else labels,
-                    "annotations": chosen,
-                },
-                "spec": {
-                    "containers": [{"name": "agent", "image": "example.invalid/trainer"}],
-                    "restartPolicy": "Never",
-                    "serviceAccountName": service_account,
-                    **pinned,
-                },
-            },
+            manifests.bare_pod(
+                name,
+                labels=labels,
+                annotations=chosen,
+                serviceAccountName=service_account,
+                **pinned,
+            ),
         )
 
     def running() -> list[dict[str, Any]] | None:

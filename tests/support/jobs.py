@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import kubernetes.client
-from tests.cluster.controlplane import ControlPlane, read_object
-from tests.cluster.waiting import wait_for
+
+from devkit.cluster.controlplane import ControlPlane, read_object
+from devkit.waiting import wait_for
 
 
 def make_job(

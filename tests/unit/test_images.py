@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.cluster import images
+
+from devkit.cluster import images
 
 REFERENCE = "localhost/k8s-rendezvous/example:1"
 CONFIG = images.ImageConfig(

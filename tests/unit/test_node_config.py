@@ -1,4 +1,4 @@
-"""What tests/cluster/nodes.py writes for a real node, checked without starting one: the
+"""What devkit/cluster/nodes.py writes for a real node, checked without starting one: the
 addresses pods get must be routable between nodes, the kubelet's kernel settings must stay
 in its own mount namespace, containerd's limits must hold."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.cluster import nodes
-from tests.cluster.images import ImageArchive
+
+from devkit.cluster import nodes
+from devkit.cluster.images import ImageArchive
 
 
 @dataclass

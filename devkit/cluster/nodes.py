@@ -53,7 +53,8 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.controlplane import (
+
+from devkit.cluster.controlplane import (
     CLUSTER_DIR,
     ControlPlane,
     ControlPlaneError,
@@ -61,9 +62,9 @@ from tests.cluster.controlplane import (
     read_object,
     run_build_script,
 )
-from tests.cluster.images import ImageArchive
-from tests.cluster.pki import CertPair, sign_certificate
-from tests.cluster.waiting import wait_for
+from devkit.cluster.images import ImageArchive
+from devkit.cluster.pki import CertPair, sign_certificate
+from devkit.waiting import wait_for
 
 REAL_NODE_LABEL = "k8s-rendezvous.dev/real-node"
 REAL_NODE_TAINT = {"key": REAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}
@@ -104,7 +105,7 @@ def _run(*args: str, check: bool = True, timeout: float = 60) -> subprocess.Comp
 
 
 def build_node_binaries() -> Path:
-    """tests/cluster/build.sh nodes: kubelet, containerd, runc, CNI plugins, pause."""
+    """devkit/cluster/build.sh nodes: kubelet, containerd, runc, CNI plugins, pause."""
     return run_build_script(CLUSTER_DIR / "build.sh", "nodes")
 
 
@@ -365,7 +366,7 @@ class RealNodes:
         if leftovers:
             raise NodeError(
                 f"interfaces {leftovers} of another real-node cluster exist; stop it "
-                "(python -m tests.cluster down) or delete them with `ip link del`"
+                "(python -m devkit.cluster down) or delete them with `ip link del`"
             )
         self._started = True
         try:
@@ -460,7 +461,7 @@ class RealNodes:
             [
                 sys.executable,
                 "-m",
-                "tests.cluster.serviceproxy",
+                "devkit.cluster.serviceproxy",
                 f"{KUBERNETES_SERVICE_IP}:443",
                 f"{self.plane.host}:{self.plane.port}",
             ],

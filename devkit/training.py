@@ -2,7 +2,7 @@
 and what its workers say about the world they train in.
 
 The container runs the trainer image (host userland and the repository's venv by hostPath,
-see tests/cluster/images.py) with no rendezvous flag: torchrun reads them from the
+see devkit/cluster/images.py) with no rendezvous flag: torchrun reads them from the
 ``PET_*`` environment the operator's injection gives the Job's pods. Each worker prints one
 JSON line per step (``TRAIN_PROGRESS_FILE=/dev/stdout``) to its container's log, which the
 tests read through the API server and the kubelet, as ``kubectl logs`` does.
@@ -19,14 +19,14 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.chart import chart
-from tests.cluster import images
-from tests.cluster.controlplane import dig, read_object
-from tests.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
-from tests.cluster.waiting import wait_for
-from tests.support.fixtures import REPO
 
-TRAIN_SCRIPT = REPO / "examples" / "elastic_train.py"
+from devkit import chart
+from devkit.cluster import images
+from devkit.cluster.controlplane import dig, read_object
+from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
+from devkit.paths import REPO, TRAIN_SCRIPT
+from devkit.waiting import wait_for
+
 VENV_BIN = REPO / ".venv" / "bin"
 
 CONTAINER = "trainer"
@@ -100,7 +100,7 @@ def on_real_nodes(pod_spec: dict[str, Any], trainer_image: str) -> dict[str, Any
     """``pod_spec`` (a user's, or a workload controller's template) made to run on the real
     nodes in the trainer image: each container's ``torchrun`` is the checkout venv's and
     ``train.py`` is examples/elastic_train.py, reading the host's /usr, Python and checkout
-    by hostPath (tests/cluster/images.py); its progress lines go to the container's log.
+    by hostPath (devkit/cluster/images.py); its progress lines go to the container's log.
     Nothing rendezvous-related is added. Changed in place, and returned."""
     volumes, mounts = images.trainer_mounts(REPO)
     for container in pod_spec["containers"]:
@@ -266,7 +266,8 @@ RunJob = Callable[..., TrainingJob]
 def create_job(
     api: kubernetes.client.ApiClient, namespace: str, manifest: dict[str, Any]
 ) -> TrainingJob:
-    kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, manifest)
+    # The manifest as written (the client sends a dict as it is).
+    kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, manifest)  # type: ignore[arg-type]
     return TrainingJob(api, namespace, manifest["metadata"]["name"])
 
 

@@ -8,7 +8,7 @@ of the host (on a bridge of its own, see nodes.py) and this process forwards its
 the API server on 127.0.0.1, bytes unchanged: TLS stays end to end between the pod and the
 API server, whose certificate names the ClusterIP.
 
-    python -m tests.cluster.serviceproxy LISTEN_HOST:PORT TARGET_HOST:PORT
+    python -m devkit.cluster.serviceproxy LISTEN_HOST:PORT TARGET_HOST:PORT
 """
 
 from __future__ import annotations

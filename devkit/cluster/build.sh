@@ -2,8 +2,8 @@
 # Build the real control plane from the Go module proxy into a versioned cache directory
 # outside the repository; anything already built is skipped.
 #
-#   tests/cluster/build.sh            # prints the directory holding the binaries
-#   tests/cluster/build.sh nodes      # the same for real nodes: kubelet, containerd, runc,
+#   devkit/cluster/build.sh            # prints the directory holding the binaries
+#   devkit/cluster/build.sh nodes      # the same for real nodes: kubelet, containerd, runc,
 #                                     # the CNI plugins and a pause image's binary
 #
 # K8S_RDZV_BINARIES=<dir> or KUBEBUILDER_ASSETS=<dir> pointing at prebuilt binaries skips

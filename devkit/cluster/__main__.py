@@ -1,11 +1,11 @@
 """Developer entry point for the local control plane.
 
-    python -m tests.cluster build            # build (or find) the binaries; print their dir
-    python -m tests.cluster up [--dir DIR]   # start detached; print `export KUBECONFIG=...`
-    python -m tests.cluster up --real-nodes 2 [--ipv6]
+    python -m devkit.cluster build            # build (or find) the binaries; print their dir
+    python -m devkit.cluster up [--dir DIR]   # start detached; print `export KUBECONFIG=...`
+    python -m devkit.cluster up --real-nodes 2 [--ipv6]
                                              # ... with real nodes beside kwok (root; see
-                                             # tests/cluster/nodes.py), their images loaded
-    python -m tests.cluster down [--dir DIR] # stop it (and its real nodes) and remove DIR
+                                             # devkit/cluster/nodes.py), their images loaded
+    python -m devkit.cluster down [--dir DIR] # stop it (and its real nodes) and remove DIR
 
 With a cluster up, ``K8S_RDZV_KUBECONFIG_DIR=DIR pytest ...`` reuses it instead of starting
 one per session.
@@ -19,14 +19,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from tests.cluster import images
-from tests.cluster.controlplane import (
+from devkit.cluster import images
+from devkit.cluster.controlplane import (
     STATE_FILE,
     ControlPlane,
     ControlPlaneError,
     build_binaries,
 )
-from tests.cluster.nodes import RealNodes, build_node_binaries
+from devkit.cluster.nodes import RealNodes, build_node_binaries
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def _up(directory: Path, real_nodes: int, ipv6: bool) -> int:
         return 1
     print(
         f"# control plane up in {plane.startup_seconds:.1f}s at {plane.server}; "
-        f"logs in {plane.workdir / 'logs'}; stop with: python -m tests.cluster down"
+        f"logs in {plane.workdir / 'logs'}; stop with: python -m devkit.cluster down"
         + ("" if directory == default_dir() else f" --dir {directory}"),
         file=sys.stderr,
     )
@@ -91,7 +91,7 @@ def _down(directory: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.cluster",
+        prog="python -m devkit.cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,19 +6,19 @@ import json
 from pathlib import Path
 
 import kubernetes.client
-from tests.chart import chart
-from tests.cluster import images
-from tests.cluster.controlplane import ControlPlane, dig, read_object
-from tests.cluster.nodes import (
+
+from devkit import chart
+from devkit.cluster import images
+from devkit.cluster.controlplane import ControlPlane, dig, read_object
+from devkit.cluster.nodes import (
     REAL_NODE_LABEL,
     REAL_NODE_TOLERATION,
     RealNodes,
     build_node_binaries,
 )
-from tests.cluster.waiting import wait_for
-from tests.nodes.training import OPERATOR_POD_LABELS, operator_leader
-
-REPO = Path(__file__).resolve().parents[2]
+from devkit.paths import REPO
+from devkit.training import OPERATOR_POD_LABELS, operator_leader
+from devkit.waiting import wait_for
 
 
 def build_node_images() -> dict[str, images.ImageArchive]:

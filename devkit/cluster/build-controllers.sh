@@ -3,7 +3,7 @@
 # (Kueue, JobSet, Kubeflow Trainer v2) from the Go module proxy into a versioned cache
 # directory beside build.sh's; anything already built is skipped.
 #
-#   tests/cluster/build-controllers.sh    # prints the directory holding them
+#   devkit/cluster/build-controllers.sh    # prints the directory holding them
 #
 # Each controller's binary lands in <dir>/<name>/ next to its manifests (CRDs, RBAC,
 # webhook configurations, samples), copied from its module zip in the Go module cache:

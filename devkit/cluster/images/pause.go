@@ -1,5 +1,5 @@
 // The process that holds a pod sandbox's namespaces: it waits until it is told to stop.
-// Built by tests/cluster/build.sh nodes; no image registry is reachable, so the nodes' pause
+// Built by devkit/cluster/build.sh nodes; no image registry is reachable, so the nodes' pause
 // image is made from it locally.
 package main
 

@@ -6,7 +6,7 @@ and handed to containerd as an OCI image archive, named by the reference its ind
 carries (``ctr -n k8s.io images import --platform linux/amd64 FILE``):
 
 - **pause** (``PAUSE_REFERENCE``): the pod sandbox's process, the static binary that
-  ``tests/cluster/build.sh nodes`` builds from ``images/pause.go``, alone in one layer.
+  ``devkit/cluster/build.sh nodes`` builds from ``images/pause.go``, alone in one layer.
 - **trainer** (``TRAINER_REFERENCE``): the smallest honest trainer image. It holds no
   Python, no torch and none of the project: only the usr-merge symlinks (``/bin``,
   ``/lib``, ``/lib64`` and ``/sbin`` into ``/usr``), the empty directories a runtime mounts
@@ -29,9 +29,9 @@ The pause and trainer archives are written by a small stdlib-only OCI writer
 (``write_oci_archive``): one layer, fixed mtimes, sorted entries, owner 0:0, so the same
 inputs give the same bytes and digests. Everything is cached under ``default_cache()``
 (``$K8S_RDZV_CACHE`` or ``$XDG_CACHE_HOME/k8s-rendezvous``, then ``images``), as
-tests/cluster/build.sh does for the binaries:
+devkit/cluster/build.sh does for the binaries:
 
-    python -m tests.cluster.images operator|trainer|pause [--cache DIR]   # prints the path
+    python -m devkit.cluster.images operator|trainer|pause [--cache DIR]   # prints the path
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def default_cache() -> Path:
-    """tests/cluster/build.sh's cache root (``$K8S_RDZV_CACHE``, else
+    """devkit/cluster/build.sh's cache root (``$K8S_RDZV_CACHE``, else
     ``${XDG_CACHE_HOME:-~/.cache}/k8s-rendezvous``), then ``images``."""
     root = os.environ.get("K8S_RDZV_CACHE")
     if not root:
@@ -366,7 +366,7 @@ def pause_image(binary: Path, cache: Path) -> ImageArchive:
     """
     data = binary.read_bytes()
     if not data.startswith(b"\x7fELF"):
-        raise ImageError(f"{binary} is not an ELF binary (build it: tests/cluster/build.sh nodes)")
+        raise ImageError(f"{binary} is not an ELF binary (build it: devkit/cluster/build.sh nodes)")
     return write_oci_archive(
         cache / "pause.tar",
         PAUSE_REFERENCE,
@@ -547,7 +547,7 @@ _BUILD_RECIPE = "buildah bud --isolation=chroot --layers=false --format=oci; CA 
 # system's; a system-level uv.toml, mounted for the build only, says so (uv reads
 # /etc/uv/uv.toml). The image built is the same as without it.
 _UV_SYSTEM_CONFIG = (
-    "# Mounted by tests/cluster/images.py for the build only.\nsystem-certs = true\n"
+    "# Mounted by devkit/cluster/images.py for the build only.\nsystem-certs = true\n"
 )
 _IMAGE_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
@@ -992,8 +992,8 @@ class _Steps:
 
 
 def _nodes_pause_binary() -> Path:
-    """The pause binary tests/cluster/build.sh nodes built (it builds what is missing)."""
-    _progress("locating the nodes' binaries (tests/cluster/build.sh nodes)")
+    """The pause binary devkit/cluster/build.sh nodes built (it builds what is missing)."""
+    _progress("locating the nodes' binaries (devkit/cluster/build.sh nodes)")
     proc = subprocess.run(
         ["bash", str(CLUSTER_DIR / "build.sh"), "nodes"],
         stdout=subprocess.PIPE,
@@ -1002,13 +1002,13 @@ def _nodes_pause_binary() -> Path:
     )
     lines = proc.stdout.split()
     if proc.returncode != 0 or not lines:
-        raise ImageError(f"tests/cluster/build.sh nodes failed (exit code {proc.returncode})")
+        raise ImageError(f"devkit/cluster/build.sh nodes failed (exit code {proc.returncode})")
     return Path(lines[-1]) / "pause"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.cluster.images",
+        prog="python -m devkit.cluster.images",
         description="Make one of the real nodes' images and print its OCI archive's path.",
     )
     parser.add_argument("image", choices=("operator", "trainer", "pause"))
@@ -1016,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--binary",
         type=Path,
-        help="pause: the static binary (default: tests/cluster/build.sh nodes' pause)",
+        help="pause: the static binary (default: devkit/cluster/build.sh nodes' pause)",
     )
     parser.add_argument("--repo", type=Path, default=REPO, help="operator: default: %(default)s")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ kubeconfigs, etcd data, logs, saved state) lives in one work directory. Processe
 started in their own sessions and stopped by recorded PID only.
 
 The same class serves the pytest fixtures (``start()``/``stop()``, stop registered with
-atexit) and the developer command ``python -m tests.cluster up|down`` (``detach=True`` and
+atexit) and the developer command ``python -m devkit.cluster up|down`` (``detach=True`` and
 ``ControlPlane.attach(directory)``).
 """
 
@@ -34,8 +34,9 @@ from typing import Any, TypeVar
 import kubernetes.client
 import pydantic
 from kubernetes.client.exceptions import ApiException
-from tests.cluster.pki import ClusterPKI, create_pki
-from tests.cluster.waiting import wait_for
+
+from devkit.cluster.pki import ClusterPKI, create_pki
+from devkit.waiting import wait_for
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 BUILD_SCRIPT = CLUSTER_DIR / "build.sh"
@@ -102,7 +103,7 @@ class _PortClash(Exception):
 
 def read_versions() -> dict[str, str]:
     """The pinned versions from versions.env, or from the file K8S_RDZV_VERSIONS names (as
-    tests/cluster/build.sh reads them: the compatibility run, hack/compat.sh, tests other
+    devkit/cluster/build.sh reads them: the compatibility run, hack/compat.sh, tests other
     Kubernetes releases so)."""
     versions: dict[str, str] = {}
     path = os.environ.get("K8S_RDZV_VERSIONS") or CLUSTER_DIR / "versions.env"
@@ -115,14 +116,14 @@ def read_versions() -> dict[str, str]:
 
 
 def build_binaries(*, stream_log: bool = False) -> Path:
-    """Run tests/cluster/build.sh (idempotent; a no-op when everything is cached) and return
+    """Run devkit/cluster/build.sh (idempotent; a no-op when everything is cached) and return
     the directory it prints. With ``stream_log`` its progress goes to our stderr; otherwise
     the log is kept and its tail shown on failure."""
     return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
 
 
 def run_build_script(script: Path, *args: str, stream_log: bool = False) -> Path:
-    """Run one of tests/cluster's build scripts, which prints the directory of what it
+    """Run one of devkit/cluster's build scripts, which prints the directory of what it
     built (or found cached) last; that directory."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.run(

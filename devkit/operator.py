@@ -18,8 +18,10 @@ class OperatorProcess:
         log_path: Where its output goes (read it when a test fails).
         namespaces: Watch only these namespaces; all when empty.
         extra_args: More flags, after the defaults (``--liveness=``, ``--verbose``,
-            ``--metrics-port=0``); a repeated flag wins over its default.
+            ``--metrics-port=0``: several run side by side); a repeated flag wins over its
+            default.
         env: More environment variables (e.g. a pod's POD_NAME and POD_NAMESPACE).
+        verbose: ``--verbose`` (what a test's log wants; a Deployment runs without it).
     """
 
     def __init__(
@@ -29,12 +31,14 @@ class OperatorProcess:
         namespaces: tuple[str, ...] = (),
         extra_args: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
+        verbose: bool = True,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.namespaces = namespaces
         self.extra_args = extra_args
         self.env = dict(env or {})
+        self.verbose = verbose
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -45,7 +49,9 @@ class OperatorProcess:
         assert self._process is None or self._process.poll() is not None, "already running"
         env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
         env.pop("KUBERNETES_SERVICE_HOST", None)
-        args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness=", "--verbose"]
+        args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness="]
+        if self.verbose:
+            args.append("--verbose")
         for namespace in self.namespaces:
             args += ["--namespace", namespace]
         if not any(arg.startswith("--metrics-port") for arg in self.extra_args):

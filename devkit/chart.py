@@ -1,7 +1,7 @@
 """The chart against the test control plane: helm, the release, the operator's identity.
 
 helm runs with its own HOME-like directories (nothing is written under ~) and the admin
-kubeconfig. Renders pass no --kube-version: tests/cluster/build.sh builds helm for the
+kubeconfig. Renders pass no --kube-version: devkit/cluster/build.sh builds helm for the
 pinned Kubernetes version (a release build of helm assumes that of its client-go).
 """
 
@@ -17,12 +17,13 @@ from typing import Any
 
 import kubernetes.client
 import yaml
-from tests.cluster.controlplane import ControlPlane, dig, read_object
-from tests.cluster.waiting import wait_for
-from tests.support.operator import OperatorProcess
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "k8s-rendezvous"
+from devkit import paths
+from devkit.cluster.controlplane import ControlPlane, dig, read_object
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
+
+CHART = paths.CHART
 RELEASE = "k8s-rendezvous"
 NAMESPACE = "k8s-rendezvous-system"
 OPERATOR = "k8s-rendezvous-operator"
@@ -122,7 +123,7 @@ def adopt_shared_roles(control_plane: ControlPlane) -> bool:
 
 
 def restore_shared_roles(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "rbac"))
+    control_plane.kubectl("apply", "--server-side", "-f", str(paths.RBAC))
 
 
 def ensure_namespace(control_plane: ControlPlane, name: str = NAMESPACE) -> None:

@@ -1,0 +1,70 @@
+"""Namespaces for the kit's workloads: made, ready for pods, and allowed to rendezvous."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import kubernetes.client
+from kubernetes.client.exceptions import ApiException
+
+from devkit import chart
+from devkit.cluster.controlplane import to_model
+from devkit.waiting import wait_for
+
+
+def create(
+    api: kubernetes.client.ApiClient,
+    name: str,
+    labels: Mapping[str, str] | None = None,
+    timeout: float = 120,
+) -> str:
+    """Create namespace ``name`` and return it once its ``default`` ServiceAccount exists.
+
+    Labels are set at creation: a webhook's namespaceSelector may be judged on the API
+    server's cached copy, which a label added afterwards reaches a moment later. The wait
+    is long: after a test restarts the API server, the controller manager's informers
+    retry with client-go's backoff, which stops at [30, 60) s.
+    """
+    core = kubernetes.client.CoreV1Api(api)
+    core.create_namespace(
+        to_model(
+            kubernetes.client.V1Namespace,
+            {"metadata": {"name": name, "labels": dict(labels or {})}},
+        )
+    )
+
+    def default_service_account() -> bool:
+        try:
+            core.read_namespaced_service_account("default", name)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    wait_for(
+        default_service_account,
+        timeout,
+        f"ServiceAccount {name}/default (serviceaccount controller)",
+    )
+    return name
+
+
+def bind_worker_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) use a rendezvous: the
+    worker ClusterRole of manifests/rbac/ and of the chart."""
+    kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(
+        namespace,
+        to_model(
+            kubernetes.client.V1RoleBinding,
+            {
+                "metadata": {"name": chart.WORKER_ROLE},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": chart.WORKER_ROLE,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+            },
+        ),
+    )
