@@ -279,9 +279,13 @@ class Reconciler:
         metrics.QUEUE_DEPTH.set(len(self._running))
 
     async def idle(self) -> None:
-        """Wait until no reconcile runs or is due (what a test waits for)."""
-        while self._running:
-            await asyncio.gather(*self._running.values(), return_exceptions=True)
+        """Wait until no reconcile runs and no pod is being looked at (nothing follows
+        from what is known so far; what a test waits for)."""
+        while busy := [
+            *self._running.values(),
+            *(task for pod in self._pods.values() if (task := pod.labelling) is not None),
+        ]:
+            await asyncio.gather(*busy, return_exceptions=True)
 
     async def _loop(self, key: Key) -> None:
         try:
@@ -372,7 +376,7 @@ class Reconciler:
             return False
         memory.forming_since = decision.status.forming_since
         if decision.write:
-            written = await self._write(key, memory, body, current, decision, now)
+            written = await self._write(key, memory, body, decision, now)
             if written is not Written.WRITTEN:
                 return written is not Written.CONFLICT
         await self._publish_slices(key, memory, spec, decision.status)
@@ -437,7 +441,6 @@ class Reconciler:
         key: Key,
         memory: RendezvousMemory,
         body: Mapping[str, Any],
-        current: state.RendezvousStatus,
         decision: rounds.Decision,
         now: datetime.datetime,
     ) -> Written:
@@ -469,7 +472,7 @@ class Reconciler:
             return Written.REFUSED
         memory.write_refused = None
         self._remember(key, written)
-        self._report(written, current, decision, now)
+        self._report(written, decision, now)
         self._count(memory, decision)
         return Written.WRITTEN
 
@@ -570,14 +573,11 @@ class Reconciler:
         return result
 
     def _report(
-        self,
-        body: Mapping[str, Any],
-        previous: state.RendezvousStatus,
-        decision: rounds.Decision,
-        now: datetime.datetime,
+        self, body: Mapping[str, Any], decision: rounds.Decision, now: datetime.datetime
     ) -> None:
         """Events after the write succeeded, where `kubectl describe` shows them."""
         status = decision.status
+        previous = decision.previous or status
         targets = events.rendezvous_targets(body)
         for loss in decision.losses:
             self._post(

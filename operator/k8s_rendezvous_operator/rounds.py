@@ -161,6 +161,8 @@ class Decision:
     awaiting: tuple[str, ...] = ()
     """Members of the round sealed here whose pods are not observed yet (rule 11,
     :func:`awaiting_observation`): look at them before writing, then decide again."""
+    previous: RendezvousStatus | None = None
+    """The status decided on: as stored, with the remembered ``formingSince`` back."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,6 +598,7 @@ def _decided(ctx: Context, verdict: Verdict) -> Decision:
         forming_seconds=verdict.forming_seconds,
         write=needs_write(ctx, status),
         awaiting=awaiting_observation(ctx, verdict),
+        previous=ctx.stored,
     )
 
 
