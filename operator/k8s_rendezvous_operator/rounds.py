@@ -142,8 +142,8 @@ class MemberLoss:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
-    """What the reconciler writes, awaits and reports after one pass of the rules."""
+class Verdict:
+    """How a rule settled the round: the status it leads to, and what happened."""
 
     status: RendezvousStatus
     sealed: bool = False
@@ -156,6 +156,13 @@ class Decision:
     """Decide again at this time even if nothing changes (last call, heartbeat expiry)."""
     forming_seconds: float | None = None
     """For a sealed round: from the first join request the operator saw to the seal."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision(Verdict):
+    """A :class:`Verdict` with its conditions set (by :func:`_decided`, the one exit), and
+    what the reconciler is to write and await."""
+
     write: bool = False
     """Whether ``status`` must be written (rule 10, :func:`needs_write`)."""
     awaiting: tuple[str, ...] = ()
@@ -163,18 +170,6 @@ class Decision:
     :func:`awaiting_observation`): look at them before writing, then decide again."""
     previous: RendezvousStatus | None = None
     """The status decided on: as stored, with the remembered ``formingSince`` back."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """How a rule settled the round; :func:`_decided` turns it into a :class:`Decision`."""
-
-    status: RendezvousStatus
-    sealed: bool = False
-    closed: bool = False
-    losses: tuple[MemberLoss, ...] = ()
-    wake_at: datetime.datetime | None = None
-    forming_seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,12 +585,8 @@ def _decided(ctx: Context, verdict: Verdict) -> Decision:
     """The one exit: conditions set, and what to write and await."""
     status = _with_conditions(verdict.status, ctx.now, ctx.generation)
     return Decision(
-        status,
-        sealed=verdict.sealed,
-        closed=verdict.closed,
-        losses=verdict.losses,
-        wake_at=verdict.wake_at,
-        forming_seconds=verdict.forming_seconds,
+        **{field.name: getattr(verdict, field.name) for field in dataclasses.fields(Verdict)}
+        | {"status": status},
         write=needs_write(ctx, status),
         awaiting=awaiting_observation(ctx, verdict),
         previous=ctx.stored,
