@@ -12,7 +12,7 @@ sets the conditions. Each numbered rule is the function named with it:
    and a new round would lack that member's part, so the others finish theirs undisturbed
    (torch's c10d closes at any agent's shutdown alike).
 3. :func:`forgets_spent_left_behind`: a node left behind by a round is remembered only
-   while it still holds the request that round spent (rule 7).
+   while it still holds the request that round spent (rule 8).
 4. :func:`closes_when_everyone_left`: every member of the last round having left (a
    failed agent's ``shutdown()``) with nobody waiting closes it.
 5. :func:`goes_stale_on_change`: a sealed round goes stale (``Reforming``) as soon as a
@@ -26,7 +26,7 @@ sets the conditions. Each numbered rule is the function named with it:
 7. :func:`keeps_forming`: otherwise the round keeps forming, with its last call set while
    ``minNodes`` have joined.
 
-And what every rule above relies on:
+And what those rules rely on:
 
 8. :func:`spent_request`: a join request admitted to a round is spent: a member lost from
    it (or left behind by the next round) counts as waiting again only once its agent asks
