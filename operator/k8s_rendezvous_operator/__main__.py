@@ -125,9 +125,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     log.info("k8s-rendezvous-operator %s starting", __version__)
-    from k8s_rendezvous_operator import reconciler  # registers the kopf handlers
+    from k8s_rendezvous_operator import handlers  # registers the kopf handlers
 
-    del reconciler
+    del handlers
     if args.webhook:
         if not args.webhook_host:
             parser.error("--webhook needs --webhook-host (the webhook Service's DNS name)")

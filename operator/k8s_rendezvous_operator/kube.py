@@ -1,14 +1,18 @@
 """The operator's only door to the Kubernetes API (besides kopf's own watches and Events).
 
 Calls are blocking (the official client); the reconciler runs them in worker threads.
+Every error of the client and its transport is mapped here, in :func:`_mapped`, to
+:class:`ApiError` and its kinds: callers catch what happened (:class:`NotFound`,
+:class:`Conflict`...), never the client library's exception.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import urllib3
 from kubernetes import client, config
@@ -20,24 +24,40 @@ ApiClient = client.ApiClient
 """The authenticated client the operator's API doors are made from."""
 
 
-class Conflict(Exception):
-    """The object changed since it was read; read it again and decide again."""
+class ApiError(Exception):
+    """The API server refused a request, or could not be reached. Every error of the
+    client library and its transport leaves this module as one of these, so callers (and
+    the error metric's label) name what happened, not the library."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status of the answer; ``None``: there was no answer."""
 
 
-class NotFound(Exception):
-    """The object does not exist (any more)."""
+class NotFound(ApiError):
+    """The object does not exist (any more): 404."""
 
 
-class Invalid(Exception):
-    """The API server refused the object as invalid (422); the message says why."""
+class Conflict(ApiError):
+    """The object changed since it was read, or exists already: 409. Read it again and
+    decide again."""
 
 
-class Refused(Exception):
+class Refused(ApiError):
     """The API server refused the request for good (400, 403, 422); the message says why."""
 
 
-class Unavailable(Exception):
-    """The request may succeed later: no answer, or a 409, 429 or 5xx."""
+class Invalid(Refused):
+    """The API server refused the object as invalid (422); the message says why."""
+
+
+class Unavailable(ApiError):
+    """The request may succeed later: no answer, or a 429 or 5xx."""
+
+
+class Taken(Conflict):
+    """Someone else wrote the leader-election Lease first."""
 
 
 def api_message(error: ApiException) -> str:
@@ -45,6 +65,39 @@ def api_message(error: ApiException) -> str:
         return str(json.loads(error.body or "{}").get("message") or error.reason)
     except ValueError:
         return str(error.reason)
+
+
+def _mapped(error: ApiException) -> ApiError:
+    status = error.status
+    kind: type[ApiError] = ApiError
+    if status == 404:
+        kind = NotFound
+    elif status == 409:
+        kind = Conflict
+    elif status == 422:
+        kind = Invalid
+    elif status in (400, 403):
+        kind = Refused
+    elif status == 429 or (status is not None and status >= 500):
+        kind = Unavailable
+    return kind(api_message(error), status)
+
+
+def _requester(api_client: client.ApiClient) -> Callable[..., dict[str, Any]]:
+    """``rest.Rest.request`` that raises only :class:`ApiError` and its kinds."""
+    send = rest.Rest(api_client).request
+
+    def request(
+        method: str, path: str, body: object | None = None, **options: Any
+    ) -> dict[str, Any]:
+        try:
+            return send(method, path, body, **options)
+        except ApiException as error:
+            raise _mapped(error) from error
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise Unavailable(str(error) or type(error).__name__) from error
+
+    return request
 
 
 def job_owner(name: str, uid: str) -> dict[str, Any]:
@@ -65,12 +118,59 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+class ReconcilerApi(Protocol):
+    """What the reconciler (and its :mod:`.jobs`) needs of the API: :class:`OperatorApi`,
+    or a test's fake. Each call blocks; errors are :class:`ApiError`'s kinds."""
+
+    def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    def write_status(
+        self, namespace: str, name: str, resource_version: str, fields: dict[str, Any]
+    ) -> dict[str, Any]: ...
+
+    def write_slice(
+        self,
+        namespace: str,
+        rendezvous: Mapping[str, Any],
+        index: int,
+        content: Mapping[str, Any],
+    ) -> None: ...
+
+    def unlabelled_job_pods(self, namespace: str, job_uid: str) -> list[dict[str, Any]]: ...
+
+    def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]: ...
+
+    def create_rendezvous(
+        self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
+    ) -> dict[str, Any] | None: ...
+
+    def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None: ...
+
+    def service_account_exists(self, namespace: str, name: str) -> bool: ...
+
+    def bind_worker_role(
+        self, namespace: str, job: str, job_uid: str, service_account: str, cluster_role: str
+    ) -> None: ...
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None: ...
+
+    def pod_node_name(self, namespace: str, pod: str) -> str | None: ...
+
+    def adopt_rendezvous(
+        self, namespace: str, name: str, uid: str, owner: dict[str, Any]
+    ) -> dict[str, Any]: ...
+
+    def node_labels(self, node: str) -> dict[str, str]: ...
+
+
 class OperatorApi:
     def __init__(self, api_client: client.ApiClient) -> None:
         # Plain JSON, not the typed clients: they validate every call (bench/FINDINGS.md)
         # and would cost about 100 MB of memory for their models, for the handful of calls
         # made here.
-        self._request = rest.Rest(api_client).request
+        self._request = _requester(api_client)
 
     @staticmethod
     def _path(namespace: str, plural: str, name: str = "") -> str:
@@ -78,12 +178,7 @@ class OperatorApi:
         return f"{path}/{name}" if name else path
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
-        try:
-            return self._request("GET", self._path(namespace, state.PLURAL, name))
-        except ApiException as error:
-            if error.status == 404:
-                raise NotFound(f"Rendezvous {namespace}/{name}") from error
-            raise
+        return self._request("GET", self._path(namespace, state.PLURAL, name))
 
     def write_status(
         self, namespace: str, name: str, resource_version: str, fields: dict[str, Any]
@@ -92,21 +187,12 @@ class OperatorApi:
         ``resource_version``: a decision is only ever written over the state it was made on.
         """
         body = {"metadata": {"resourceVersion": resource_version}, "status": fields}
-        try:
-            return self._request(
-                "PATCH",
-                self._path(namespace, state.PLURAL, name) + "/status",
-                body,
-                content_type=rest.MERGE_PATCH,
-            )
-        except ApiException as error:
-            if error.status == 409:
-                raise Conflict(f"Rendezvous {namespace}/{name}") from error
-            if error.status == 404:
-                raise NotFound(f"Rendezvous {namespace}/{name}") from error
-            if error.status == 422:
-                raise Invalid(api_message(error)) from error
-            raise
+        return self._request(
+            "PATCH",
+            self._path(namespace, state.PLURAL, name) + "/status",
+            body,
+            content_type=rest.MERGE_PATCH,
+        )
 
     def write_slice(
         self,
@@ -128,9 +214,8 @@ class OperatorApi:
                 content_type=rest.MERGE_PATCH,
             )
             return
-        except ApiException as error:
-            if error.status != 404:
-                raise
+        except NotFound:
+            pass
         owner = state.owner_reference(
             state.API_VERSION, state.KIND, metadata["name"], metadata["uid"]
         )
@@ -172,17 +257,12 @@ class OperatorApi:
         """Label a node's pod so the operator's server-side filtered pod watch sees it;
         returns the pod as labelled."""
         body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
-        try:
-            return self._request(
-                "PATCH",
-                f"/api/v1/namespaces/{namespace}/pods/{pod}",
-                body,
-                content_type=rest.MERGE_PATCH,
-            )
-        except ApiException as error:
-            if error.status == 404:
-                raise NotFound(f"Pod {namespace}/{pod}") from error
-            raise
+        return self._request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{pod}",
+            body,
+            content_type=rest.MERGE_PATCH,
+        )
 
     def create_rendezvous(
         self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
@@ -202,10 +282,8 @@ class OperatorApi:
         }
         try:
             return self._request("POST", self._path(namespace, state.PLURAL), body)
-        except ApiException as error:
-            if error.status == 409:
-                return None
-            raise
+        except Conflict:
+            return None
 
     def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
         self._request(
@@ -218,10 +296,8 @@ class OperatorApi:
     def service_account_exists(self, namespace: str, name: str) -> bool:
         try:
             self._request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
-        except ApiException as error:
-            if error.status == 404:
-                return False
-            raise
+        except NotFound:
+            return False
         return True
 
     def bind_worker_role(
@@ -246,15 +322,12 @@ class OperatorApi:
                 {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
             ],
         }
-        try:
+        with contextlib.suppress(Conflict):  # bound already
             self._request(
                 "POST",
                 f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
                 body,
             )
-        except ApiException as error:
-            if error.status != 409:
-                raise
 
     def register_webhooks(self, configuration: str, webhooks: list[dict[str, Any]]) -> None:
         """Make MutatingWebhookConfiguration ``configuration``'s webhooks these (a merge
@@ -274,31 +347,27 @@ class OperatorApi:
                     {"webhooks": webhooks},
                     content_type=rest.MERGE_PATCH,
                 )
-            except ApiException as error:
-                if error.status != 404:
-                    raise
+            except NotFound:
                 self._request("POST", path, body)
-        except ApiException as error:
-            said = f"{error.status}: {api_message(error)}"
-            raise (Refused if error.status in (400, 403, 422) else Unavailable)(said) from error
-        except (urllib3.exceptions.HTTPError, OSError) as error:
-            raise Unavailable(str(error)) from error
+        except ApiError as error:
+            if error.status is None:
+                raise  # no answer: Unavailable already
+            # Refused for good, or it may pass later (a 409: made meanwhile).
+            said = f"{error.status}: {error}"
+            kind = Refused if isinstance(error, Refused) else Unavailable
+            raise kind(said, error.status) from error
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}")
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        except NotFound:
+            return None
 
     def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
         try:
             return self._request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        except NotFound:
+            return None
 
     def pod_node_name(self, namespace: str, pod: str) -> str | None:
         found = self.get_pod(namespace, pod)
@@ -311,27 +380,16 @@ class OperatorApi:
     ) -> dict[str, Any]:
         """Make ``owner`` the controller owner of the Rendezvous whose uid is ``uid``
         (the uid is a precondition: not one made anew since); the Rendezvous as it is now."""
-        try:
-            return self._request(
-                "PATCH",
-                self._path(namespace, state.PLURAL, name),
-                {"metadata": {"uid": uid, "ownerReferences": [owner]}},
-                content_type=rest.MERGE_PATCH,
-            )
-        except ApiException as error:
-            if error.status == 404:
-                raise NotFound(name) from error
-            if error.status == 409:
-                raise Conflict(name) from error
-            raise
+        return self._request(
+            "PATCH",
+            self._path(namespace, state.PLURAL, name),
+            {"metadata": {"uid": uid, "ownerReferences": [owner]}},
+            content_type=rest.MERGE_PATCH,
+        )
 
     def node_labels(self, node: str) -> dict[str, str]:
         found = self._request("GET", f"/api/v1/nodes/{node}")
         return dict((found.get("metadata") or {}).get("labels") or {})
-
-
-class Taken(Exception):
-    """Someone else wrote the Lease first (409)."""
 
 
 class LeaseLock:
@@ -341,7 +399,7 @@ class LeaseLock:
     def __init__(self, api_client: client.ApiClient, namespace: str, name: str) -> None:
         self.namespace = namespace
         self.name = name
-        self._request = rest.Rest(api_client).request
+        self._request = _requester(api_client)
         self._path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
     @property
@@ -351,10 +409,8 @@ class LeaseLock:
     def get(self, timeout: float) -> dict[str, Any] | None:
         try:
             return self._request("GET", f"{self._path}/{self.name}", timeout=timeout)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        except NotFound:
+            return None
 
     def create(self, spec: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         body = {
@@ -365,10 +421,8 @@ class LeaseLock:
         }
         try:
             return self._request("POST", self._path, body, timeout=timeout)
-        except ApiException as error:
-            if error.status == 409:
-                raise Taken(self.reference) from error
-            raise
+        except Conflict as error:
+            raise Taken(self.reference, error.status) from error
 
     def update(
         self, lease: Mapping[str, Any], spec: Mapping[str, Any], timeout: float
@@ -378,7 +432,5 @@ class LeaseLock:
         body = {**lease, "metadata": metadata, "spec": dict(spec)}
         try:
             return self._request("PUT", f"{self._path}/{self.name}", body, timeout=timeout)
-        except ApiException as error:
-            if error.status in (404, 409):
-                raise Taken(self.reference) from error
-            raise
+        except (NotFound, Conflict) as error:
+            raise Taken(self.reference, error.status) from error

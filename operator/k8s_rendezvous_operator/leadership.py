@@ -19,7 +19,10 @@ over within ``retry_period`` instead of waiting for the Lease to expire.
 
 Not the Kubernetes client library's own election: it judges expiry by comparing wall
 clocks, cannot be stopped on SIGTERM, and never releases. Its reads and writes of the
-Lease go through :class:`k8s_rendezvous_operator.kube.LeaseLock`, like every other call.
+Lease go through :class:`k8s_rendezvous_operator.kube.LeaseLock`, like every other call,
+and fail as :class:`k8s_rendezvous_operator.kube.ApiError`; the :class:`Elector` takes
+anything that reads and writes a Lease as :class:`LeaseStore` does, and its clock, so a
+test can drive expiry, renewal and release without waiting.
 """
 
 from __future__ import annotations
@@ -37,14 +40,37 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from k8s_rendezvous import state
 from k8s_rendezvous.rest import own_namespace
-from k8s_rendezvous_operator import health
-from k8s_rendezvous_operator.kube import ApiClient, LeaseLock, Taken
+from k8s_rendezvous_operator import health, kube
 
 log = logging.getLogger(__name__)
+
+
+class LeaseStore(Protocol):
+    """Blocking reads and writes of the one Lease (:class:`kube.LeaseLock`); every call
+    bounded by ``timeout`` seconds."""
+
+    @property
+    def reference(self) -> str:
+        """``Lease <namespace>/<name>``, for messages."""
+        ...
+
+    def get(self, timeout: float) -> dict[str, Any] | None:
+        """The Lease, or ``None`` if there is none."""
+        ...
+
+    def create(self, spec: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        """Raises :class:`kube.Taken` if someone made it first."""
+        ...
+
+    def update(
+        self, lease: Mapping[str, Any], spec: Mapping[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        """Replace the spec of ``lease`` as read; :class:`kube.Taken` if written since."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +153,7 @@ class Elector:
 
     def __init__(
         self,
-        lock: LeaseLock,
+        lock: LeaseStore,
         identity: str,
         timings: Timings | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -165,7 +191,7 @@ class Elector:
             record = Record(self.identity, duration, now, now, 0)
             try:
                 self.lock.create(record.to_spec(), timeout)
-            except Taken:
+            except kube.Taken:
                 return _Outcome(False, observed, observed_at, started)
             return _Outcome(True, record, self._clock(), started)
         found = Record.from_lease(lease)
@@ -183,7 +209,7 @@ class Elector:
         )
         try:
             self.lock.update(lease, record.to_spec(), timeout)
-        except Taken:
+        except kube.Taken:
             return _Outcome(False, observed, observed_at, started)
         return _Outcome(True, record, self._clock(), started)
 
@@ -400,7 +426,7 @@ def run_elected(
     *,
     namespace: str | None,
     name: str,
-    api_client: ApiClient,
+    api_client: kube.ApiClient,
     liveness_endpoint: str | None,
     timings: Timings | None = None,
     **kopf_options: Any,
@@ -414,7 +440,7 @@ def run_elected(
     import kopf
 
     elector = Elector(
-        LeaseLock(api_client, namespace or default_namespace(), name),
+        kube.LeaseLock(api_client, namespace or default_namespace(), name),
         kopf_options.get("identity") or default_identity(),
         timings,
     )

@@ -1,10 +1,14 @@
-"""The reasons of the Events the operator posts, in one place: users filter and alert on
-them (``kubectl get events --field-selector reason=NodeRefused``), so each is part of the
-interface. The messages stay at their sites: each names its own problem and fix."""
+"""The reasons and messages of the Events the operator posts and of the conditions it sets,
+in one place: users filter and alert on the reasons (``kubectl get events --field-selector
+reason=NodeRefused``) and read the messages, so each is part of the interface. A message
+names its own problem and its fix."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
+
+from k8s_rendezvous.state import RendezvousSpec
 
 # On a Rendezvous: its rounds.
 ROUND_SEALED: Final = "RoundSealed"
@@ -24,3 +28,151 @@ INVALID_ANNOTATION: Final = "InvalidAnnotation"
 RUN_ID_IMMUTABLE: Final = "RunIdImmutable"
 SERVICE_ACCOUNT_NOT_FOUND: Final = "ServiceAccountNotFound"
 POD_NOT_INJECTED: Final = "PodNotInjected"
+
+# Conditions (``Ready`` and ``Closed``; their types are in :mod:`.rounds`). ``Ready``'s
+# reason while a round forms is the state itself (``Forming``, ``Reforming``).
+OPEN: Final = "Open"
+"""``Closed`` is False: rounds can still be formed."""
+OPEN_MESSAGE: Final = "rounds can still be formed"
+READY_CLOSED_MESSAGE: Final = "the rendezvous is closed"
+"""``Ready`` is False, reason :data:`CLOSED`."""
+
+
+def ready_message(round_: int, world_size: int, master: str) -> str:
+    return f"round {round_}: {world_size} nodes, master {master}"
+
+
+def forming_message(round_: int) -> str:
+    return f"forming round {round_}"
+
+
+# Why a rendezvous closed (``status.closedMessage``, the ``Closed`` condition and Event).
+
+
+def closed_by_node(pod: str) -> str:
+    return f"pod {pod} called set_closed()"
+
+
+def closed_node_finished(pod: str, round_: int) -> str:
+    return (
+        f"pod {pod} of round {round_} finished (its workers succeeded): no further round "
+        "forms, and the other members finish their work"
+    )
+
+
+def closed_all_left(round_: int) -> str:
+    return f"every node of round {round_} left and none is waiting"
+
+
+# Events on a Rendezvous (and the Job that controls it): its rounds.
+
+
+def member_lost(pod: str, rank: int, round_: int, why: str) -> str:
+    return f"pod {pod} (rank {rank} of round {round_}) left the round: {why}"
+
+
+def round_sealed(
+    round_: int, members: Sequence[str], master: str, forming_seconds: float | None
+) -> str:
+    """Names the first 8 members; ``forming_seconds`` from the first join, if known."""
+    names = ", ".join(members[:8])
+    more = f" and {len(members) - 8} more" if len(members) > 8 else ""
+    took = "" if forming_seconds is None else f" {forming_seconds:.3f} s after the first join;"
+    return f"round {round_} sealed with {len(members)} nodes ({names}{more});{took} master {master}"
+
+
+def closed(reason: str | None, message: str | None) -> str:
+    return f"{reason}: {message}"
+
+
+# Warnings on a Rendezvous: what it is not told, or refuses.
+
+
+def invalid_entry(pod: str, problem: str) -> str:
+    return (
+        f"pod {pod} wrote a request this operator cannot read, so it is not counted: "
+        f"{problem}. Run the same k8s-rendezvous version in the pods as in the operator."
+    )
+
+
+def node_without_pod(pod: str, namespace: str, lease: str) -> str:
+    return (
+        f"node {pod} asks to join (Lease {lease}), but no Pod {pod} exists in namespace "
+        f"{namespace}: only pods of the workload are admitted. Run torchrun in the workload's "
+        "pods, with POD_NAME set to the pod's name (the downward API's metadata.name)."
+    )
+
+
+def no_owner(rendezvous: str, creator: str, pod_exists: bool) -> str:
+    why = "has no controller (a bare pod)" if pod_exists else "no longer exists"
+    return (
+        f"Rendezvous {rendezvous} was made by pod {creator}, which {why}: there is no workload "
+        "to check its nodes against, so it admits nobody. Run torchrun in pods of a "
+        "controller (a Job, JobSet, StatefulSet...), or set spec.podSelector to the "
+        "labels of the job's pods."
+    )
+
+
+def unreadable(error: object) -> str:
+    return f"cannot be read, no round is decided: {error}"
+
+
+def write_refused(error: object) -> str:
+    return f"its next status was refused, no round is decided: {error}"
+
+
+def invalid_rendezvous(rendezvous: str, problem: str) -> str:
+    """Also the ``Ready`` condition's message, reason :data:`INVALID_RENDEZVOUS`."""
+    return (
+        f"{problem}. Fix the field (kubectl edit rdzv {rendezvous} --subresource=status) or "
+        "recreate the Rendezvous."
+    )
+
+
+# On an annotated Job (and a pod of it).
+
+
+def rendezvous_created(rendezvous: str, spec: RendezvousSpec) -> str:
+    return (
+        f"Rendezvous {rendezvous} for {spec.min_nodes}:{spec.max_nodes} nodes, run id {spec.run_id}"
+    )
+
+
+def rendezvous_recreated(rendezvous: str, spec: RendezvousSpec) -> str:
+    return (
+        f"{rendezvous_created(rendezvous, spec)} was deleted while the Job runs, and is made "
+        "anew: its nodes join its first round. Delete the Job to stop the run."
+    )
+
+
+def rendezvous_not_owned(rendezvous: str) -> str:
+    return (
+        f"Rendezvous {rendezvous} exists and is not owned by this Job; it is left as it is. "
+        "Delete it, or rename the Job."
+    )
+
+
+def run_id_immutable(rendezvous: str, kept: object, asked: str) -> str:
+    return (
+        f"Rendezvous {rendezvous} keeps runId {kept!r}; the annotation asks for {asked!r}. "
+        "Use a new Job for a new run."
+    )
+
+
+def service_account_not_found(account: str) -> str:
+    return (
+        f"ServiceAccount {account} does not exist, so the worker role is not bound for it "
+        "(and the Job cannot create pods). Create it, or name an existing one in the pod "
+        "template; the role is bound then."
+    )
+
+
+def pod_not_injected(pod: object, job: str) -> str:
+    return (
+        f"pod {pod} of Job {job} was made without the env that points torchrun at Rendezvous "
+        f"{job} (PET_RDZV_BACKEND and the rest): nothing injected it when it was created (the "
+        "webhook's failure policy lets pods through during an operator rollout or leader "
+        "change, and the injection policy, where the cluster serves it, needs the Job's "
+        f"Rendezvous to exist). A plain torchrun in it trains alone. Delete pod {pod}: the Job "
+        "replaces it, with the env."
+    )

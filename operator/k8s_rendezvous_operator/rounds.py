@@ -1,32 +1,55 @@
 """Round decisions: a pure function of the stored status, what Kubernetes says about the
-pods, and the operator's clock. No I/O here; :mod:`.reconciler` fetches and writes.
+pods, and the operator's clock. No I/O here; :mod:`.reconciler` gathers, writes and reports.
 
-The rules, in the order :func:`decide` applies them:
+:func:`decide` builds one frozen :class:`Context` and applies the rules below in order; the
+first rule that settles the round ends the pass, and :func:`_decided` is the one exit that
+sets the conditions. Each numbered rule is the function named with it:
 
-1. A closed rendezvous stays closed.
-2. A node asking to close (``set_closed()``) closes it; so does a member of the round
+1. :func:`closed_stays_closed`: a closed rendezvous stays closed.
+2. :func:`closes_when_work_ends`: the workload finishing (its Job complete or failed) closes
+   it; so does a node asking to close (``set_closed()``), and a member of the round
    finishing (its agent's workers succeeded, or its pod did): the round's work is ending,
    and a new round would lack that member's part, so the others finish theirs undisturbed
-   (torch's c10d closes at any agent's shutdown alike); and so does every member of the
-   last round having left (a failed agent's ``shutdown()``) with nobody waiting.
-3. A sealed round goes stale (``Reforming``) as soon as a member is lost (pod deleted or
-   failed, agent restarted, left) or re-joins, or a node waits that fits under
-   ``maxNodes``. Running agents see ``nodesWaiting > 0`` and re-rendezvous at once.
-4. A round forming seals when at least ``minNodes`` join and either ``maxNodes`` joined,
-   every node we know of has joined (after a stale round: all survivors are back), or the
-   last call (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed.
-5. A join request admitted to a round is spent: a member lost from it (or left behind by
-   the next round) counts as waiting again only once its agent asks anew.
-6. Ranks are stable: previous members keep their relative order (rank 0 stays while its
-   node lives); newcomers follow, grouped by topology if asked, in natural order of name.
+   (torch's c10d closes at any agent's shutdown alike).
+3. :func:`forgets_spent_left_behind`: a node left behind by a round is remembered only
+   while it still holds the request that round spent (rule 8).
+4. :func:`closes_when_everyone_left`: every member of the last round having left (a
+   failed agent's ``shutdown()``) with nobody waiting closes it.
+5. :func:`goes_stale_on_change`: a sealed round goes stale (``Reforming``) as soon as a
+   member is lost (pod deleted or failed, agent restarted, left) or re-joins, or a node
+   waits that fits under ``maxNodes``. Running agents see ``nodesWaiting > 0`` and
+   re-rendezvous at once.
+6. :func:`seals_when_complete`: a round forming seals when at least ``minNodes`` join and
+   either ``maxNodes`` joined, every node we know of has joined (after a stale round: all
+   survivors are back; for a first round: the workload's expected nodes), or the last call
+   (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed.
+7. :func:`keeps_forming`: otherwise the round keeps forming, with its last call set while
+   ``minNodes`` have joined.
+
+And what those rules rely on:
+
+8. :func:`spent_request`: a join request admitted to a round is spent: a member lost from
+   it (or left behind by the next round) counts as waiting again only once its agent asks
+   anew.
+9. :func:`rank_order`: ranks are stable: previous members keep their relative order (rank
+   0 stays while its node lives); newcomers follow, grouped by topology if asked, in
+   natural order of name.
+10. :func:`needs_write`: ``formingSince`` is never written on its own: a join that changes
+    nothing else costs no status write. The reconciler remembers it between passes and
+    hands it back (``decide(forming_since=...)``). The first write is always made: it
+    fixes how many slices publish the rounds, for good.
+11. :func:`awaiting_observation`: a round is never sealed with a pod not yet observed: the
+    decision names those pods, and the reconciler looks before it writes (looking is how a
+    restarted operator learns that the pod behind an old request is gone).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from k8s_rendezvous.state import (
@@ -39,6 +62,7 @@ from k8s_rendezvous.state import (
     RendezvousSpec,
     RendezvousStatus,
     RoundState,
+    slice_count,
     slices_needed,
 )
 from k8s_rendezvous_operator import reasons
@@ -118,7 +142,9 @@ class MemberLoss:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class Verdict:
+    """How a rule settled the round: the status it leads to, and what happened."""
+
     status: RendezvousStatus
     sealed: bool = False
     """A round was sealed by this decision."""
@@ -132,6 +158,98 @@ class Decision:
     """For a sealed round: from the first join request the operator saw to the seal."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision(Verdict):
+    """A :class:`Verdict` with its conditions set (by :func:`_decided`, the one exit), and
+    what the reconciler is to write and await."""
+
+    write: bool = False
+    """Whether ``status`` must be written (rule 10, :func:`needs_write`)."""
+    awaiting: tuple[str, ...] = ()
+    """Members of the round sealed here whose pods are not observed yet (rule 11,
+    :func:`awaiting_observation`): look at them before writing, then decide again."""
+    previous: RendezvousStatus | None = None
+    """The status decided on: as stored, with the remembered ``formingSince`` back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Everything one pass of the rules looks at, fixed for the pass. The derived views
+    (losses, joiners, expiries) are computed once, on first use."""
+
+    spec: RendezvousSpec
+    stored: RendezvousStatus
+    """The status as stored, with the remembered ``formingSince`` (rule 10) put back."""
+    requests: Mapping[str, NodeEntry]
+    pods: Mapping[str, PodObservation]
+    now: datetime.datetime
+    liveness: Liveness | None
+    expected_nodes: int | None
+    close: tuple[str, str] | None
+    generation: int
+    first_write: bool
+
+    def pod(self, node: str) -> PodObservation:
+        """The node's pod as observed; a pod not observed yet is taken to be alive."""
+        return self.pods.get(node) or PodObservation()
+
+    @functools.cached_property
+    def heartbeat_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.spec.heartbeat_timeout_seconds)
+
+    @functools.cached_property
+    def expiries(self) -> dict[str, datetime.datetime]:
+        """When each member of the stored round expires without a heartbeat."""
+        if self.liveness is None:
+            return {}
+        return {
+            member.node: self.liveness.expires_at(
+                member, self.stored.sealed_at, self.heartbeat_timeout
+            )
+            for member in self.stored.members
+        }
+
+    @functools.cached_property
+    def losses(self) -> tuple[MemberLoss, ...]:
+        """Members of the stored round that are gone, in rank order, with why."""
+        return tuple(
+            MemberLoss(member.node, rank, reason)
+            for rank, member in enumerate(self.stored.members)
+            if (reason := _loss_reason(self, member)) is not None
+        )
+
+    @functools.cached_property
+    def lost_nodes(self) -> frozenset[str]:
+        return frozenset(loss.node for loss in self.losses)
+
+    @functools.cached_property
+    def next_expiry(self) -> datetime.datetime | None:
+        """The first heartbeat expiry of a member not lost already."""
+        return min(
+            (moment for node, moment in self.expiries.items() if node not in self.lost_nodes),
+            default=None,
+        )
+
+    @functools.cached_property
+    def joiners(self) -> list[str]:
+        """Nodes asking to be admitted to a round they are not already in."""
+        stored = self.stored
+        admitted = {(m.node, m.instance, m.attempt) for m in (*stored.members, *stored.left_behind)}
+        return [
+            name
+            for name, entry in self.requests.items()
+            if entry.intent is NodeIntent.JOIN
+            and not self.pod(name).gone_reason
+            # still running the round it was admitted to, not asking for another
+            and (name, entry.instance, entry.attempt) not in admitted
+        ]
+
+
+Rule = Callable[[Context, RendezvousStatus], "RendezvousStatus | Verdict"]
+"""A rule: given the pass and the status so far, either settle the round (a
+:class:`Verdict`) or hand on the status, changed or not, to the next rule."""
+
+
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """``pod-2`` before ``pod-10``: digits compare as numbers."""
     return tuple(
@@ -139,13 +257,10 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     )
 
 
-def _loss_reason(
-    member: Member,
-    entry: NodeEntry | None,
-    pod: PodObservation | None,
-    expires_at: datetime.datetime | None,
-    now: datetime.datetime,
-) -> str | None:
+def _loss_reason(ctx: Context, member: Member) -> str | None:
+    entry = ctx.requests.get(member.node)
+    pod = ctx.pods.get(member.node)
+    expires_at = ctx.expiries.get(member.node)
     if entry is None:
         return LOST_ENTRY_REMOVED
     if pod is not None and pod.gone_reason is not None:
@@ -156,62 +271,253 @@ def _loss_reason(
         return LOST_AGENT_RESTARTED
     if entry.intent is NodeIntent.LEAVE:
         return LOST_LEFT
-    if expires_at is not None and now >= expires_at and member.admits(entry):
+    if expires_at is not None and ctx.now >= expires_at and member.admits(entry):
         return LOST_HEARTBEAT_EXPIRED
     return None
 
 
-def _finished_member(
-    status: RendezvousStatus,
-    requests: Mapping[str, NodeEntry],
-    pods: Mapping[str, PodObservation],
-) -> str | None:
-    """The first member of the round whose agent (this member's instance) said its
-    workers succeeded, or whose pod did."""
+def _closed(status: RendezvousStatus, reason: str, message: str) -> Verdict:
+    closed = dataclasses.replace(
+        status,
+        state=RoundState.CLOSED,
+        closed_reason=reason,
+        closed_message=message,
+        nodes_waiting=0,
+        forming_since=None,
+        last_call_deadline=None,
+    )
+    return Verdict(closed, closed=True)
+
+
+# -- the rules, in order -----------------------------------------------------------------
+
+
+def closed_stays_closed(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 1."""
+    return Verdict(status) if status.state is RoundState.CLOSED else status
+
+
+def closes_when_work_ends(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 2: the workload finished, a node asked to close, or a member finished."""
+    if ctx.close is not None:
+        return _closed(status, *ctx.close)
+    closer = next(
+        (name for name, entry in sorted(ctx.requests.items()) if entry.intent is NodeIntent.CLOSE),
+        None,
+    )
+    if closer is not None:
+        return _closed(status, CLOSED_BY_NODE, reasons.closed_by_node(closer))
     for member in status.members:
-        entry = requests.get(member.node)
-        pod = pods.get(member.node)
+        entry = ctx.requests.get(member.node)
         if (
             entry is not None
             and entry.intent is NodeIntent.FINISH
-            and entry.instance == member.instance
-        ) or (pod is not None and pod.gone_reason == LOST_POD_SUCCEEDED):
-            return member.node
-    return None
+            and entry.instance == member.instance  # this member's agent, not a later one
+        ) or ctx.pod(member.node).gone_reason == LOST_POD_SUCCEEDED:
+            return _closed(
+                status,
+                CLOSED_NODE_FINISHED,
+                reasons.closed_node_finished(member.node, status.round),
+            )
+    return status
 
 
-def _joiners(
-    status: RendezvousStatus,
-    requests: Mapping[str, NodeEntry],
-    pods: Mapping[str, PodObservation],
-) -> list[str]:
-    """Nodes asking to be admitted to a round they are not already in."""
-    admitted = {(m.node, m.instance, m.attempt) for m in (*status.members, *status.left_behind)}
-    waiting = []
-    for name, entry in requests.items():
-        pod = pods.get(name)
-        if entry.intent is not NodeIntent.JOIN or (pod is not None and pod.gone_reason):
-            continue
-        if (name, entry.instance, entry.attempt) in admitted:
-            continue  # still running the round it was admitted to, not asking for another
-        waiting.append(name)
-    return waiting
+def forgets_spent_left_behind(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 3."""
+    kept = tuple(member for member in status.left_behind if spent_request(ctx, member))
+    return dataclasses.replace(status, left_behind=kept)
 
 
-def _ordered(
-    candidates: Sequence[str], previous: Sequence[Member], pods: Mapping[str, PodObservation]
-) -> list[str]:
-    """Previous members first, in their old rank order; newcomers after, grouped by their
-    node's topology value (when a rank order is set), then in natural order of name."""
+def closes_when_everyone_left(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 4."""
+    if (
+        status.members
+        and not ctx.joiners
+        and all(
+            (entry := ctx.requests.get(member.node)) is not None
+            and entry.intent is NodeIntent.LEAVE
+            for member in status.members
+        )
+    ):
+        closed = _closed(status, CLOSED_ALL_LEFT, reasons.closed_all_left(status.round))
+        return dataclasses.replace(closed, losses=ctx.losses)
+    return status
+
+
+def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 5: a sealed round either stays (a Verdict) or goes stale and forms anew."""
+    if status.state is not RoundState.SEALED:
+        return status
+    spec = ctx.spec
+    members = {member.node for member in status.members}
+    newcomers = [name for name in ctx.joiners if name not in members]
+    rejoined = len(ctx.joiners) > len(newcomers)
+    fits = status.world_size < spec.max_nodes
+    out_of_spec = not spec.min_nodes <= status.world_size <= spec.max_nodes
+    if not (ctx.losses or rejoined or (newcomers and fits) or out_of_spec):
+        return Verdict(dataclasses.replace(status, nodes_waiting=0), wake_at=ctx.next_expiry)
+    # Counted once, when the round goes stale: recounting every join while the next round
+    # forms would cost a status write per join and tell running agents nothing new (any
+    # positive number makes them re-rendezvous).
+    return dataclasses.replace(
+        status,
+        state=RoundState.REFORMING,
+        forming_since=ctx.now,
+        nodes_waiting=max(1, len(ctx.joiners) + len(ctx.losses)),
+    )
+
+
+def _last_call(ctx: Context, status: RendezvousStatus) -> datetime.datetime | None:
+    """The last call's deadline: set when ``minNodes`` have joined, dropped below."""
+    if len(ctx.joiners) < ctx.spec.min_nodes:
+        return None
+    return status.last_call_deadline or ctx.now + datetime.timedelta(
+        seconds=ctx.spec.last_call_timeout_seconds
+    )
+
+
+def _reported_losses(ctx: Context) -> tuple[MemberLoss, ...]:
+    """Losses are reported once: in the pass that makes the sealed round stale."""
+    return ctx.losses if ctx.stored.state is RoundState.SEALED else ()
+
+
+def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 6, the seal."""
+    spec, joiners, now = ctx.spec, ctx.joiners, ctx.now
+    deadline = _last_call(ctx, status)
+    # Members of the last round that have not asked again (nor are lost): every node we
+    # know of is here when there are none.
+    pending = [
+        member
+        for member in status.members
+        if member.node not in ctx.lost_nodes and member.node not in joiners
+    ]
+    if status.round > 0:
+        everyone_here = not pending
+    else:
+        everyone_here = ctx.expected_nodes is not None and len(joiners) >= min(
+            ctx.expected_nodes, spec.max_nodes
+        )
+    if deadline is None or not (len(joiners) >= spec.max_nodes or everyone_here or now >= deadline):
+        return status
+    selected = rank_order(ctx, joiners, status.members)[: spec.max_nodes]
+    members = tuple(
+        Member(
+            node=name,
+            instance=ctx.requests[name].instance,
+            attempt=ctx.requests[name].attempt,
+            addr=ctx.requests[name].addr,
+            pod_restarts=ctx.pod(name).restarts,
+        )
+        for name in selected
+    )
+    # A lost member's join request was spent on the round it is lost from. Its Lease may
+    # still hold it (a hung agent, a restarted container): unless its agent asks again (a
+    # new attempt), it must not count as waiting, or the next round would go stale at once
+    # and seal with a node that is not there.
+    spent = [
+        member
+        for member in status.members
+        if member.node in ctx.lost_nodes
+        and spent_request(ctx, member)
+        and ctx.requests[member.node].intent is NodeIntent.JOIN
+    ]
+    rank0 = ctx.requests[selected[0]]
+    sealed = dataclasses.replace(
+        status,
+        state=RoundState.SEALED,
+        round=status.round + 1,
+        members=members,
+        master=Master(rank0.addr, rank0.store_port),
+        nodes_waiting=0,
+        forming_since=None,
+        last_call_deadline=None,
+        sealed_at=now,
+        left_behind=(*status.left_behind, *pending, *spent),
+    )
+    wake_at = None
+    if ctx.liveness is not None:
+        wake_at = min(
+            ctx.liveness.expires_at(member, now, ctx.heartbeat_timeout) for member in members
+        )
+    return Verdict(
+        sealed,
+        sealed=True,
+        losses=_reported_losses(ctx),
+        wake_at=wake_at,
+        forming_seconds=(now - (status.forming_since or now)).total_seconds(),
+    )
+
+
+def keeps_forming(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | Verdict:
+    """Rule 7: wake at the last call or the first heartbeat expiry, whichever is sooner."""
+    deadline = _last_call(ctx, status)
+    forming = dataclasses.replace(
+        status,
+        nodes_waiting=status.nodes_waiting if status.state is RoundState.REFORMING else 0,
+        forming_since=status.forming_since or (ctx.now if ctx.joiners else None),
+        last_call_deadline=deadline,
+    )
+    wake_at = min((m for m in (deadline, ctx.next_expiry) if m is not None), default=None)
+    return Verdict(forming, losses=_reported_losses(ctx), wake_at=wake_at)
+
+
+RULES: Final[tuple[Rule, ...]] = (
+    closed_stays_closed,
+    closes_when_work_ends,
+    forgets_spent_left_behind,
+    closes_when_everyone_left,
+    goes_stale_on_change,
+    seals_when_complete,
+    keeps_forming,
+)
+"""Rules 1 to 7, in the order they are applied; :func:`keeps_forming` always settles."""
+
+
+# -- what the rules rely on --------------------------------------------------------------
+
+
+def spent_request(ctx: Context, member: Member) -> bool:
+    """Rule 8: whether ``member``'s node still holds the very request its round admitted
+    (and its pod lives): that request is spent, and does not make it wait again."""
+    entry = ctx.requests.get(member.node)
+    return entry is not None and member.admits(entry) and not ctx.pod(member.node).gone_reason
+
+
+def rank_order(ctx: Context, candidates: Sequence[str], previous: Sequence[Member]) -> list[str]:
+    """Rule 9: previous members first, in their old rank order; newcomers after, grouped by
+    their node's topology value (when a rank order is set), then in natural order of name."""
     old_rank = {member.node: rank for rank, member in enumerate(previous)}
     known = sorted((name for name in candidates if name in old_rank), key=old_rank.__getitem__)
 
     def newcomer_key(name: str) -> tuple[bool, str, tuple[tuple[int, int | str], ...]]:
-        topology = pods[name].topology if name in pods else None
+        topology = ctx.pods[name].topology if name in ctx.pods else None
         return topology is None, topology or "", natural_key(name)
 
     new = sorted((name for name in candidates if name not in old_rank), key=newcomer_key)
     return known + new
+
+
+def needs_write(ctx: Context, decided: RendezvousStatus) -> bool:
+    """Rule 10: whether ``decided`` differs from the stored status in more than
+    ``formingSince`` (or nothing was written yet)."""
+
+    def without_forming_since(status: RendezvousStatus) -> dict[str, object]:
+        fields = status.operator_fields()
+        del fields["formingSince"]
+        return fields
+
+    return ctx.first_write or without_forming_since(decided) != without_forming_since(ctx.stored)
+
+
+def awaiting_observation(ctx: Context, verdict: Verdict) -> tuple[str, ...]:
+    """Rule 11: the members of a round sealed here whose pods were never observed."""
+    if not verdict.sealed:
+        return ()
+    return tuple(member.node for member in verdict.status.members if member.node not in ctx.pods)
+
+
+# -- conditions and the one exit ---------------------------------------------------------
 
 
 def set_condition(
@@ -234,59 +540,56 @@ def set_condition(
 def _with_conditions(
     status: RendezvousStatus, now: datetime.datetime, generation: int
 ) -> RendezvousStatus:
-    conditions = status.conditions
+    def setting(
+        conditions: tuple[Condition, ...], type_: str, value: bool, reason: str, message: str
+    ) -> tuple[Condition, ...]:
+        return set_condition(conditions, type_, value, reason, message, now, generation)
+
+    conditions = tuple(status.conditions)
     if status.state is RoundState.CLOSED:
-        conditions = set_condition(
+        conditions = setting(
             conditions,
             CONDITION_CLOSED,
             True,
-            status.closed_reason or "Closed",
+            status.closed_reason or reasons.CLOSED,
             status.closed_message or "",
-            now,
-            generation,
         )
-        conditions = set_condition(
-            conditions,
-            CONDITION_READY,
-            False,
-            "Closed",
-            "the rendezvous is closed",
-            now,
-            generation,
+        conditions = setting(
+            conditions, CONDITION_READY, False, reasons.CLOSED, reasons.READY_CLOSED_MESSAGE
         )
     else:
-        conditions = set_condition(
-            conditions,
-            CONDITION_CLOSED,
-            False,
-            "Open",
-            "rounds can still be formed",
-            now,
-            generation,
+        conditions = setting(
+            conditions, CONDITION_CLOSED, False, reasons.OPEN, reasons.OPEN_MESSAGE
         )
         if status.state is RoundState.SEALED:
             master = status.master.endpoint if status.master else "none"
-            message = f"round {status.round}: {status.world_size} nodes, master {master}"
-            conditions = set_condition(
-                conditions, CONDITION_READY, True, reasons.ROUND_SEALED, message, now, generation
+            conditions = setting(
+                conditions,
+                CONDITION_READY,
+                True,
+                reasons.ROUND_SEALED,
+                reasons.ready_message(status.round, status.world_size, master),
             )
         else:
-            message = f"forming round {status.round + 1}"
-            conditions = set_condition(
-                conditions, CONDITION_READY, False, status.state.value, message, now, generation
+            conditions = setting(
+                conditions,
+                CONDITION_READY,
+                False,
+                status.state.value,
+                reasons.forming_message(status.round + 1),
             )
     return dataclasses.replace(status, conditions=conditions, observed_generation=generation)
 
 
-def _closed(status: RendezvousStatus, reason: str, message: str) -> RendezvousStatus:
-    return dataclasses.replace(
-        status,
-        state=RoundState.CLOSED,
-        closed_reason=reason,
-        closed_message=message,
-        nodes_waiting=0,
-        forming_since=None,
-        last_call_deadline=None,
+def _decided(ctx: Context, verdict: Verdict) -> Decision:
+    """The one exit: conditions set, and what to write and await."""
+    status = _with_conditions(verdict.status, ctx.now, ctx.generation)
+    return Decision(
+        **{field.name: getattr(verdict, field.name) for field in dataclasses.fields(Verdict)}
+        | {"status": status},
+        write=needs_write(ctx, status),
+        awaiting=awaiting_observation(ctx, verdict),
+        previous=ctx.stored,
     )
 
 
@@ -315,8 +618,10 @@ def decide(
     expected_nodes: int | None = None,
     close: tuple[str, str] | None = None,
     generation: int = 0,
+    forming_since: datetime.datetime | None = None,
+    first_write: bool = False,
 ) -> Decision:
-    """Decide the next status of a rendezvous.
+    """Decide the next status of a rendezvous: apply :data:`RULES` in order.
 
     Args:
         spec: The rendezvous' spec.
@@ -331,204 +636,34 @@ def decide(
             round seals as soon as that many (at most maxNodes) joined, without a last call.
         close: ``(reason, message)`` to close with, when the workload has finished.
         generation: ``metadata.generation``, recorded as observed.
+        forming_since: When the forming round began, as the last decision said, if that
+            was not written (rule 10).
+        first_write: Nothing was written to the status yet: the write is due, and it fixes
+            the slice count (``status.slices``) for good, so a node's slice never moves.
 
     Returns:
-        The new status (unchanged fields included) and what happened.
+        The new status (unchanged fields included), whether to write it, what to look at
+        first, when to decide again, and what happened.
     """
-    if status.state is RoundState.CLOSED:
-        return Decision(_with_conditions(status, now, generation))
-
-    if close is not None:
-        closed = _closed(status, *close)
-        return Decision(_with_conditions(closed, now, generation), closed=True)
-
-    closer = next((n for n, e in sorted(requests.items()) if e.intent is NodeIntent.CLOSE), None)
-    if closer is not None:
-        closed = _closed(status, CLOSED_BY_NODE, f"pod {closer} called set_closed()")
-        return Decision(_with_conditions(closed, now, generation), closed=True)
-
-    finisher = _finished_member(status, requests, pods)
-    if finisher is not None:
-        closed = _closed(
-            status,
-            CLOSED_NODE_FINISHED,
-            f"pod {finisher} of round {status.round} finished (its workers succeeded): no "
-            "further round forms, and the other members finish their work",
-        )
-        return Decision(_with_conditions(closed, now, generation), closed=True)
-
-    status = dataclasses.replace(
-        status,
-        left_behind=tuple(
-            m
-            for m in status.left_behind
-            if (entry := requests.get(m.node)) is not None
-            and m.admits(entry)
-            and not (pods.get(m.node) or PodObservation()).gone_reason
-        ),
-    )
-    timeout = datetime.timedelta(seconds=spec.heartbeat_timeout_seconds)
-    expiries = {
-        member.node: liveness.expires_at(member, status.sealed_at, timeout)
-        for member in status.members
-        if liveness is not None
-    }
-    losses = tuple(
-        MemberLoss(member.node, rank, reason)
-        for rank, member in enumerate(status.members)
-        if (
-            reason := _loss_reason(
-                member,
-                requests.get(member.node),
-                pods.get(member.node),
-                expiries.get(member.node),
-                now,
-            )
-        )
-    )
-    lost_nodes = {loss.node for loss in losses}
-    next_expiry = min(
-        (moment for node, moment in expiries.items() if node not in lost_nodes), default=None
-    )
-    joiners = _joiners(status, requests, pods)
-
-    if (
-        status.members
-        and not joiners
-        and all(
-            (entry := requests.get(m.node)) is not None and entry.intent is NodeIntent.LEAVE
-            for m in status.members
-        )
-    ):
-        message = f"every node of round {status.round} left and none is waiting"
-        closed = _closed(status, CLOSED_ALL_LEFT, message)
-        return Decision(_with_conditions(closed, now, generation), closed=True, losses=losses)
-
-    reported_losses: tuple[MemberLoss, ...] = ()
-    if status.state is RoundState.SEALED:
-        newcomers = [name for name in joiners if name not in {m.node for m in status.members}]
-        rejoined = len(joiners) > len(newcomers)
-        fits = status.world_size < spec.max_nodes
-        out_of_spec = not spec.min_nodes <= status.world_size <= spec.max_nodes
-        if not (losses or rejoined or (newcomers and fits) or out_of_spec):
-            kept = dataclasses.replace(status, nodes_waiting=0)
-            return Decision(_with_conditions(kept, now, generation), wake_at=next_expiry)
-        # Counted once, when the round goes stale: recounting every join while the next
-        # round forms would cost a status write per join and tell running agents nothing
-        # new (any positive number makes them re-rendezvous).
-        status = dataclasses.replace(
-            status,
-            state=RoundState.REFORMING,
-            forming_since=now,
-            nodes_waiting=max(1, len(joiners) + len(losses)),
-        )
-        reported_losses = losses
-
-    decision = _form(
+    if first_write:
+        status = dataclasses.replace(status, slices=slice_count(spec.max_nodes))
+    if status.state is not RoundState.SEALED and status.forming_since is None:
+        status = dataclasses.replace(status, forming_since=forming_since)
+    ctx = Context(
         spec,
         status,
         requests,
         pods,
-        joiners,
-        losses,
-        reported_losses,
         now,
-        generation,
+        liveness,
         expected_nodes,
+        close,
+        generation,
+        first_write,
     )
-    if decision.sealed and liveness is not None:
-        sealed = decision.status
-        next_expiry = min(
-            liveness.expires_at(member, sealed.sealed_at, timeout) for member in sealed.members
-        )
-        return dataclasses.replace(decision, wake_at=next_expiry)
-    if next_expiry is None:
-        return decision
-    wake_at = min(next_expiry, decision.wake_at or next_expiry)
-    return dataclasses.replace(decision, wake_at=wake_at)
-
-
-def _form(
-    spec: RendezvousSpec,
-    status: RendezvousStatus,
-    requests: Mapping[str, NodeEntry],
-    pods: Mapping[str, PodObservation],
-    joiners: list[str],
-    losses: tuple[MemberLoss, ...],
-    reported_losses: tuple[MemberLoss, ...],
-    now: datetime.datetime,
-    generation: int,
-    expected_nodes: int | None,
-) -> Decision:
-    lost_nodes = {loss.node for loss in losses}
-    pending = [m for m in status.members if m.node not in lost_nodes and m.node not in joiners]
-    # A lost member's join request was spent on the round it is lost from. Its Lease may
-    # still hold it (a hung agent, a restarted container): unless its agent asks again (a
-    # new attempt), it must not count as waiting, or the next round would go stale at once
-    # and seal with a node that is not there.
-    spent = [
-        m
-        for m in status.members
-        if m.node in lost_nodes
-        and (entry := requests.get(m.node)) is not None
-        and entry.intent is NodeIntent.JOIN
-        and m.admits(entry)
-        and not (pods.get(m.node) or PodObservation()).gone_reason  # as the filter in decide()
-    ]
-    deadline = status.last_call_deadline
-    forming_since = status.forming_since or (now if joiners else None)
-    enough = len(joiners) >= spec.min_nodes
-    if not enough:
-        deadline = None
-    elif deadline is None:
-        deadline = now + datetime.timedelta(seconds=spec.last_call_timeout_seconds)
-
-    if status.round > 0:
-        everyone_here = not pending
-    else:
-        everyone_here = expected_nodes is not None and len(joiners) >= min(
-            expected_nodes, spec.max_nodes
-        )
-    if deadline is not None and (
-        len(joiners) >= spec.max_nodes or everyone_here or now >= deadline
-    ):
-        selected = _ordered(joiners, status.members, pods)[: spec.max_nodes]
-        members = tuple(
-            Member(
-                node=name,
-                instance=requests[name].instance,
-                attempt=requests[name].attempt,
-                addr=requests[name].addr,
-                pod_restarts=pods[name].restarts if name in pods else 0,
-            )
-            for name in selected
-        )
-        rank0 = requests[selected[0]]
-        sealed = dataclasses.replace(
-            status,
-            state=RoundState.SEALED,
-            round=status.round + 1,
-            members=members,
-            master=Master(rank0.addr, rank0.store_port),
-            nodes_waiting=0,
-            forming_since=None,
-            last_call_deadline=None,
-            sealed_at=now,
-            left_behind=(*status.left_behind, *pending, *spent),
-        )
-        return Decision(
-            _with_conditions(sealed, now, generation),
-            sealed=True,
-            losses=reported_losses,
-            forming_seconds=(now - (forming_since or now)).total_seconds(),
-        )
-
-    forming = dataclasses.replace(
-        status,
-        nodes_waiting=status.nodes_waiting if status.state is RoundState.REFORMING else 0,
-        forming_since=forming_since,
-        last_call_deadline=deadline,
-    )
-    return Decision(
-        _with_conditions(forming, now, generation), losses=reported_losses, wake_at=deadline
-    )
+    for rule in RULES:
+        settled = rule(ctx, status)
+        if isinstance(settled, Verdict):
+            return _decided(ctx, settled)
+        status = settled
+    raise AssertionError("keeps_forming settles every round")  # pragma: no cover

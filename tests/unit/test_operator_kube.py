@@ -1,5 +1,12 @@
 """How the operator's API door maps the API server's answers to its own errors, with a
-scripted local server (the real API server covers the successful paths)."""
+scripted local server (the real API server covers the successful paths).
+
+Aspects: every status and a failed transport leave the door as one kind of
+``kube.ApiError`` (so the error metric's label names what happened), never as the client
+library's exception; the calls that expect an answer (404 for a read, 409 for a create)
+turn it into a result; registering the webhook tells a lasting refusal from a passing one;
+the leader-election Lease's conflicts are ``Taken``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,10 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from tests.support.local_http import QuietHandler, serving
 
+from k8s_rendezvous.state import RendezvousSpec
 from k8s_rendezvous_operator import kube
 
 WEBHOOKS = [{"name": "torchrun-env.k8s-rendezvous.dev"}]
@@ -36,16 +45,20 @@ def answers() -> Iterator[tuple[str, list[int], list[tuple[str, str]]]]:
             self.end_headers()
             self.wfile.write(data)
 
-        do_PATCH = do_POST = _answer
+        do_GET = do_PATCH = do_POST = do_PUT = _answer
 
     with serving(Handler) as host:
         yield host, statuses, seen
 
 
-def door(host: str) -> kube.OperatorApi:
+def door_client(host: str) -> client.ApiClient:
     configuration = client.Configuration(host=host)
     configuration.retries = 0
-    return kube.OperatorApi(client.ApiClient(configuration))
+    return client.ApiClient(configuration)
+
+
+def door(host: str) -> kube.OperatorApi:
+    return kube.OperatorApi(door_client(host))
 
 
 def test_registering_patches_and_creates_only_what_is_missing(
@@ -99,3 +112,86 @@ def test_adopting_a_rendezvous_made_anew_meanwhile_is_a_conflict(
     with pytest.raises(kube.NotFound):
         door(host).adopt_rendezvous("ns", "r", "uid-1", owner)
     assert seen[0] == ("PATCH", "/apis/k8s-rendezvous.dev/v1alpha1/namespaces/ns/rendezvous/r")
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, kube.Refused),
+        (401, kube.ApiError),
+        (403, kube.Refused),
+        (404, kube.NotFound),
+        (409, kube.Conflict),
+        (422, kube.Invalid),
+        (429, kube.Unavailable),
+        (500, kube.Unavailable),
+        (503, kube.Unavailable),
+    ],
+)
+def test_every_answer_leaves_the_door_as_one_of_its_own_errors(
+    answers: tuple[str, list[int], list[tuple[str, str]]], status: int, kind: type
+) -> None:
+    host, statuses, _ = answers
+    statuses += [status]
+    with pytest.raises(kube.ApiError) as raised:
+        door(host).write_status("ns", "r", "7", {"round": 1})
+    assert type(raised.value) is kind, "the error metric is labelled with this name"
+    assert raised.value.status == status
+    assert str(raised.value) == f"said {status}", "the API server's own words"
+    assert not isinstance(raised.value, ApiException)
+
+
+def test_an_invalid_object_is_a_lasting_refusal(
+    answers: tuple[str, list[int], list[tuple[str, str]]],
+) -> None:
+    host, statuses, _ = answers
+    statuses += [422]
+    with pytest.raises(kube.Refused):
+        door(host).write_status("ns", "r", "7", {"round": 1})
+
+
+def test_no_answer_to_any_call_is_unavailable() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(kube.Unavailable) as raised:
+        door(f"http://127.0.0.1:{port}").get_rendezvous("ns", "r")
+    assert raised.value.status is None
+
+
+def test_expected_answers_are_results_not_errors(
+    answers: tuple[str, list[int], list[tuple[str, str]]],
+) -> None:
+    host, statuses, seen = answers
+    api = door(host)
+    statuses += [404, 404, 404, 409, 409]
+    assert api.get_job("ns", "j") is None
+    assert api.get_pod("ns", "p") is None
+    assert api.service_account_exists("ns", "sa") is False
+    assert api.create_rendezvous("ns", "r", RendezvousSpec(1, 1, "run"), {}) is None
+    api.bind_worker_role("ns", "j", "uid", "sa", "role")  # bound already
+    assert [method for method, _ in seen] == ["GET", "GET", "GET", "POST", "POST"]
+
+
+@pytest.mark.parametrize(("call", "status"), [("create", 409), ("update", 409), ("update", 404)])
+def test_a_leader_lease_written_by_someone_else_is_taken(
+    answers: tuple[str, list[int], list[tuple[str, str]]], call: str, status: int
+) -> None:
+    host, statuses, _ = answers
+    lock = kube.LeaseLock(door_client(host), "ns", "leader")
+    statuses += [status]
+    lease = {"metadata": {"name": "leader", "resourceVersion": "1"}, "spec": {}}
+    with pytest.raises(kube.Taken) as raised:
+        if call == "create":
+            lock.create({"holderIdentity": "me"}, timeout=5)
+        else:
+            lock.update(lease, {"holderIdentity": "me"}, timeout=5)
+    assert isinstance(raised.value, kube.Conflict)
+
+
+def test_a_missing_leader_lease_reads_as_none(
+    answers: tuple[str, list[int], list[tuple[str, str]]],
+) -> None:
+    host, statuses, _ = answers
+    statuses += [404]
+    assert kube.LeaseLock(door_client(host), "ns", "leader").get(timeout=5) is None

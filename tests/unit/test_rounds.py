@@ -22,6 +22,7 @@ from k8s_rendezvous.state import (
     RendezvousSpec,
     RendezvousStatus,
     RoundState,
+    slice_count,
 )
 from k8s_rendezvous_operator import rounds
 
@@ -569,3 +570,54 @@ def test_a_status_edited_to_a_later_round_without_members_forms_it_instead_of_cl
     world.tick(31)
     decision = world.decide()
     assert decision.sealed and world.status.round == 8
+
+
+def test_rules_are_applied_in_the_order_the_module_lists_them() -> None:
+    assert [rule.__name__ for rule in rounds.RULES] == [
+        "closed_stays_closed",
+        "closes_when_work_ends",
+        "forgets_spent_left_behind",
+        "closes_when_everyone_left",
+        "goes_stale_on_change",
+        "seals_when_complete",
+        "keeps_forming",
+    ]
+    for number, rule in enumerate(rounds.RULES, start=1):
+        assert f"{number}. :func:`{rule.__name__}`" in (rounds.__doc__ or "")
+
+
+def test_forming_since_alone_needs_no_write_and_is_handed_back() -> None:
+    world = World(spec(3, 3))
+    world.status = world.decide(first_write=True).status
+    assert world.history[-1].write, "the first write is always made"
+    world.join("a")
+    decision = world.decide()
+    assert decision.status.forming_since == T0
+    assert not decision.write, "only formingSince changed"
+    # Not written, so the stored status lacks it; the reconciler hands the time back.
+    stored = dataclasses.replace(decision.status, forming_since=None)
+    world.tick(5)
+    world.join("b")
+    world.join("c")
+    sealed = rounds.decide(
+        world.spec, stored, world.requests, world.pods, world.now, forming_since=T0
+    )
+    assert sealed.sealed and sealed.write
+    assert sealed.forming_seconds == 5
+
+
+def test_first_write_fixes_the_slice_count() -> None:
+    decision = World(spec(1, 1000)).decide(first_write=True)
+    assert decision.status.slices == slice_count(1000)
+    assert decision.write
+
+
+def test_a_seal_awaits_the_members_whose_pods_were_never_observed() -> None:
+    world = World(spec(2, 2))
+    world.join("a")
+    world.join("b")
+    del world.pods["b"]  # its request counts (admitted before), its pod not seen yet
+    decision = world.decide()
+    assert decision.sealed
+    assert decision.awaiting == ("b",)
+    assert world.decide().awaiting == (), "nothing sealed: nothing to await"

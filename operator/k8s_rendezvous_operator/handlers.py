@@ -1,0 +1,138 @@
+"""The kopf registrations: what the operator watches and how each event reaches the
+:class:`.reconciler.Reconciler` (imported for its side effect by ``__main__``).
+
+Only kopf's low-level event handlers are used: they run on every watch event at once,
+without the wait for the operator's own patches that kopf's create/update handlers make,
+so the join that completes a round is sealed within milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import kopf
+
+from k8s_rendezvous import state
+from k8s_rendezvous_operator import kube, observe
+from k8s_rendezvous_operator.reconciler import Reconciler
+
+
+def post(targets: Sequence[Mapping[str, Any]], *, warning: bool, reason: str, message: str) -> None:
+    """Post an Event through kopf (which batches them and never blocks the caller)."""
+    kopf.event(
+        [kopf.Body(cast(kopf.RawBody, dict(target))) for target in targets],
+        type="Warning" if warning else "Normal",
+        reason=reason,
+        message=message,
+    )
+
+
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: only low-level event handlers are registered, and nothing reads one.
+    kopf builds it for every event anyway, from a deep copy of the whole body (a pod, a
+    sealed status of every member), and reads the last one back from an annotation: over
+    half of kopf's processing of each event (bench/FINDINGS.md)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: object = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        pass
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.reporting_component = "k8s-rendezvous-operator"
+    settings.persistence.diffbase_storage = _NoDiffBase()
+    settings.posting.level = logging.INFO
+    # Only pods we labelled (nodes of some rendezvous) are streamed to us, not every pod.
+    settings.watching.label_selectors["pods"] = state.NODE_LABEL
+    settings.watching.label_selectors["leases"] = state.NODE_LABEL
+    # No cluster-wide namespace/CRD scanning: fewer permissions, nothing to gain here.
+    settings.scanning.disabled = True
+    settings.execution.max_workers = 8
+    # Opting Jobs in by annotation means every Job event reaches us; a cluster with many
+    # Jobs can require a label as well, filtered by the API server.
+    if memo.get("job_label_selector"):
+        settings.watching.label_selectors["jobs"] = memo["job_label_selector"]
+    api = kube.OperatorApi(kube.load_api_client())
+    reconciler = Reconciler(api, post, worker_role=memo.get("worker_role") or None)
+    # Know every node's request before the first reconcile: a member whose Lease had not
+    # been seen yet would otherwise count as gone.
+    for body in await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ()):
+        if (lease := observe.observe_lease(body)) is not None:
+            reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
+    reconciler.started()
+    memo["reconciler"] = reconciler
+
+
+@kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
+async def rendezvous_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
+    await reconciler.rendezvous_seen(
+        (namespace, name), dict(body), deleted=event.get("type") == "DELETED"
+    )
+
+
+@kopf.on.event("", "v1", "pods", labels={state.NODE_LABEL: kopf.PRESENT})
+async def pod_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
+    observation = observe.observe_pod(body, deleted=event.get("type") == "DELETED")
+    reconciler.pod_seen(
+        (namespace, name),
+        observation,
+        labels.get(state.NODE_LABEL),
+        node_name=(body.get("spec") or {}).get("nodeName"),
+        version=state.resource_version(body),
+    )
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={state.NODE_LABEL: kopf.PRESENT})
+async def lease_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
+    if (lease := observe.observe_lease(body)) is not None:
+        reconciler.lease_seen(namespace, lease, dict(body), deleted=event.get("type") == "DELETED")
+
+
+@kopf.on.event("batch", "v1", "jobs")
+async def job_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    assert namespace is not None, "namespaced resource"
+    await reconciler.job_seen((namespace, name), body, deleted=event.get("type") == "DELETED")

@@ -1,0 +1,308 @@
+"""Annotated Jobs: each makes and owns its Rendezvous, gets the worker role bound for its
+ServiceAccount, and has its pods made without the injected env reported. The rounds learn
+from here how many nodes a Job runs and when it finished."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from k8s_rendezvous import state
+from k8s_rendezvous_operator import events, injection, kube, membership, metrics, observe, reasons
+from k8s_rendezvous_operator.events import Key
+
+log = logging.getLogger(__name__)
+
+INJECTION_CHECK_DELAY_SECONDS = 1.0
+"""How long after a Job's status change its pods are looked at: a burst of pod starts
+costs one request."""
+
+
+@dataclasses.dataclass
+class JobMemory:
+    """What is known of one annotated Job, dropped whole when it goes."""
+
+    job: observe.JobObservation
+    bound: bool = False
+    """The worker role is bound for its ServiceAccount."""
+    injection_check: asyncio.Task[None] | None = None
+    """The look for its pods made without the env, if one is due."""
+    uninjected: set[str] = dataclasses.field(default_factory=set)
+    """The uids of its pods reported as made without the env."""
+
+
+class Jobs:
+    """The annotated Jobs the watch showed, and what is done for them."""
+
+    def __init__(
+        self,
+        api: kube.ReconcilerApi,
+        post: events.Poster,
+        request: Callable[[Key], None],
+        known_rendezvous: Callable[[Key], Mapping[str, Any] | None],
+        *,
+        worker_role: str | None = None,
+    ) -> None:
+        self._api = api
+        self._post = post
+        self._request = request
+        self._known_rendezvous = known_rendezvous
+        self._worker_role = worker_role
+        self._jobs: dict[Key, JobMemory] = {}
+        self._controllers: dict[Key, tuple[str, ...]] = {}
+        """Per Job (namespace, uid) whose pods asked to join: the uids of its controllers,
+        as :meth:`with_ancestors` read them."""
+
+    def get(self, key: Key) -> observe.JobObservation | None:
+        memory = self._jobs.get(key)
+        return None if memory is None else memory.job
+
+    def owning(self, key: Key, body: Mapping[str, Any]) -> observe.JobObservation | None:
+        """The annotated Job ``key`` if it owns the Rendezvous ``body``."""
+        job = self.get(key)
+        owners = body["metadata"].get("ownerReferences") or []
+        if job is None or not any(owner.get("uid") == job.uid for owner in owners):
+            return None
+        return job
+
+    async def seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
+        """An annotated Job changed: make or update its Rendezvous, report bad annotations,
+        and let its parallelism and completion inform the rounds. Unannotated Jobs cost a
+        scan of their annotations and nothing else."""
+        if deleted:
+            self._controllers.pop((key[0], (body.get("metadata") or {}).get("uid", "")), None)
+        job = None if deleted else observe.observe_job(body)
+        if job is None:
+            if (gone := self._jobs.pop(key, None)) and gone.injection_check:
+                gone.injection_check.cancel()
+            return
+        memory = self._jobs.get(key)
+        previous = None if memory is None else memory.job
+        if memory is None:
+            memory = JobMemory(job)
+        if (
+            job.spec is not None
+            and job.finished is None
+            and (body.get("status") or {}).get("active")
+        ):
+            self._look_for_uninjected_pods(key, memory, job.uid)
+        if job.spec is not None and self._worker_role and not memory.bound:
+            await self._bind_worker_role(key, job, previous, body, memory)
+        if job == previous:
+            return
+        memory.job = job
+        self._jobs[key] = memory
+        if job.spec is None:
+            if previous is None or previous.errors != job.errors:
+                for error in job.errors:
+                    self._post(
+                        [body],
+                        warning=True,
+                        reason=reasons.INVALID_ANNOTATION,
+                        message=error.message,
+                    )
+            return
+        if previous is None or previous.spec != job.spec:
+            await self._ensure_rendezvous(key, body, job.spec)
+        self._request(key)
+
+    def _look_for_uninjected_pods(self, key: Key, memory: JobMemory, job_uid: str) -> None:
+        """Soon, once for however many of the Job's status changes come meanwhile: its pods
+        made while no webhook served (its failure policy lets pods through) have none of
+        the env that points torchrun here, and would train alone, silently."""
+        if memory.injection_check is None:
+            loop = asyncio.get_running_loop()
+            memory.injection_check = loop.create_task(self._report_uninjected(key, memory, job_uid))
+
+    async def _report_uninjected(self, key: Key, memory: JobMemory, job_uid: str) -> None:
+        try:
+            await asyncio.sleep(INJECTION_CHECK_DELAY_SECONDS)
+            pods = await asyncio.to_thread(self._api.unlabelled_job_pods, key[0], job_uid)
+        except Exception as error:  # the API's or the transport's: looked at again later
+            log.warning("could not list the pods of Job %s/%s: %s", *key, error)
+            return
+        finally:
+            memory.injection_check = None
+        job = events.job_reference(key[0], key[1], job_uid)
+        for pod in pods:
+            metadata = pod.get("metadata") or {}
+            if (
+                metadata.get("uid") in memory.uninjected
+                or metadata.get("deletionTimestamp")
+                or injection.configured_for_rendezvous(pod)
+            ):
+                continue
+            memory.uninjected.add(metadata.get("uid", ""))
+            message = reasons.pod_not_injected(metadata.get("name"), key[1])
+            metrics.PODS_UNINJECTED.inc()
+            log.warning("Job %s/%s: %s", *key, message)
+            for target in (job, pod):
+                self._post([target], warning=True, reason=reasons.POD_NOT_INJECTED, message=message)
+
+    async def _bind_worker_role(
+        self,
+        key: Key,
+        job: observe.JobObservation,
+        previous: observe.JobObservation | None,
+        body: Mapping[str, Any],
+        memory: JobMemory,
+    ) -> None:
+        """Bind the worker role for the Job's ServiceAccount, once it exists: a binding for
+        a name nobody holds yet would be granted to whoever creates that ServiceAccount."""
+        namespace, name = key
+        account = job.service_account
+        if not await asyncio.to_thread(self._api.service_account_exists, namespace, account):
+            if previous is None or previous.service_account != account:
+                self._post(
+                    [body],
+                    warning=True,
+                    reason=reasons.SERVICE_ACCOUNT_NOT_FOUND,
+                    message=reasons.service_account_not_found(account),
+                )
+            return
+        assert self._worker_role is not None
+        await asyncio.to_thread(
+            self._api.bind_worker_role, namespace, name, job.uid, account, self._worker_role
+        )
+        memory.bound = True
+
+    async def _ensure_rendezvous(
+        self,
+        key: Key,
+        job: Mapping[str, Any],
+        spec: state.RendezvousSpec,
+        again: bool = False,
+    ) -> None:
+        namespace, name = key
+        owner = kube.job_owner(name, job["metadata"]["uid"])
+        created = await asyncio.to_thread(self._api.create_rendezvous, namespace, name, spec, owner)
+        if created is not None:
+            if again:
+                self._post(
+                    [job],
+                    warning=True,
+                    reason=reasons.RENDEZVOUS_RECREATED,
+                    message=reasons.rendezvous_recreated(name, spec),
+                )
+            else:
+                self._post(
+                    [job],
+                    warning=False,
+                    reason=reasons.RENDEZVOUS_CREATED,
+                    message=reasons.rendezvous_created(name, spec),
+                )
+            return
+        existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
+        owners = existing["metadata"].get("ownerReferences") or []
+        if not any(o.get("uid") == owner["uid"] for o in owners):
+            self._post(
+                [job],
+                warning=True,
+                reason=reasons.RENDEZVOUS_NOT_OWNED,
+                message=reasons.rendezvous_not_owned(name),
+            )
+            return
+        wanted = {k: v for k, v in spec.to_dict().items() if k != "runId"}
+        current = existing.get("spec") or {}
+        if any(current.get(k) != v for k, v in wanted.items()) or (
+            "rankOrder" in current and "rankOrder" not in wanted
+        ):
+            await asyncio.to_thread(
+                self._api.patch_rendezvous_spec,
+                namespace,
+                name,
+                wanted | ({} if "rankOrder" in wanted else {"rankOrder": None}),
+            )
+        if current.get("runId") != spec.run_id:
+            self._post(
+                [job],
+                warning=True,
+                reason=reasons.RUN_ID_IMMUTABLE,
+                message=reasons.run_id_immutable(name, current.get("runId"), spec.run_id),
+            )
+
+    async def make_again(self, key: Key, deleted: Mapping[str, Any]) -> None:
+        """A running annotated Job's Rendezvous was deleted (by hand: garbage collection
+        takes it only with its Job): make it anew, as a Job makes a deleted pod anew. Its
+        nodes notice the new uid and join its first round. The Job is read first, as its
+        own deletion may not have reached us yet: a Rendezvous made for a Job that is gone
+        would only be collected again."""
+        job = self.get(key)
+        owners = (deleted.get("metadata") or {}).get("ownerReferences") or []
+        if (
+            job is None
+            or job.spec is None
+            or job.finished is not None
+            or job.deleting
+            or not any(owner.get("uid") == job.uid for owner in owners)
+        ):
+            return
+        body = await asyncio.to_thread(self._api.get_job, *key)
+        current = observe.observe_job(body) if body is not None else None
+        if current is None or current.uid != job.uid or current.deleting or current.finished:
+            return
+        assert body is not None and current.spec is not None
+        await self._ensure_rendezvous(key, body, current.spec, again=True)
+
+    async def rendezvous_for_pod(
+        self, namespace: str, pod: Mapping[str, Any]
+    ) -> tuple[str, state.RendezvousSpec] | None:
+        """The rendezvous of the annotated Job that owns ``pod``, if any (for the webhook;
+        reads the Job when its watch event has not arrived yet)."""
+        owner = next(
+            (
+                o
+                for o in (pod.get("metadata") or {}).get("ownerReferences") or []
+                if o.get("kind") == "Job" and o.get("controller")
+            ),
+            None,
+        )
+        if owner is None:
+            return None
+        key = (namespace, owner["name"])
+        job = self.get(key)
+        if job is None or job.uid != owner.get("uid"):
+            body = await asyncio.to_thread(self._api.get_job, namespace, owner["name"])
+            job = observe.observe_job(body) if body is not None else None
+        if job is None or job.spec is None or job.uid != owner.get("uid"):
+            return None
+        rendezvous = self._known_rendezvous(key)
+        if rendezvous is None:
+            try:
+                rendezvous = await asyncio.to_thread(self._api.get_rendezvous, *key)
+            except kube.NotFound:
+                return owner["name"], job.spec  # not made yet: it will be, owned by the Job
+        owners = (rendezvous.get("metadata") or {}).get("ownerReferences") or []
+        if not any(o.get("uid") == job.uid for o in owners):
+            return None  # someone else's: its pods must not be sent there (RendezvousNotOwned)
+        return owner["name"], job.spec
+
+    async def with_ancestors(
+        self,
+        namespace: str,
+        workload: membership.Workload,
+        identities: Mapping[str, membership.PodIdentity | None],
+    ) -> dict[str, membership.PodIdentity | None]:
+        """The pods' identities with their Job's controller where that decides whether they
+        belong (a JobSet-owned Rendezvous: its pods are its Jobs'). Each Job is read once:
+        its controller does not change, and the answer is kept by the Job's uid."""
+        result = dict(identities)
+        for node, identity in identities.items():
+            if identity is None or identity.controller_uid is None:
+                continue
+            job = membership.job_to_resolve_for(workload, identity)
+            if job is None:
+                continue
+            known = (namespace, identity.controller_uid)
+            ancestors = self._controllers.get(known)
+            if ancestors is None:
+                body = await asyncio.to_thread(self._api.get_job, namespace, job)
+                ancestors = membership.job_ancestors(identity, body)
+                if ancestors is None:
+                    continue  # gone or made anew: refused now, read again at its next event
+                self._controllers[known] = ancestors
+            result[node] = dataclasses.replace(identity, ancestors=ancestors)
+        return result

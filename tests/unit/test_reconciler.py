@@ -1,0 +1,353 @@
+"""The reconciler's orchestration (``k8s_rendezvous_operator.reconciler``) against an
+in-memory API door that satisfies ``kube.ReconcilerApi``, with a fixed clock.
+
+Aspects: a round is sealed in one status write and reported after it; a join that changes
+only ``formingSince`` costs no write, and the remembered start times the seal; a conflict
+is decided again on the fresh object; a refused write is said once and not retried; a
+round is never sealed with a pod before the pod is looked at; a deleted rendezvous is
+forgotten whole; slices are written only when their content changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from k8s_rendezvous import state
+from k8s_rendezvous_operator import kube, observe, reasons, reconciler, rounds
+
+NS = "ns"
+NAME = "r"
+KEY = (NS, NAME)
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+APP = {"app": "train"}
+
+
+class FakeApi:
+    """Rendezvous, pods and writes kept in memory; each object's resourceVersion grows
+    with each write. ``label_pod`` of a pod that does not exist is a NotFound, as on a
+    real API server."""
+
+    def __init__(self) -> None:
+        self.rendezvous: dict[str, dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.status_writes: list[dict[str, Any]] = []
+        self.slice_writes: list[tuple[int, dict[str, Any]]] = []
+        self.refuse_next_write: kube.ApiError | None = None
+        self.labelled = threading.Event()
+        self._version = 100
+
+    def _bump(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._version += 1
+        body["metadata"]["resourceVersion"] = str(self._version)
+        return body
+
+    def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
+        if name not in self.rendezvous:
+            raise kube.NotFound(name, 404)
+        return dict(self.rendezvous[name])
+
+    def write_status(
+        self, namespace: str, name: str, resource_version: str, fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        body = self.rendezvous.get(name)
+        if body is None:
+            raise kube.NotFound(name, 404)
+        if self.refuse_next_write is not None:
+            error, self.refuse_next_write = self.refuse_next_write, None
+            raise error
+        if body["metadata"]["resourceVersion"] != resource_version:
+            raise kube.Conflict(name, 409)
+        self.status_writes.append(fields)
+        status = dict(body.get("status") or {})
+        status.update(fields)
+        body = self.rendezvous[name] = self._bump(
+            {**body, "metadata": dict(body["metadata"]), "status": status}
+        )
+        return dict(body)
+
+    def write_slice(
+        self,
+        namespace: str,
+        rendezvous: Mapping[str, Any],
+        index: int,
+        content: Mapping[str, Any],
+    ) -> None:
+        self.slice_writes.append((index, dict(content)))
+
+    def unlabelled_job_pods(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
+        return []
+
+    def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]:
+        try:
+            if pod not in self.pods:
+                raise kube.NotFound(pod, 404)
+            body = self.pods[pod]
+            body["metadata"]["labels"][state.NODE_LABEL] = rendezvous
+            return dict(self._bump(body))
+        finally:
+            self.labelled.set()
+
+    def create_rendezvous(
+        self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        raise AssertionError("no annotated Job here")
+
+    def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
+        raise AssertionError("no annotated Job here")
+
+    def service_account_exists(self, namespace: str, name: str) -> bool:
+        raise AssertionError("no annotated Job here")
+
+    def bind_worker_role(
+        self, namespace: str, job: str, job_uid: str, service_account: str, cluster_role: str
+    ) -> None:
+        raise AssertionError("no annotated Job here")
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None
+
+    def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
+        return self.pods.get(pod)
+
+    def pod_node_name(self, namespace: str, pod: str) -> str | None:
+        found = self.pods.get(pod)
+        return None if found is None else found["spec"].get("nodeName")
+
+    def adopt_rendezvous(
+        self, namespace: str, name: str, uid: str, owner: dict[str, Any]
+    ) -> dict[str, Any]:
+        raise AssertionError("made with a pod selector: nobody to adopt it")
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        return {"zone": "a"}
+
+    # -- the test's side -----------------------------------------------------------------
+
+    def add_rendezvous(self, spec: state.RendezvousSpec, status: state.RendezvousStatus | None):
+        body: dict[str, Any] = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": NAME, "namespace": NS, "uid": "uid-r", "generation": 1},
+            "spec": spec.to_dict(),
+            "status": {} if status is None else status.operator_fields(),
+        }
+        self.rendezvous[NAME] = self._bump(body)
+        return dict(self.rendezvous[NAME])
+
+    def add_pod(self, name: str, ip: str) -> None:
+        self.pods[name] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "labels": dict(APP)},
+            "spec": {"nodeName": "node-1"},
+            "status": {"phase": "Running", "podIPs": [{"ip": ip}]},
+        }
+
+
+@dataclasses.dataclass
+class Posted:
+    targets: list[str]
+    warning: bool
+    reason: str
+    message: str
+
+
+class Events:
+    def __init__(self) -> None:
+        self.posted: list[Posted] = []
+
+    def __call__(
+        self, targets: Sequence[Mapping[str, Any]], *, warning: bool, reason: str, message: str
+    ) -> None:
+        kinds = [f"{t['kind']}/{t['metadata']['name']}" for t in targets]
+        self.posted.append(Posted(kinds, warning, reason, message))
+
+    def reasons(self) -> list[str]:
+        return [event.reason for event in self.posted]
+
+
+def spec(min_nodes: int, max_nodes: int, **more: Any) -> state.RendezvousSpec:
+    return state.RendezvousSpec(
+        min_nodes,
+        max_nodes,
+        "run",
+        pod_selector=state.LabelSelector(tuple(APP.items())),
+        **more,
+    )
+
+
+def entry(node: int, attempt: int = 1) -> state.NodeEntry:
+    return state.NodeEntry(f"i{node}", attempt, f"10.0.0.{node}", 29500)
+
+
+class Harness:
+    def __init__(self, clock: list[datetime.datetime]) -> None:
+        self.api = FakeApi()
+        self.events = Events()
+        self.clock = clock
+        self.reconciler = reconciler.Reconciler(self.api, self.events, lambda: self.clock[0])
+        self.reconciler.started()
+
+    async def rendezvous(self, body: Mapping[str, Any]) -> None:
+        await self.reconciler.rendezvous_seen(KEY, body, deleted=False)
+        await self.reconciler.idle()
+
+    async def lease(self, node: str, request: state.NodeEntry | None) -> None:
+        lease = observe.LeaseObservation(
+            NAME, node, None if request is None else request.instance, request
+        )
+        self.reconciler.lease_seen(NS, lease, {}, deleted=False)
+        await self.reconciler.idle()
+
+
+@pytest.fixture
+def harness() -> Harness:
+    return Harness([T0])
+
+
+def written_states(api: FakeApi) -> list[tuple[str, int]]:
+    return [(fields.get("state"), fields.get("round")) for fields in api.status_writes]
+
+
+def test_a_round_is_sealed_in_one_write_and_reported_after_it(harness: Harness) -> None:
+    async def scenario() -> None:
+        for node in (1, 2):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), None))
+        assert written_states(harness.api) == [("Forming", 0)], "the first write is made"
+        await harness.lease("p1", entry(1))
+        await harness.lease("p2", entry(2))
+
+    asyncio.run(scenario())
+    assert written_states(harness.api)[-1] == ("Sealed", 1)
+    sealed = harness.api.rendezvous[NAME]["status"]
+    assert [member["node"] for member in sealed["members"]] == ["p1", "p2"]
+    assert (sealed["master"]["addr"], sealed["master"]["port"]) == ("10.0.0.1", 29500)
+    assert harness.events.reasons() == [reasons.ROUND_SEALED]
+    assert harness.events.posted[0].targets == [f"{state.KIND}/{NAME}"]
+
+
+def test_forming_since_alone_is_not_written_and_times_the_seal(harness: Harness) -> None:
+    async def scenario() -> None:
+        for node in (1, 2, 3):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        await harness.rendezvous(harness.api.add_rendezvous(spec(3, 3), None))
+        writes = len(harness.api.status_writes)
+        await harness.lease("p1", entry(1))
+        assert len(harness.api.status_writes) == writes, "the first join writes nothing"
+        assert "formingSince" not in harness.api.rendezvous[NAME]["status"] or (
+            harness.api.rendezvous[NAME]["status"]["formingSince"] is None
+        )
+        harness.clock[0] = T0 + datetime.timedelta(seconds=2.5)
+        await harness.lease("p2", entry(2))
+        await harness.lease("p3", entry(3))
+
+    asyncio.run(scenario())
+    assert written_states(harness.api)[-1] == ("Sealed", 1)
+    (sealed,) = harness.events.posted
+    assert "2.500 s after the first join" in sealed.message, sealed.message
+
+
+def test_a_conflict_is_decided_again_on_the_fresh_object(harness: Harness) -> None:
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")
+        body = harness.api.add_rendezvous(spec(1, 1), None)
+        # Someone wrote after the operator's view: its write must be over the fresh one.
+        harness.api.add_rendezvous(spec(1, 1), None)
+        await harness.reconciler.rendezvous_seen(KEY, body, deleted=False)
+        await harness.reconciler.idle()
+
+    asyncio.run(scenario())
+    assert written_states(harness.api) == [("Forming", 0)]
+    assert harness.reconciler.known_body(KEY) == harness.api.rendezvous[NAME]
+
+
+def test_a_refused_write_is_said_once_and_not_retried(harness: Harness) -> None:
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")
+        body = harness.api.add_rendezvous(spec(2, 2), None)
+        harness.api.refuse_next_write = kube.Invalid("status.round: Invalid value", 422)
+        await harness.rendezvous(body)
+
+    asyncio.run(scenario())
+    assert harness.events.reasons() == [reasons.INVALID_RENDEZVOUS]
+    assert "its next status was refused" in harness.events.posted[0].message
+    # The one write that followed is the refusal's own condition, not a retried decision.
+    (condition_only,) = harness.api.status_writes
+    assert list(condition_only) == ["conditions"]
+    assert condition_only["conditions"][0]["reason"] == reasons.INVALID_RENDEZVOUS
+
+
+def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) -> None:
+    """A restarted operator: the stored round's members re-join, but p2's pod is gone.
+    Sealing before the labelling answered would seal p2 in; waiting for it loses p2."""
+    previous = state.RendezvousStatus(
+        state=state.RoundState.SEALED,
+        round=1,
+        members=(
+            state.Member("p1", "i1", 1, "10.0.0.1"),
+            state.Member("p2", "i2", 1, "10.0.0.2"),
+        ),
+        master=state.Master("10.0.0.1", 29500),
+        sealed_at=T0,
+    )
+
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")  # p2 has no pod any more
+        for node in (1, 2):
+            request = entry(node, attempt=2)
+            lease = observe.LeaseObservation(NAME, f"p{node}", request.instance, request)
+            harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), previous))
+
+    asyncio.run(scenario())
+    assert ("Sealed", 2) not in written_states(harness.api)
+    assert written_states(harness.api)[-1] == ("Reforming", 1)
+    lost = [e for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
+    assert [e.message for e in lost] == [reasons.member_lost("p2", 1, 1, rounds.LOST_POD_NOT_FOUND)]
+    assert reasons.NODE_WITHOUT_POD in harness.events.reasons()
+
+
+def test_a_deleted_rendezvous_is_forgotten_whole(harness: Harness) -> None:
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")
+        body = harness.api.add_rendezvous(spec(2, 2), None)
+        await harness.rendezvous(body)
+        await harness.lease("p1", entry(1))
+        assert harness.reconciler.observed((NS, "p1")) is not None
+        await harness.reconciler.rendezvous_seen(KEY, body, deleted=True)
+
+    asyncio.run(scenario())
+    assert harness.reconciler.known_body(KEY) is None
+    assert harness.reconciler.observed((NS, "p1")) is None
+
+
+def test_slices_are_written_only_when_their_content_changes(harness: Harness) -> None:
+    large = spec(2, state.SLICE_MEMBERS + 1)
+
+    async def scenario() -> None:
+        for node in (1, 2, 3):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        await harness.rendezvous(harness.api.add_rendezvous(large, None))
+        assert len(harness.api.slice_writes) == state.slice_count(large.max_nodes)
+        harness.api.slice_writes.clear()
+        for node in (1, 2, 3):
+            await harness.lease(f"p{node}", entry(node))
+        assert harness.api.status_writes[-1]["lastCallDeadline"] is not None
+        assert harness.api.slice_writes == [], "joins and a last call write no slice"
+        harness.clock[0] = T0 + datetime.timedelta(seconds=large.last_call_timeout_seconds)
+        harness.reconciler.request(KEY)  # the last call's timer
+        await harness.reconciler.idle()
+
+    asyncio.run(scenario())
+    assert written_states(harness.api)[-1] == ("Sealed", 1)
+    assert sorted(index for index, _ in harness.api.slice_writes) == list(
+        range(state.slice_count(large.max_nodes))
+    )
