@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Final
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from k8s_rendezvous import state
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -132,6 +134,56 @@ def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, s
             + ")."
         )
     return namespace, name
+
+
+def spec_to_create(
+    min_nodes: int, max_nodes: int, run_id: str, configured: Mapping[str, int]
+) -> state.RendezvousSpec:
+    """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
+    ``--rdzv-id``, the ``configured`` timeouts, and the defaults for the others."""
+    return state.RendezvousSpec(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        run_id=run_id,
+        join_timeout_seconds=configured.get("join_timeout", state.DEFAULT_JOIN_TIMEOUT_SECONDS),
+        last_call_timeout_seconds=configured.get(
+            "last_call_timeout", state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS
+        ),
+        close_timeout_seconds=configured.get("close_timeout", state.DEFAULT_CLOSE_TIMEOUT_SECONDS),
+        heartbeat_timeout_seconds=configured.get(
+            "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        ),
+    )
+
+
+def disagreements(
+    spec: state.RendezvousSpec,
+    run_id: str,
+    nnodes: tuple[int, int],
+    configured: Mapping[str, int],
+) -> list[str]:
+    """Where ``spec`` (of the Rendezvous found) and torchrun's parameters disagree, each
+    said for a log line that ends "the resource wins"."""
+    found: list[str] = []
+    if spec.run_id != run_id:
+        found.append(f"has runId {spec.run_id!r} but torchrun was given --rdzv-id={run_id!r}")
+    if (spec.min_nodes, spec.max_nodes) != nnodes:
+        found.append(
+            f"admits {spec.min_nodes}:{spec.max_nodes} nodes but torchrun was given "
+            f"--nnodes={nnodes[0]}:{nnodes[1]}"
+        )
+    in_spec = {
+        "join_timeout": spec.join_timeout_seconds,
+        "last_call_timeout": spec.last_call_timeout_seconds,
+        "close_timeout": spec.close_timeout_seconds,
+        "heartbeat_timeout": spec.heartbeat_timeout_seconds,
+    }
+    found.extend(
+        f"sets {key}={in_spec[key]} but --rdzv-conf gave {key}={value}"
+        for key, value in configured.items()
+        if in_spec[key] != value
+    )
+    return found
 
 
 def own_pod_name(client: api.RendezvousApi) -> str:

@@ -592,20 +592,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """Make the missing Rendezvous from torchrun's parameters, to be owned by this
         pod's controller, so any workload (JobSet, PyTorchJob, StatefulSet) works by changing
         only the rendezvous backend. ``False`` if this service account may not."""
-        conf = self._configured_timeouts
-        spec = state.RendezvousSpec(
-            min_nodes=self._nnodes[0],
-            max_nodes=self._nnodes[1],
-            run_id=self._run_id,
-            join_timeout_seconds=conf.get("join_timeout", state.DEFAULT_JOIN_TIMEOUT_SECONDS),
-            last_call_timeout_seconds=conf.get(
-                "last_call_timeout", state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS
-            ),
-            close_timeout_seconds=conf.get("close_timeout", state.DEFAULT_CLOSE_TIMEOUT_SECONDS),
-            heartbeat_timeout_seconds=conf.get(
-                "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
-            ),
-        )
+        spec = config.spec_to_create(*self._nnodes, self._run_id, self._configured_timeouts)
         if not self._client.create(spec, self._node):
             return False
         log.info(
@@ -633,37 +620,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             ) from error
         if not self._spec_checked:
             self._spec_checked = True
-            if spec.run_id != self._run_id:
-                log.warning(
-                    "%s has runId %r but torchrun was given --rdzv-id=%r; the resource wins",
-                    self._client.reference,
-                    spec.run_id,
-                    self._run_id,
-                )
-            if (spec.min_nodes, spec.max_nodes) != self._nnodes:
-                log.warning(
-                    "%s admits %d:%d nodes but torchrun was given --nnodes=%d:%d; the "
-                    "resource wins",
-                    self._client.reference,
-                    spec.min_nodes,
-                    spec.max_nodes,
-                    *self._nnodes,
-                )
-            from_spec = {
-                "join_timeout": spec.join_timeout_seconds,
-                "last_call_timeout": spec.last_call_timeout_seconds,
-                "close_timeout": spec.close_timeout_seconds,
-            }
-            for key, value in self._configured_timeouts.items():
-                if from_spec[key] != value:
-                    log.warning(
-                        "%s sets %s=%d but --rdzv-conf gave %s=%d; the resource wins",
-                        self._client.reference,
-                        key,
-                        from_spec[key],
-                        key,
-                        value,
-                    )
+            for disagreement in config.disagreements(
+                spec, self._run_id, self._nnodes, self._configured_timeouts
+            ):
+                log.warning("%s %s; the resource wins", self._client.reference, disagreement)
         return spec
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
