@@ -283,12 +283,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             if self._reformer is not None:
                 agent = _calling_agent(sys._getframe(1))
                 store = self._reformer.started(joined, agent)
-            admitted = joined.admitted
+            status = joined.status
+            assert status.master is not None
             return RendezvousInfo(
                 store,
-                admitted.rank,
-                admitted.world_size,
-                RendezvousStoreInfo(admitted.master.addr, admitted.master.port),
+                joined.rank,
+                status.world_size,
+                RendezvousStoreInfo(status.master.addr, status.master.port),
             )
 
     def _rejoin_in_place(self) -> reforming.Joined:
@@ -361,7 +362,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 if store is not None:
                     self._joined = join.Joined(decision.round, decision.rank, owner_uid)
                     prefix = f"torch.rendezvous.{self._run_id}.{decision.round}"
-                    return reforming.Joined(decision, owner_uid, PrefixStore(prefix, store))
+                    return reforming.Joined(
+                        status, decision.rank, owner_uid, PrefixStore(prefix, store)
+                    )
                 # Stale before rank 0 answered (most likely its pod is gone): this round
                 # is spent, and the next forms without waiting out read_timeout.
                 decision = join.Rejoin(

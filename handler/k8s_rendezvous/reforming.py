@@ -42,7 +42,7 @@ from typing import Any, Final
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
 
-from k8s_rendezvous import handoff, in_place, join
+from k8s_rendezvous import handoff, in_place, state
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ _WAKE_SECONDS: Final = 1.0
 class Joined:
     """A round this node joined: what the handler's join returns."""
 
-    admitted: join.Admitted
-    """The round, this node's rank in it, the world and the master."""
+    status: state.NodeView
+    rank: int
     uid: str
     """Of the Rendezvous the round belongs to."""
     store: Store
@@ -205,24 +205,25 @@ class Reformer:
         # torch's own rank assignment, on the round's store, for the agent: a newcomer's
         # agent does its part of the same exchange in its next_rendezvous().
         assign: Any = self._agent._assign_worker_ranks  # type: ignore[attr-defined]
-        admitted = joined.admitted
-        workers = assign(joined.store, admitted.rank, admitted.world_size, group.spec)
+        status = joined.status
+        workers = assign(joined.store, joined.rank, status.world_size, group.spec)
         for running, assigned in zip(group.workers, workers, strict=True):
             assigned.id = running.id
+        assert status.master is not None
         group.workers = workers
-        group.group_rank = admitted.rank
-        group.group_world_size = admitted.world_size
-        group.master_addr = admitted.master.addr
-        group.master_port = admitted.master.port
+        group.group_rank = joined.rank
+        group.group_world_size = status.world_size
+        group.master_addr = status.master.addr
+        group.master_port = status.master.port
         self._store.inner = joined.store  # the agent's store, for its exit barrier
         self._publish(joined, workers[0] if workers else None)
         log.info(
             "node %s is rank %d of %d in round %d, re-formed in place (workers kept as ranks "
             "%d-%d of %d) in %.3f s",
             self._node,
-            admitted.rank,
-            admitted.world_size,
-            admitted.round,
+            joined.rank,
+            status.world_size,
+            status.round,
             workers[0].global_rank,
             workers[-1].global_rank,
             workers[0].world_size,
@@ -230,16 +231,17 @@ class Reformer:
         )
 
     def _publish(self, joined: Joined, first: Any) -> None:
-        admitted = joined.admitted
+        status = joined.status
+        assert status.master is not None
         handoff.write(
             self.directory,
             handoff.ROUND_FILE,
             handoff.PublishedRound(
-                round=admitted.round,
-                uuid=handoff.round_uuid(joined.uid, admitted.round, admitted.master.endpoint),
-                master=admitted.master.endpoint,
-                group_rank=admitted.rank,
-                group_world_size=admitted.world_size,
+                round=status.round,
+                uuid=handoff.round_uuid(joined.uid, status.round, status.master.endpoint),
+                master=status.master.endpoint,
+                group_rank=joined.rank,
+                group_world_size=status.world_size,
                 base_rank=None if first is None else first.global_rank,
                 world_size=None if first is None else first.world_size,
             ),
