@@ -131,7 +131,7 @@ def _time_join_writes(slot: Slot) -> None:
             slot.written_wall = time.time()
 
     client.write_lease = timed
-    watcher = slot.handler._watcher
+    watcher = slot.handler.watcher
     offer = watcher.offer
 
     def seen(obj: Any) -> None:

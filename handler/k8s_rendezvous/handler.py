@@ -6,17 +6,22 @@ Each join offers a fresh listening socket and reports its port; the round's rank
 the round's TCPStore on it (the agents' keys prefixed per round) for its workers too, who
 expect a new store every round. MASTER_ADDR and MASTER_PORT come from the resource, per
 round, never from a cache.
+
+A join loops sync -> decide -> apply, as torch's dynamic rendezvous does: it waits on the
+round watcher (:mod:`k8s_rendezvous.watch`) for a status the join step
+(:func:`k8s_rendezvous.join.decide`) has something to say about, and applies what it says.
+The other concerns live beside it: the parameters (:mod:`k8s_rendezvous.config`), the
+heartbeat (:mod:`k8s_rendezvous.heartbeat`), the round's store
+(:mod:`k8s_rendezvous.round_store`), the API (:mod:`k8s_rendezvous.api`, implemented by
+:mod:`k8s_rendezvous.kube`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
-import datetime
+import functools
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -25,8 +30,6 @@ import uuid
 from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any, Final
-
-import torch
 
 # Exported by torch.distributed at run time but missing from its type stubs.
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
@@ -39,7 +42,19 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from k8s_rendezvous import BACKEND_NAME, kube, reforming, rest, state
+from k8s_rendezvous import (
+    BACKEND_NAME,
+    api,
+    config,
+    heartbeat,
+    join,
+    kube,
+    reforming,
+    rest,
+    round_store,
+    state,
+    watch,
+)
 from k8s_rendezvous.errors import (
     KubernetesRendezvousClosedError,
     KubernetesRendezvousConnectionError,
@@ -51,35 +66,6 @@ from k8s_rendezvous.errors import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
-_SPEC_TIMEOUT = "seconds; used if this node creates the Rendezvous, else its spec wins"
-CONFIG_KEYS: Final = {
-    "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
-    "join_timeout": _SPEC_TIMEOUT,
-    "last_call_timeout": _SPEC_TIMEOUT,
-    "close_timeout": _SPEC_TIMEOUT,
-    "heartbeat_timeout": _SPEC_TIMEOUT,
-    "in_place": "1 to keep the workers running through a change of the world when they "
-    "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
-    "restarts them as torch does",
-}
-_IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
-C10D_KEYS_NOT_USED: Final = {
-    "is_host": "no node hosts the rendezvous: the operator keeps it in the Rendezvous, and "
-    "the round's rank 0 serves the workers' store",
-    "store_type": "the rendezvous is no store here; the round's store is always rank 0's TCPStore",
-    "use_libuv": "the round's store server is chosen by torch version (libuv where it can "
-    "serve a socket it is handed)",
-    "keep_alive_interval": "liveness is the pod's Lease, renewed three times per "
-    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
-    "keep_alive_max_attempt": "liveness is the pod's Lease, renewed three times per "
-    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
-    "cas_backoff_max_seconds": "nodes never compare-and-set a shared state: each writes its "
-    "own Lease, and only the operator writes the Rendezvous",
-}
-"""Keys torch's c10d backend accepts: taken, so that switching only ``--rdzv-backend``
-works, and each logged once as having no use here, with the reason."""
-_LOOPBACK: Final = "127.0.0.1"
 _FIRST_EVENT_SECONDS: Final = 2.0
 """How long the first join waits for the watch to deliver the Rendezvous before reading it
 (the watch says nothing while the Rendezvous is missing, e.g. until a pod creates it)."""
@@ -94,112 +80,6 @@ _AGENT_FRAMES: Final = 4
 """How far up its callers ``shutdown()`` and ``next_rendezvous()`` look for torch's agent
 (it is the caller's caller at most: ``launch_agent``, or the agent's ``_shutdown`` from
 its ``run``; the agent's ``_rendezvous``, under its profiling wrapper)."""
-_STALE_ROUND_POLL_SECONDS: Final = 0.05
-"""How often a node still connecting to rank 0's store looks whether the round went stale."""
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-_LIBUV_SERVES_A_GIVEN_SOCKET: Final = torch.__version__ >= "2.8"
-"""torch's libuv store server listens on a socket it is handed only since 2.8 (pytorch
-#150215); before, only its classic server does. (``torch.__version__`` is a TorchVersion:
-it compares as a version, so 2.13 is above 2.8.)"""
-
-
-class RendezvousReplaced(Exception):
-    """The Rendezvous a node joined (its uid here) was deleted, perhaps made anew: its
-    rounds are gone with it, and the node's request too."""
-
-    def __init__(self, uid: str) -> None:
-        super().__init__(uid)
-        self.uid = uid
-
-
-def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
-    """``NAME`` or ``NAMESPACE/NAME`` to ``(namespace, name)``."""
-    namespace, _, name = endpoint.strip().rpartition("/")
-    namespace = namespace or default_namespace or ""
-    if not _NAME.match(name) or not _NAME.match(namespace):
-        raise ValueError(
-            f"--rdzv-endpoint={endpoint!r} does not name a Rendezvous: use NAME or "
-            "NAMESPACE/NAME (lowercase DNS names; the namespace defaults to the pod's own"
-            + ("" if default_namespace else ", which is unknown here: set POD_NAMESPACE")
-            + ")."
-        )
-    return namespace, name
-
-
-def _own_pod_name(client: kube.RendezvousClient) -> str:
-    """This node's name when ``POD_NAME`` is not set: the pod its bound token was issued
-    for (one SelfSubjectReview at start), else the hostname. Not the hostname first: the
-    pods of an Indexed Job with a subdomain (JobSet's, Kubeflow Trainer's) are named
-    ``<job>-<index>-<suffix>`` but have ``<job>-<index>`` as their hostname."""
-    try:
-        _, pod = client.identity()
-    except RendezvousError as error:
-        log.warning(
-            "POD_NAME is not set and this node could not ask whose token it holds (%s); "
-            "taking the hostname %s as its pod's name",
-            error,
-            socket.gethostname(),
-        )
-        pod = None
-    return pod or socket.gethostname()
-
-
-def _route_address(towards: str | None) -> str:
-    """The local address that routes to the API server: no DNS involved."""
-    with socket.socket(
-        socket.AF_INET6 if towards and ":" in towards else socket.AF_INET, socket.SOCK_DGRAM
-    ) as probe:
-        probe.connect((towards or "10.255.255.255", 443))
-        return str(probe.getsockname()[0])
-
-
-def _connect_to_store(
-    master: state.Master, timeout: float, round_is_stale: Callable[[], bool]
-) -> TCPStore | None:
-    """A client of rank 0's store; ``None`` as soon as ``round_is_stale()`` while still
-    connecting; or ``RuntimeError`` by ``timeout`` (and a second, to let torch's own error
-    through when connecting fails).
-
-    A round goes stale when the operator learns its rank 0 is gone (pod deleted, evicted,
-    node lost). Without this check a connection refused, or accepted by a kernel whose
-    process will never serve, would end only at ``timeout`` and fail the agent with a
-    connection error, where joining the next round takes a fraction of a second.
-
-    torch bounds connecting by ``timeout`` but then waits for the server's first answer
-    without a bound: against a rank 0 frozen after the seal (SIGSTOP, a stalled host),
-    whose kernel still completes the TCP handshake, the client waits until it thaws
-    (torch 2.13: 20 s against a 3 s timeout when thawed after 20 s; never, if it is not).
-    So the client is built in a thread this node gives up on; if the call ever returns,
-    the client it made is dropped with the thread.
-    """
-    made: list[TCPStore | RuntimeError] = []
-
-    def connect() -> None:
-        try:
-            made.append(
-                TCPStore(
-                    host_name=master.addr,
-                    port=master.port,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout),
-                )
-            )
-        except RuntimeError as error:
-            made.append(error)
-
-    connecting = threading.Thread(target=connect, name="k8s-rendezvous-round-store", daemon=True)
-    connecting.start()
-    deadline = time.monotonic() + timeout + 1
-    while not made and (remaining := deadline - time.monotonic()) > 0:
-        # Returns the moment the client is made: the poll only bounds noticing staleness.
-        connecting.join(min(remaining, _STALE_ROUND_POLL_SECONDS))
-        if not made and round_is_stale():
-            return None
-    if not made:
-        raise RuntimeError("it accepted the connection but did not answer")
-    if isinstance(made[0], RuntimeError):
-        raise made[0]
-    return made[0]
 
 
 def _calling_agent(frame: FrameType | None) -> ElasticAgent | None:
@@ -230,345 +110,12 @@ def _called_by_a_succeeded_agent() -> bool:
         return False
 
 
-class RoundWatcher:
-    """Keeps the latest Rendezvous status, as this node reads it, fresh from a background watch.
-
-    The watch asks the API server only for versions whose ``status.roundKey`` differs
-    from the key it was armed with, so the operator's bookkeeping within a round never
-    reaches this pod. A round key never comes back once left (rounds only go forward), so
-    a stream armed with an older key goes on through later round changes: a round costs
-    no request, and no new connection (a watch left early cannot give its connection
-    back). It re-arms with the current key only when a change that keeps a later key gets
-    through (the filter is stale), at a stream's end, or when the object stops matching
-    (DELETED: a key back at the filter's, or the object gone; a read tells which, and a
-    Rendezvous deleted and made anew is followed under its new uid). The first watch, from no
-    version, has no filter: the bookkeeping of the round it began in reaches it (the
-    forming round, while the nodes join, when a re-arm would cost every node a request).
-
-    A large rendezvous (``status.slices`` > 0) is published in RendezvousSlices: once the
-    Rendezvous says so, the watch moves, for good, to this node's slice, which carries the
-    same round with only its own share of the members (and a copy of the spec).
-    """
-
-    def __init__(self, client: kube.RendezvousClient, node: str) -> None:
-        self._client = client
-        self._node = node
-        self._changed = threading.Condition()
-        self._object: Mapping[str, Any] | None = None
-        self._decode_error: state.DecodeError | None = None
-        self._raw_round_key: str | None = None
-        self._version = -1
-        self._version_text: str | None = None
-        """The resourceVersion of what we hold, to watch from; None: the current state."""
-        self._offered = 0
-        self._uid: str | None = None
-        """The uid of the Rendezvous held: a new one means it was deleted and made anew."""
-        self._gone = False
-        """The Rendezvous held was deleted, and none of its name exists now."""
-        self._slice: str | None = None
-        """The RendezvousSlice watched instead of the Rendezvous, once it says it has some."""
-        self._recent: collections.deque[tuple[int, state.NodeView]] = collections.deque(maxlen=8)
-        """The latest statuses, numbered in the order they arrived (the last is the current
-        one), for wait() to judge. A few are enough: a join sees two or three round changes
-        at most before it looks."""
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"k8s-rendezvous-watch-{self._client.name}", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    @property
-    def status(self) -> state.NodeView | None:
-        with self._changed:
-            return self._recent[-1][1] if self._recent else None
-
-    @property
-    def latest(self) -> Mapping[str, Any] | None:
-        """The newest Rendezvous (or slice of it) seen: its spec is as fresh as the last
-        round change."""
-        with self._changed:
-            return self._object
-
-    @property
-    def uid(self) -> str | None:
-        """The uid of the Rendezvous held, ``None`` if it was deleted and not made anew."""
-        with self._changed:
-            return None if self._gone else self._uid
-
-    def offer(self, obj: Mapping[str, Any]) -> None:
-        """Take ``obj`` if it is newer than what we hold (watch events, reads)."""
-        version = state.resource_version(obj)
-        with self._changed:
-            if version <= self._version:
-                return
-            try:
-                uid: str | None = state.rendezvous_uid(obj)
-            except state.DecodeError:
-                uid = self._uid  # a slice naming no Rendezvous: the status says why
-            if uid != self._uid:
-                # Made anew (or the first): its rounds start afresh, its slices too.
-                self._uid, self._gone = uid, False
-                if self._slice is not None and obj.get("kind") != state.SLICE_KIND:
-                    self._slice = None
-            self._version = version
-            self._object = obj
-            self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
-            self._raw_round_key = _raw_round_key(obj)
-            try:
-                status = state.NodeView.from_dict(obj.get("status"), self._node)
-                self._decode_error = None
-                self._offered += 1
-                self._recent.append((self._offered, status))
-                if status.slices and self._slice is None and status.slices <= _slices_allowed(obj):
-                    index = state.slice_index(self._node, status.slices)
-                    self._slice = state.slice_name(self._client.name, index)
-                    # The slice is another object: its versions are not comparable with
-                    # the Rendezvous' (it may have been written last before), start afresh.
-                    self._version, self._version_text, self._raw_round_key = -1, None, None
-            except state.DecodeError as error:
-                self._decode_error = error
-            self._changed.notify_all()
-
-    def mark(self) -> int:
-        """This point in the statuses' arrival, for ``wait(since=...)``."""
-        with self._changed:
-            return self._offered
-
-    def wait_for_object(self, deadline: float) -> Mapping[str, Any] | None:
-        """The first object the watch delivers, or ``None`` by the monotonic ``deadline``."""
-        with self._changed:
-            while self._object is None and (remaining := deadline - time.monotonic()) > 0:
-                self._changed.wait(remaining)
-            return self._object
-
-    def wait_for_other(self, uid: str, deadline: float) -> Mapping[str, Any] | None:
-        """The Rendezvous once it is one other than ``uid`` (made anew), or ``None`` by the
-        monotonic ``deadline``."""
-        with self._changed:
-            while self._gone or self._uid == uid:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._changed.wait(remaining)
-            return self._object
-
-    def wait(
-        self,
-        done: Callable[[state.NodeView], bool],
-        deadline: float,
-        since: int | None = None,
-        uid: str | None = None,
-    ) -> state.NodeView | None:
-        """The first status for which ``done(status)``, or ``None`` at the monotonic
-        ``deadline``. Statuses are judged in the order they arrived: the latest at
-        ``since`` (a :meth:`mark`; default: now) and each after it. So the answer does not
-        depend on how far the watch has read ahead of the caller, e.g. a node thawed with
-        several rounds waiting in its socket gets the first that admitted it.
-
-        Raises :class:`RendezvousReplaced` once the Rendezvous is no longer the one of
-        ``uid`` (deleted, perhaps made anew): its statuses cannot answer for that one's."""
-        with self._changed:
-            judged = (self._offered if since is None else since) - 1
-            while True:
-                if uid is not None and (self._gone or self._uid != uid):
-                    raise RendezvousReplaced(uid)
-                for number, status in self._recent:
-                    if number > judged:
-                        judged = number
-                        if done(status):
-                            return status
-                if self._decode_error is not None:
-                    raise KubernetesRendezvousStateError(
-                        f"{self._client.reference} has a status this node cannot read: "
-                        f"{self._decode_error}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._changed.wait(remaining)
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stopped.is_set():
-            try:
-                with self._changed:
-                    first_key, version = self._raw_round_key, self._version_text
-                    watched = self._slice
-                key = first_key
-                # From a known version the watch misses nothing after it; from none (the
-                # start, or lost track) it begins with the current object: never a LIST.
-                for kind, obj in self._client.watch_unless(
-                    first_key, version, timeout_seconds=60, slice_name=watched
-                ):
-                    if self._stopped.is_set():
-                        return
-                    if kind in ("ADDED", "MODIFIED"):
-                        self.offer(obj)
-                        if self._slice != watched:
-                            break  # the Rendezvous is sliced: watch this node's slice
-                        previous_key, key = key, _raw_round_key(obj)
-                        if kind == "ADDED" and version is None:
-                            # The current object, first event of a watch from no version:
-                            # the same stream goes on with its changes (one request, not two).
-                            first_key = key
-                        elif key == previous_key and key != first_key:
-                            break  # bookkeeping got through a stale filter: re-arm it
-                    elif kind == "BOOKMARK":
-                        self._bookmark(obj)
-                    elif kind == "DELETED":
-                        self._after_deleted()
-                        break
-                backoff = 0.1
-            except Exception as error:  # keep serving the last status; the agent polls us
-                if self._stopped.is_set():
-                    return
-                self._lose_track()
-                log.warning("watching %s failed, retrying: %s", self._client.reference, error)
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-
-    def _bookmark(self, obj: Mapping[str, Any]) -> None:
-        """Nothing of ours changed up to this version: resume from it next time."""
-        with self._changed:
-            if state.resource_version(obj) > self._version:
-                self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
-
-    def _lose_track(self) -> None:
-        with self._changed:
-            self._version_text = None
-
-    def _after_deleted(self) -> None:
-        """The watched object stopped matching: its key came back to the filter's (the
-        API server sends the object as it was), or it, or the Rendezvous of the slice, is
-        gone. One read tells which, and is where the next watch starts from."""
-        self._lose_track()
-        try:
-            current = self._client.get()
-        except RendezvousNotFoundError:
-            with self._changed:
-                if not self._gone:
-                    log.warning("%s was deleted", self._client.reference)
-                self._gone = True
-                # Watch for one made anew, under any round key, from its creation.
-                self._raw_round_key, self._slice = None, None
-                self._changed.notify_all()
-            return
-        self.offer(current)
-
-
-def _slices_allowed(obj: Mapping[str, Any]) -> int:
-    """The most slices ``obj``'s spec can need (the operator refuses a status with more,
-    and so no node follows it to slices that are never made)."""
-    max_nodes = (obj.get("spec") or {}).get("maxNodes")
-    return state.slices_needed(max_nodes) if type(max_nodes) is int else state.MAX_SLICES
-
-
-def _raw_round_key(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("status") or {}).get("roundKey") or "")
-
-
-class Heartbeat:
-    """Renews this node's Lease from a background thread until stopped, like torch's
-    keep-alive timer; failures are logged and retried on the next beat. The first beat
-    comes one period after the join, which wrote the Lease itself."""
-
-    def __init__(self, client: kube.RendezvousClient, node: str, instance: str) -> None:
-        self._client = client
-        self._node = node
-        self._instance = instance
-        self._period = 10.0
-        self._timeout = state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
-        self._owner_uid = ""
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, spec: state.RendezvousSpec, owner_uid: str) -> None:
-        self._period = spec.heartbeat_interval_seconds
-        self._timeout = spec.heartbeat_timeout_seconds
-        self._owner_uid = owner_uid
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"k8s-rendezvous-heartbeat-{self._node}", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self._period):
-            try:
-                self._client.write_lease(self._node, self._instance, self._timeout, self._owner_uid)
-            except RendezvousError as error:
-                log.warning("node %s could not renew its heartbeat: %s", self._node, error)
-
-
-def _listen_for_store() -> socket.socket:
-    """A socket listening on every address, at a port the kernel picks, that a join offers
-    as its store: the round's rank 0 serves the round's TCPStore on it (torch takes it
-    over), the other members close it. The kernel completes their connects to rank 0 even
-    before rank 0 serves, so none of them waits for it to be ready. A listening socket
-    costs microseconds; a TCPStore server, made by every node for every join, cost about
-    1 ms of CPU, a thread and a reverse DNS lookup, for a store one node of the round uses.
-    """
-    try:  # dual-stack, as torch's own server listens
-        return _listening(socket.AF_INET6, "::")
-    except OSError:  # this pod has no IPv6
-        return _listening(socket.AF_INET, "0.0.0.0")
-
-
-def _listening(family: socket.AddressFamily, address: str) -> socket.socket:
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        if family == socket.AF_INET6:
-            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        listener.bind((address, 0))
-        # Every other member may connect before rank 0 serves; the kernel caps this at
-        # net.core.somaxconn.
-        listener.listen(65535)
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
-def _serve_store(listener: socket.socket, timeout: float) -> TCPStore:
-    """The round's TCPStore, served by this node (its rank 0) on the socket it offered."""
-    port = int(listener.getsockname()[1])
-    # host_name is only where the server's own client connects: loopback always answers,
-    # whether or not this node can reach the address it advertises to the others.
-    return TCPStore(
-        host_name=_LOOPBACK,
-        port=port,
-        is_master=True,
-        multi_tenant=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout),
-        master_listen_fd=listener.detach(),
-        use_libuv=_LIBUV_SERVES_A_GIVEN_SOCKET,
-    )
-
-
-@dataclasses.dataclass
-class _Joined:
-    round: int
-    rank: int
-    uid: str
-    """Of the Rendezvous the round belongs to."""
-
-
 class KubernetesRendezvousHandler(RendezvousHandler):
     """A ``RendezvousHandler`` whose state lives in a ``Rendezvous`` resource.
 
     Args:
-        client: Reads and writes the Rendezvous.
+        client: Reads and writes the Rendezvous (:class:`k8s_rendezvous.kube.RendezvousClient`,
+            or a stand-in that satisfies :class:`k8s_rendezvous.api.RendezvousApi`).
         run_id: torchrun's ``--rdzv-id``; must match the resource's ``spec.runId``.
         node: This node's name, the key of its entry (the pod name).
         addr: The address other nodes reach this node at (pod IP or ``--local-addr``).
@@ -582,14 +129,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
     def __init__(
         self,
-        client: kube.RendezvousClient,
+        client: api.RendezvousApi,
         *,
         run_id: str,
         node: str,
         addr: str,
         min_nodes: int,
         max_nodes: int,
-        read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        read_timeout: float = config.DEFAULT_READ_TIMEOUT_SECONDS,
         configured_timeouts: Mapping[str, int] | None = None,
         in_place: bool = False,
     ) -> None:
@@ -602,15 +149,15 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._configured_timeouts = dict(configured_timeouts or {})
         self._instance = uuid.uuid4().hex[:16]
         self._attempt = 0
-        self._joined: _Joined | None = None
+        self._joined: join.Joined | None = None
         # Watching starts now, as torch's c10d handler connects to its store when built: the
         # first join finds the Rendezvous already read.
-        self._watcher = RoundWatcher(client, node)
+        self._watcher = watch.RoundWatcher(client, node)
         self._watcher.start()
         threading.Thread(
             target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
         ).start()
-        self._heartbeat = Heartbeat(client, node, self._instance)
+        self._heartbeat = heartbeat.Heartbeat(client, node, self._instance)
         self._serving: TCPStore | None = None
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
@@ -630,48 +177,81 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> KubernetesRendezvousHandler:
         """Build a handler from torchrun's parameters and the pod's environment."""
-        unknown = (
-            set(params.config) - set(CONFIG_KEYS) - _IGNORED_CONFIG_KEYS - set(C10D_KEYS_NOT_USED)
-        )
-        if unknown:
-            valid = "; ".join(f"{key}: {meaning}" for key, meaning in CONFIG_KEYS.items())
-            accepted = ", ".join(sorted(C10D_KEYS_NOT_USED))
-            raise ValueError(
-                f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))} for the kubernetes "
-                f"rendezvous backend. Valid keys: {valid}. Also accepted, as torch's c10d "
-                f"backend takes them, but not used here: {accepted}."
-            )
-        for key in sorted(set(params.config) & set(C10D_KEYS_NOT_USED)):
-            log.info(
-                "--rdzv-conf %s is not used by the kubernetes backend: %s",
-                key,
-                (C10D_KEYS_NOT_USED[key]),
-            )
-        namespace, name = parse_endpoint(params.endpoint, rest.own_namespace())
-        in_place = bool(params.get_as_bool("in_place", False))
-        read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
-        if read_timeout is None or read_timeout <= 0:
-            raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
-        configured = {
-            key: value
-            for key in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
-            if (value := params.get_as_int(key)) is not None
-        }
+        settings = config.Settings.from_parameters(params, rest.own_namespace())
         api_client = kube.load_api_client()
-        host = api_client.configuration.host.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-        addr = params.local_addr or os.environ.get("POD_IP") or _route_address(host)
-        client = kube.RendezvousClient(api_client, namespace, name, retry_seconds=read_timeout)
+        addr = (
+            params.local_addr
+            or os.environ.get("POD_IP")
+            or round_store.route_address(kube.server_host(api_client))
+        )
+        client = kube.RendezvousClient(
+            api_client, settings.namespace, settings.name, retry_seconds=settings.read_timeout
+        )
         return cls(
             client,
             run_id=params.run_id,
-            node=os.environ.get("POD_NAME") or _own_pod_name(client),
+            node=os.environ.get("POD_NAME") or config.own_pod_name(client),
             addr=addr,
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
-            read_timeout=read_timeout,
-            configured_timeouts=configured,
-            in_place=in_place,
+            read_timeout=settings.read_timeout,
+            configured_timeouts=settings.configured_timeouts,
+            in_place=settings.in_place,
         )
+
+    # -- what this node is and holds (read-only) ------------------------------------------
+
+    @property
+    def client(self) -> api.RendezvousApi:
+        """Reads and writes the Rendezvous for this node."""
+        return self._client
+
+    @property
+    def node(self) -> str:
+        """This node's name: its pod's, the key of its entry."""
+        return self._node
+
+    @property
+    def addr(self) -> str:
+        """The address other nodes reach this node at: its store's, if it is rank 0."""
+        return self._addr
+
+    @property
+    def instance(self) -> str:
+        """This agent's instance id, in its every join request: a restarted agent is a new
+        instance."""
+        return self._instance
+
+    @property
+    def attempt(self) -> int:
+        """How many join requests this instance has written (0: none yet); a round missed
+        or gone stale before its store answered costs one more."""
+        return self._attempt
+
+    @property
+    def joined(self) -> join.Joined | None:
+        """The round this node last joined, ``None`` before its first."""
+        return self._joined
+
+    @property
+    def watcher(self) -> watch.RoundWatcher:
+        """The round watcher: the Rendezvous' status as this node last saw it."""
+        return self._watcher
+
+    @property
+    def heartbeat(self) -> heartbeat.Heartbeat:
+        """Renews this node's Lease in the background (from its first join on)."""
+        return self._heartbeat
+
+    @property
+    def served_store(self) -> TCPStore | None:
+        """The store of the round this node serves as its rank 0, ``None`` if it is not."""
+        return self._serving
+
+    @property
+    def reformer(self) -> reforming.Reformer | None:
+        """Re-forms this node's round in place, if built with ``in_place``."""
+        return self._reformer
 
     # -- RendezvousHandler --------------------------------------------------------------
 
@@ -689,7 +269,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh socket, served on only if this node becomes rank 0.
         try:
-            offered = _listen_for_store()
+            offered = round_store.listen()
         except OSError as error:
             raise KubernetesRendezvousConnectionError(
                 f"node {self._node} could not open a port for its store to join "
@@ -700,12 +280,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 joined = self._next_round(offered)
             finally:
                 offered.close()  # a no-op once the round's store has taken it over
-            status = joined.status
-            assert status.master is not None
             store = joined.store
             if self._reformer is not None:
                 agent = _calling_agent(sys._getframe(1))
                 store = self._reformer.started(joined, agent)
+            status = joined.status
+            assert status.master is not None
             return RendezvousInfo(
                 store,
                 joined.rank,
@@ -717,7 +297,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """The next round, joined as next_rendezvous() joins one, for the in-place path
         (the caller holds the join lock)."""
         try:
-            offered = _listen_for_store()
+            offered = round_store.listen()
         except OSError as error:
             raise KubernetesRendezvousConnectionError(
                 f"node {self._node} could not open a port for its store: {error}"
@@ -733,9 +313,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._watcher.wait(lambda status: self._waiting(status) > 0, deadline) is not None
 
     def _next_round(self, offered: socket.socket) -> reforming.Joined:
+        """Join the next round: ask (write a join request), then sync -> decide -> apply
+        until the join step (:func:`k8s_rendezvous.join.decide`) admits the request to a
+        round whose store answers; ask again whenever it says the request is spent."""
         self._attempt += 1
         self._entry_port = int(offered.getsockname()[1])
-        entry = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
         started = time.monotonic()
         obj = self._watcher.latest
         if obj is None:  # the first join, before the watch has delivered the Rendezvous
@@ -745,84 +327,67 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 self._watcher.offer(obj)
         spec = self._check_spec(obj)
         owner_uid = self._owner_uid(obj)
-        # The watch began before this write: the seal that admits this entry cannot be
-        # missed.
-        since = self._watcher.mark()
-        self._client.write_lease(
-            self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
-        )
+        request, since = self._ask(spec, owner_uid)
         self._heartbeat.start(spec, owner_uid)
         log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)
-
-        def decided(status: state.NodeView) -> bool:
-            return (
-                status.state is state.RoundState.CLOSED
-                or status.rank_of(entry) is not None
-                or status.left_behind_with(entry)
-            )
-
         while True:
+            # Sync: the first status, since the request was written, that the join step
+            # has something to say about.
             deadline = started + spec.join_timeout_seconds
+            decided = functools.partial(join.is_decided, request=request)
             try:
                 status = self._wait(decided, deadline, since, owner_uid)
-            except RendezvousReplaced as replaced:
+            except watch.RendezvousReplaced as replaced:
                 obj = self._made_anew(replaced.uid, deadline)
                 spec, owner_uid = self._check_spec(obj), self._owner_uid(obj)
                 self._heartbeat.start(spec, owner_uid)
-            else:
-                if status is None:
-                    raise self._timed_out(spec)
-                if status.state is state.RoundState.CLOSED:
-                    raise self._closed_error(status)
-                rank = status.rank_of(entry)
-                if rank is None:
-                    # Admitted to a round this watch never showed (it lost track, e.g.
-                    # across an API server restart) and left behind when the next sealed
-                    # without us: that request is spent, so ask again rather than wait out
-                    # the join timeout.
-                    log.warning(
-                        "node %s was admitted to a round it never saw, and round %d of %s "
-                        "sealed without it; joining again",
-                        self._node,
-                        status.round,
-                        self._client.reference,
+                continue
+            if status is None:
+                raise self._timed_out(spec)
+            # Decide, then apply.
+            decision = join.decide(status, request)
+            if isinstance(decision, join.Closed):
+                raise self._closed_error(decision)
+            if isinstance(decision, join.Admitted):
+                log.info(
+                    "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
+                    self._node,
+                    decision.rank,
+                    decision.world_size,
+                    decision.round,
+                    self._client.reference,
+                    decision.master.endpoint,
+                    time.monotonic() - started,
+                )
+                store = self._round_store(decision, status.rank_zero_node, offered)
+                if store is not None:
+                    self._joined = join.Joined(decision.round, decision.rank, owner_uid)
+                    prefix = f"torch.rendezvous.{self._run_id}.{decision.round}"
+                    return reforming.Joined(
+                        status, decision.rank, owner_uid, PrefixStore(prefix, store)
                     )
-                else:
-                    assert status.master is not None
-                    log.info(
-                        "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
-                        self._node,
-                        rank,
-                        status.world_size,
-                        status.round,
-                        self._client.reference,
-                        status.master.endpoint,
-                        time.monotonic() - started,
-                    )
-                    round_store = self._round_store(status, rank, offered)
-                    if round_store is not None:
-                        break
-                    # Stale before rank 0 answered (most likely its pod is gone): this
-                    # round is spent, and the next forms without waiting out read_timeout.
-                    log.warning(
-                        "node %s: round %d of %s went stale before its rank 0 (pod %s) "
-                        "answered at %s; joining again",
-                        self._node,
-                        status.round,
-                        self._client.reference,
-                        status.rank_zero_node,
-                        status.master.endpoint,
-                    )
-            self._attempt += 1
-            entry = dataclasses.replace(entry, attempt=self._attempt)
-            since = self._watcher.mark()
-            self._client.write_lease(
-                self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, entry
+                # Stale before rank 0 answered (most likely its pod is gone): this round
+                # is spent, and the next forms without waiting out read_timeout.
+                decision = join.Rejoin(
+                    f"round {decision.round} went stale before its rank 0 (pod "
+                    f"{status.rank_zero_node}) answered at {decision.master.endpoint}"
+                )
+            assert isinstance(decision, join.Rejoin)  # the wait returns no status to wait on
+            log.warning(
+                "node %s joins %s again: %s", self._node, self._client.reference, decision.reason
             )
-        assert status.master is not None
-        self._joined = _Joined(status.round, rank, owner_uid)
-        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{status.round}", round_store)
-        return reforming.Joined(status, rank, owner_uid, store)
+            self._attempt += 1
+            request, since = self._ask(spec, owner_uid)
+
+    def _ask(self, spec: state.RendezvousSpec, owner_uid: str) -> tuple[state.NodeEntry, int]:
+        """Write this node's join request of the current attempt; returns it, and the
+        watcher's mark from before the write (the seal that admits it cannot be missed)."""
+        request = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
+        since = self._watcher.mark()
+        self._client.write_lease(
+            self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, request
+        )
+        return request, since
 
     def _wait(
         self,
@@ -914,31 +479,32 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return obj
 
     def _round_store(
-        self, status: state.NodeView, rank: int, offered: socket.socket
+        self, admitted: join.Admitted, rank_zero_node: str | None, offered: socket.socket
     ) -> Store | None:
         """The round's store: served on the offered socket by rank 0, else reached at rank
         0's; ``None`` if the round went stale before rank 0 answered."""
-        assert status.master is not None
-        if rank == 0:
+        if admitted.rank == 0:
             try:
-                served = _serve_store(offered, self._read_timeout)
+                served = round_store.serve(offered, self._read_timeout)
             except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
                 raise KubernetesRendezvousConnectionError(
-                    f"node {self._node} is rank 0 of round {status.round} of "
+                    f"node {self._node} is rank 0 of round {admitted.round} of "
                     f"{self._client.reference} but could not serve the round's store on port "
                     f"{self._entry_port}: {error}. The next next_rendezvous() joins a new round."
                 ) from error
             self._retired, self._serving = self._serving, served
             return served
         try:
-            client = _connect_to_store(
-                status.master, self._read_timeout, lambda: self._is_stale(status.round)
+            client = round_store.connect(
+                admitted.master,
+                self._read_timeout,
+                lambda: join.is_stale(self._watcher.status, admitted.round),
             )
         except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
             raise KubernetesRendezvousConnectionError(
-                f"node {self._node} is rank {rank} of round {status.round} of "
+                f"node {self._node} is rank {admitted.rank} of round {admitted.round} of "
                 f"{self._client.reference} but could not reach the round's store at "
-                f"{status.master.endpoint} (rank 0, pod {status.rank_zero_node}) within "
+                f"{admitted.master.endpoint} (rank 0, pod {rank_zero_node}) within "
                 f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left, died or "
                 "stalled since the round was sealed; the next next_rendezvous() joins a new "
                 "round."
@@ -946,12 +512,6 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         if client is not None:
             self._retired, self._serving = self._serving, None
         return client
-
-    def _is_stale(self, round_number: int) -> bool:
-        status = self._watcher.status
-        return status is not None and not (
-            status.round == round_number and status.state is state.RoundState.SEALED
-        )
 
     def num_nodes_waiting(self) -> int:
         """Answered from the watched status: no API call, never raises. On the in-place
@@ -968,19 +528,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
     def _waiting(self, status: state.NodeView) -> int:
         """What num_nodes_waiting() answers for ``status``, as torch's agent reads it."""
-        joined = self._joined
-        if joined is None or status.state is state.RoundState.CLOSED:
-            return 0
-        uid = self._watcher.uid
-        if uid is None:
-            return 0  # deleted: nothing to join, so the members train on
-        if (
-            uid == joined.uid
-            and status.round == joined.round
-            and status.state is state.RoundState.SEALED
-        ):
-            return status.nodes_waiting
-        return max(1, status.nodes_waiting)
+        return join.nodes_waiting(status, self._joined, self._watcher.uid)
 
     def is_closed(self) -> bool:
         status = self._watcher.status
@@ -1048,20 +596,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """Make the missing Rendezvous from torchrun's parameters, to be owned by this
         pod's controller, so any workload (JobSet, PyTorchJob, StatefulSet) works by changing
         only the rendezvous backend. ``False`` if this service account may not."""
-        conf = self._configured_timeouts
-        spec = state.RendezvousSpec(
-            min_nodes=self._nnodes[0],
-            max_nodes=self._nnodes[1],
-            run_id=self._run_id,
-            join_timeout_seconds=conf.get("join_timeout", state.DEFAULT_JOIN_TIMEOUT_SECONDS),
-            last_call_timeout_seconds=conf.get(
-                "last_call_timeout", state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS
-            ),
-            close_timeout_seconds=conf.get("close_timeout", state.DEFAULT_CLOSE_TIMEOUT_SECONDS),
-            heartbeat_timeout_seconds=conf.get(
-                "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
-            ),
-        )
+        spec = config.spec_to_create(*self._nnodes, self._run_id, self._configured_timeouts)
         if not self._client.create(spec, self._node):
             return False
         log.info(
@@ -1089,37 +624,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             ) from error
         if not self._spec_checked:
             self._spec_checked = True
-            if spec.run_id != self._run_id:
-                log.warning(
-                    "%s has runId %r but torchrun was given --rdzv-id=%r; the resource wins",
-                    self._client.reference,
-                    spec.run_id,
-                    self._run_id,
-                )
-            if (spec.min_nodes, spec.max_nodes) != self._nnodes:
-                log.warning(
-                    "%s admits %d:%d nodes but torchrun was given --nnodes=%d:%d; the "
-                    "resource wins",
-                    self._client.reference,
-                    spec.min_nodes,
-                    spec.max_nodes,
-                    *self._nnodes,
-                )
-            from_spec = {
-                "join_timeout": spec.join_timeout_seconds,
-                "last_call_timeout": spec.last_call_timeout_seconds,
-                "close_timeout": spec.close_timeout_seconds,
-            }
-            for key, value in self._configured_timeouts.items():
-                if from_spec[key] != value:
-                    log.warning(
-                        "%s sets %s=%d but --rdzv-conf gave %s=%d; the resource wins",
-                        self._client.reference,
-                        key,
-                        from_spec[key],
-                        key,
-                        value,
-                    )
+            for disagreement in config.disagreements(
+                spec, self._run_id, self._nnodes, self._configured_timeouts
+            ):
+                log.warning("%s %s; the resource wins", self._client.reference, disagreement)
         return spec
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
@@ -1146,9 +654,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
 
-    def _closed_error(self, status: state.NodeView) -> KubernetesRendezvousClosedError:
+    def _closed_error(self, closed: join.Closed) -> KubernetesRendezvousClosedError:
         return KubernetesRendezvousClosedError(
-            f"{self._client.reference} is closed ({status.closed_reason}: "
-            f"{status.closed_message}); no further round will be formed. Create a new "
-            "Rendezvous (or a new Job) to run again."
+            f"{self._client.reference} is closed ({closed.reason}: {closed.message}); no "
+            "further round will be formed. Create a new Rendezvous (or a new Job) to run again."
         )

@@ -14,27 +14,38 @@ Reading them costs a ``stat`` and a few hundred bytes: the agent's handler reads
 workers' records each time torch's agent polls it (every ``--monitor-interval``), a worker
 reads the round at each step boundary. No torch and no Kubernetes here: both sides import
 this module.
+
+Both records are frozen dataclasses with an explicit camelCase codec and a
+``schemaVersion``, as the Rendezvous' own wire format (:mod:`k8s_rendezvous.state`) is,
+and decode as strictly: a bad record raises :class:`HandoffError` naming the field.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
+
+from k8s_rendezvous import state
 
 DIRECTORY_ENV: Final = "K8S_RENDEZVOUS_IN_PLACE_DIR"
 """Names the shared directory to the workers; unset, they cannot re-form in place."""
 ROUND_FILE: Final = "round.json"
-FORMAT: Final = 1
-"""Version of both records; a reader refuses one of another version (as unreadable)."""
+SCHEMA_VERSION: Final = 1
+"""Version of both records' layout (``schemaVersion`` in each); a reader refuses a record
+of another version as unreadable, so an agent and workers of different k8s-rendezvous
+versions fall back to torch's restart instead of misreading each other."""
 
 
-class HandoffError(Exception):
-    """A record is missing a field, has one of the wrong type, or has another format."""
+class HandoffError(state.DecodeError):
+    """A record is not JSON, has another schema version, or a field is missing or of the
+    wrong type; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,21 +80,33 @@ class PublishedRound:
         return self.base_rank is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, **dataclasses.asdict(self)}
+        return {
+            "schemaVersion": SCHEMA_VERSION,
+            "round": self.round,
+            "uuid": self.uuid,
+            "master": self.master,
+            "groupRank": self.group_rank,
+            "groupWorldSize": self.group_world_size,
+            "baseRank": self.base_rank,
+            "worldSize": self.world_size,
+            "fallback": self.fallback,
+        }
 
     @classmethod
     def from_dict(cls, data: object) -> PublishedRound:
-        fields = _checked(data, "round")
-        return cls(
-            round=_int(fields, "round"),
-            uuid=_int(fields, "uuid"),
-            master=_str(fields, "master"),
-            group_rank=_int(fields, "group_rank"),
-            group_world_size=_int(fields, "group_world_size"),
-            base_rank=_optional_int(fields, "base_rank"),
-            world_size=_optional_int(fields, "world_size"),
-            fallback=_optional_str(fields, "fallback"),
-        )
+        """Raises :class:`HandoffError` naming the field that is wrong."""
+        with _refused():
+            fields = _fields(data, "round")
+            return cls(
+                round=fields.integer("round"),
+                uuid=fields.integer("uuid"),
+                master=fields.string("master"),
+                group_rank=fields.integer("groupRank"),
+                group_world_size=fields.integer("groupWorldSize"),
+                base_rank=fields.optional_integer("baseRank"),
+                world_size=fields.optional_integer("worldSize"),
+                fallback=fields.optional_string("fallback"),
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,17 +121,25 @@ class WorkerRecord:
     """Set when the worker gave up re-forming in place: why."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, **dataclasses.asdict(self)}
+        return {
+            "schemaVersion": SCHEMA_VERSION,
+            "localRank": self.local_rank,
+            "pid": self.pid,
+            "round": self.round,
+            "fallback": self.fallback,
+        }
 
     @classmethod
     def from_dict(cls, data: object) -> WorkerRecord:
-        fields = _checked(data, "worker")
-        return cls(
-            local_rank=_int(fields, "local_rank"),
-            pid=_int(fields, "pid"),
-            round=_int(fields, "round"),
-            fallback=_optional_str(fields, "fallback"),
-        )
+        """Raises :class:`HandoffError` naming the field that is wrong."""
+        with _refused():
+            fields = _fields(data, "worker")
+            return cls(
+                local_rank=fields.integer("localRank"),
+                pid=fields.integer("pid"),
+                round=fields.integer("round"),
+                fallback=fields.optional_string("fallback"),
+            )
 
 
 def round_uuid(rendezvous_uid: str, round_number: int, master: str) -> int:
@@ -159,31 +190,25 @@ def _read(path: Path) -> object | None:
     return data
 
 
-def _checked(data: object, what: str) -> dict[str, Any]:
+def _fields(data: object, what: str) -> state.Fields:
+    """The record ``what`` (``round``, ``worker``), once it is an object of this version."""
     if type(data) is not dict:
         raise HandoffError(f"the {what} record is not an object: {data!r}")
-    if data.get("format") != FORMAT:
-        raise HandoffError(f"the {what} record has format {data.get('format')!r}, not {FORMAT}")
-    return data
+    version = data.get("schemaVersion")
+    if version != SCHEMA_VERSION:
+        raise HandoffError(
+            f"{what}.schemaVersion: {version!r} is not {SCHEMA_VERSION}; the agent and its "
+            "workers run different k8s-rendezvous versions"
+        )
+    return state.Fields(data, what)
 
 
-def _int(fields: dict[str, Any], key: str) -> int:
-    value = fields.get(key)
-    if type(value) is not int:
-        raise HandoffError(f"{key}: expected an integer, got {value!r}")
-    return value
-
-
-def _optional_int(fields: dict[str, Any], key: str) -> int | None:
-    return None if fields.get(key) is None else _int(fields, key)
-
-
-def _str(fields: dict[str, Any], key: str) -> str:
-    value = fields.get(key)
-    if type(value) is not str:
-        raise HandoffError(f"{key}: expected a string, got {value!r}")
-    return value
-
-
-def _optional_str(fields: dict[str, Any], key: str) -> str | None:
-    return None if fields.get(key) is None else _str(fields, key)
+@contextlib.contextmanager
+def _refused() -> Iterator[None]:
+    """The codec's :class:`k8s_rendezvous.state.DecodeError` as this module's error."""
+    try:
+        yield
+    except HandoffError:
+        raise
+    except state.DecodeError as error:
+        raise HandoffError(str(error)) from None

@@ -62,6 +62,12 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+def server_host(api_client: client.ApiClient) -> str:
+    """The API server's host (name or address, IPv6 without brackets) ``api_client`` talks to."""
+    host: str = api_client.configuration.host
+    return host.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
 class RendezvousClient:
     """Reads and writes one Rendezvous on behalf of one node.
 

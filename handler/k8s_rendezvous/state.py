@@ -265,6 +265,29 @@ def _enum(enum_type: type[enum.Enum], data: Mapping[str, Any], key: str, field: 
         raise DecodeError(f"{field}.{key}: {value!r} is not one of {allowed}") from None
 
 
+class Fields:
+    """One JSON object of a wire format, read key by key with the checks of this codec:
+    each read raises :class:`DecodeError` naming ``<field>.<key>``. For the pod side's other
+    records (:mod:`k8s_rendezvous.handoff`), so they decode as strictly as the status."""
+
+    def __init__(self, value: object, field: str) -> None:
+        self.data = _mapping(value, field)
+        self.field = field
+
+    def integer(self, key: str) -> int:
+        """A non-negative integer (``True`` is not one)."""
+        return _int(self.data, key, self.field)
+
+    def optional_integer(self, key: str) -> int | None:
+        return None if self.data.get(key) is None else self.integer(key)
+
+    def string(self, key: str) -> str:
+        return _str(self.data, key, self.field)
+
+    def optional_string(self, key: str) -> str | None:
+        return None if self.data.get(key) is None else self.string(key)
+
+
 # --------------------------------------------------------------------------------------
 # Spec.
 

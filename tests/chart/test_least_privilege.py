@@ -296,7 +296,7 @@ def test_a_hung_agent_is_dropped_when_its_heartbeat_expires(
     rdzv = make_rendezvous(1, 2, heartbeatTimeoutSeconds=3)
     nodes = make_nodes(rdzv, 2)
     join_all(nodes)
-    nodes[1].handler._heartbeat.stop()
+    nodes[1].handler.heartbeat.stop()
     wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 15, "expiry noticed", interval=0.05)
     lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
     assert any(nodes[1].pod in message and "HeartbeatExpired" in message for message in lost), lost

@@ -181,7 +181,7 @@ def test_node_clock_does_not_change_decisions(
     lease = leases.read_namespaced_lease(state.lease_name(rdzv.name, nodes[0].pod), rdzv.namespace)
     behind = datetime.datetime.now(datetime.timezone.utc) - lease.spec.renew_time
     assert behind > datetime.timedelta(hours=2), "the renewals really carry the skewed time"
-    nodes[1].handler._heartbeat.stop()
+    nodes[1].handler.heartbeat.stop()
     wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 20, "node 1 expires", interval=0.05)
     lost = [m for _, r, m in rdzv.events() if r == "MemberLost"]
     assert any(nodes[1].pod in m and "HeartbeatExpired" in m for m in lost), lost
@@ -198,8 +198,8 @@ def test_a_restarted_operator_does_not_admit_the_join_of_a_pod_deleted_before(
     first, second, ghost = make_nodes(rdzv, 3)
     ghost.join_in_background()
     rdzv.wait_requests(lambda r: ghost.pod in r, "the ghost's join is recorded")
-    ghost.handler._heartbeat.stop()  # its process dies with its pod: no shutdown()
-    ghost.handler._watcher.stop()
+    ghost.handler.heartbeat.stop()  # its process dies with its pod: no shutdown()
+    ghost.handler.watcher.stop()
     delete_pod(admin_api, rdzv.namespace, ghost.pod)
     operator_process.kill()  # what it knew about the deleted pod dies with it
     joins = [node.join_in_background() for node in (first, second)]
@@ -224,8 +224,8 @@ def test_a_pod_made_anew_under_its_old_name_joins_as_itself(
     pods = create_pods(admin_api, workers_namespace, ["worker-0", "worker-1"])
     old, peer = attach_nodes(rdzv, pods, min_nodes=2, max_nodes=2)
     assert join_all([old, peer]) == [0, 1]
-    old.handler._heartbeat.stop()  # its process dies with its pod: no shutdown()
-    old.handler._watcher.stop()
+    old.handler.heartbeat.stop()  # its process dies with its pod: no shutdown()
+    old.handler.watcher.stop()
     core = kubernetes.client.CoreV1Api(admin_api)
     delete_pod(admin_api, workers_namespace, "worker-0")
     wait_for(
@@ -244,4 +244,4 @@ def test_a_pod_made_anew_under_its_old_name_joins_as_itself(
     wait_told_to_rejoin([peer], "worker-1 learns that its round lost worker-0")
     assert join_all([new, peer]) == [0, 1]
     sealed = rdzv.status()
-    assert {m.node: m.instance for m in sealed.members}["worker-0"] == new.handler._instance
+    assert {m.node: m.instance for m in sealed.members}["worker-0"] == new.handler.instance

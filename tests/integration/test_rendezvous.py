@@ -91,7 +91,7 @@ def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
     assert {world for _, world, *_ in results} == {3}
     rank0 = next(node for node, (rank, *_) in zip(nodes, results, strict=True) if rank == 0)
     assert {(addr, port) for *_, addr, port in results} == {
-        (rank0.addr, rank0.handler._serving.port)  # type: ignore[union-attr]
+        (rank0.addr, rank0.handler.served_store.port)  # type: ignore[union-attr]
     }
     status = rdzv.status()
     assert (status.state, status.round, status.world_size) == (state.RoundState.SEALED, 1, 3)
@@ -143,7 +143,7 @@ def test_waiting_node_receives_no_other_nodes_joins(
 ) -> None:
     rdzv = make_rendezvous(6, 6)
     nodes = make_nodes(rdzv, 6)
-    watcher = nodes[0].handler._watcher
+    watcher = nodes[0].handler.watcher
     wait_for(
         lambda: "state" in ((watcher.latest or {}).get("status") or {}),
         10,
@@ -210,7 +210,7 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
     new_rank0 = next(n for n, r in zip(survivors, results, strict=True) if r[0] == 0)
     assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
     assert {(addr, port) for *_, addr, port in results} == {
-        (new_rank0.addr, new_rank0.handler._serving.port)  # type: ignore[union-attr]
+        (new_rank0.addr, new_rank0.handler.served_store.port)  # type: ignore[union-attr]
     }
 
 
@@ -243,7 +243,7 @@ def test_rank0_gone_between_seal_and_store_sends_the_others_on_to_the_next_round
         )
         joining = survivor.join_in_background()
         wait_for(
-            lambda: (s := survivor.handler._watcher.status) is not None and s.round == 1,
+            lambda: (s := survivor.handler.watcher.status) is not None and s.round == 1,
             30,
             "the survivor sees round 1 sealed, the gone node its rank 0",
         )
@@ -251,12 +251,12 @@ def test_rank0_gone_between_seal_and_store_sends_the_others_on_to_the_next_round
         delete_pod(admin_api, rdzv.namespace, gone.pod)
         info = joining.wait(60)  # read_timeout is 120 s: only the stale round ends its wait
     assert (info.rank, info.world_size) == (0, 1)
-    assert survivor.handler._joined is not None and survivor.handler._joined.round == 2
-    assert survivor.handler._attempt == 2  # its first request was spent on round 1
+    assert survivor.handler.joined is not None and survivor.handler.joined.round == 2
+    assert survivor.handler.attempt == 2  # its first request was spent on round 1
     assert info.bootstrap_store_info is not None
     assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
         survivor.addr,
-        survivor.handler._serving.port,  # type: ignore[union-attr]
+        survivor.handler.served_store.port,  # type: ignore[union-attr]
     )
 
 
@@ -411,7 +411,7 @@ def test_hung_agent_is_dropped_when_its_heartbeat_expires(
     rdzv = make_rendezvous(1, 2, heartbeatTimeoutSeconds=3)
     nodes = make_nodes(rdzv, 2)
     join_all(nodes)
-    nodes[1].handler._heartbeat.stop()  # the agent hangs: its pod lives, it renews no more
+    nodes[1].handler.heartbeat.stop()  # the agent hangs: its pod lives, it renews no more
     wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 15, "expiry noticed", interval=0.05)
     lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
     assert any(nodes[1].pod in message and "HeartbeatExpired" in message for message in lost), lost

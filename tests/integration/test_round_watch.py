@@ -18,8 +18,7 @@ import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from k8s_rendezvous import kube, state
-from k8s_rendezvous.handler import RoundWatcher
+from k8s_rendezvous import kube, state, watch
 
 MERGE = "application/merge-patch+json"
 NAME = "train"
@@ -96,7 +95,7 @@ def test_a_stream_armed_with_an_older_round_key_goes_on_through_later_rounds(
     sealed, reforming = state.RoundState.SEALED, state.RoundState.REFORMING
     write(round_status(sealed, 1))
     client = RecordingClient(admin_api, workers_namespace)
-    watcher = RoundWatcher(client, "worker-0")
+    watcher = watch.RoundWatcher(client, "worker-0")
     watcher.start()
     try:
 

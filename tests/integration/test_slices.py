@@ -116,5 +116,5 @@ def test_a_rendezvous_of_at_most_a_hundred_nodes_has_no_slices(
     assert rdzv.status().slices == 0
     assert slices_of(admin_api, rdzv) == []
     for node in nodes:
-        latest = node.handler._watcher.latest
+        latest = node.handler.watcher.latest
         assert latest is not None and latest["kind"] == state.KIND

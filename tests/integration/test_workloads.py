@@ -420,7 +420,7 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
             min_nodes=2,
             max_nodes=2,
         )
-        nodes.append(Node(handler._node, handler._addr, handler, api))
+        nodes.append(Node(handler.node, handler.addr, handler, api))
     try:
         infos = join_all(nodes)
         assert sorted(i.rank for i in infos) == [0, 1]

@@ -181,8 +181,8 @@ class Agent:
         process. A ``next_rendezvous()`` in progress still returns or raises later and
         is recorded like any other."""
         self._dead.set()
-        self.handler._heartbeat.stop()
-        self.handler._watcher.stop()
+        self.handler.heartbeat.stop()
+        self.handler.watcher.stop()
 
     def _run(self) -> None:
         try:
@@ -216,7 +216,7 @@ class Agent:
             )
             self._soak.joined(invariants.Outcome(self.pod, error=type(error).__name__), error)
             return False
-        joined = self.handler._joined
+        joined = self.handler.joined
         assert joined is not None
         self._soak.joined(
             invariants.Outcome(
@@ -517,8 +517,8 @@ class Soak:
         agents = {
             p.name: (
                 "alive" if p.alive else "deleted",
-                p.agent.handler._instance if p.agent else None,
-                p.agent.handler._attempt if p.agent else None,
+                p.agent.handler.instance if p.agent else None,
+                p.agent.handler.attempt if p.agent else None,
                 "running" if p.agent and p.agent.running else "ended",
                 p.agent.returned_round if p.agent else None,
             )

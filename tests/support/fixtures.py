@@ -261,7 +261,7 @@ def wait_watching_own_slice(nodes: Sequence[Node], rendezvous: str, slices: int)
     takes its slice at the slice's next event)."""
 
     def watching(node: Node) -> bool:
-        latest = node.handler._watcher.latest
+        latest = node.handler.watcher.latest
         own = state.slice_name(rendezvous, state.slice_index(node.pod, slices))
         return latest is not None and latest["metadata"]["name"] == own
 
@@ -290,7 +290,7 @@ class Joining:
                 )
             return
         if recorder is not None:
-            info, joined = self.result, self.node.handler._joined
+            info, joined = self.result, self.node.handler.joined
             recorder.outcomes.append(
                 invariants.Outcome(
                     self.node.pod,

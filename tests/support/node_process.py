@@ -55,7 +55,7 @@ def _child(argv: list[str]) -> None:
 
     def next_round() -> dict[str, Any]:
         info = handler.next_rendezvous()
-        joined = handler._joined
+        joined = handler.joined
         store = info.bootstrap_store_info
         assert store is not None
         return {

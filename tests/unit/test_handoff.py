@@ -1,6 +1,7 @@
 """The records a node's handler and its workers hand each other on the in-place path
-(k8s_rendezvous.handoff): they round-trip, are replaced whole, refuse what they cannot
-read, and every node of a round computes the same reconfigure UUID, a new one per round."""
+(k8s_rendezvous.handoff): they round-trip, go on the wire in camelCase with a schema
+version, are replaced whole, refuse what they cannot read naming the field, and every
+node of a round computes the same reconfigure UUID, a new one per round."""
 
 from __future__ import annotations
 
@@ -44,6 +45,34 @@ def test_a_record_is_replaced_whole_and_leaves_no_temporary_file(tmp_path: Path)
     assert published is not None and published.round == 4
 
 
+def test_records_go_on_the_wire_in_camel_case_with_their_schema_version() -> None:
+    assert ROUND.to_dict() == {
+        "schemaVersion": 1,
+        "round": 3,
+        "uuid": 12345,
+        "master": "10.0.0.1:4242",
+        "groupRank": 1,
+        "groupWorldSize": 3,
+        "baseRank": None,
+        "worldSize": None,
+        "fallback": None,
+    }
+    assert handoff.WorkerRecord(1, 99, 4).to_dict() == {
+        "schemaVersion": 1,
+        "localRank": 1,
+        "pid": 99,
+        "round": 4,
+        "fallback": None,
+    }
+
+
+def test_an_unreadable_worker_record_is_refused_naming_the_field(tmp_path: Path) -> None:
+    record = {**handoff.WorkerRecord(1, 99, 4).to_dict(), "localRank": -1}
+    (tmp_path / handoff.worker_file(1)).write_text(json.dumps(record))
+    with pytest.raises(handoff.HandoffError, match=r"worker\.localRank: must be at least 0"):
+        handoff.read_worker(tmp_path, 1)
+
+
 def test_nothing_published_reads_as_none(tmp_path: Path) -> None:
     assert handoff.read_round(tmp_path) is None
 
@@ -53,11 +82,12 @@ def test_nothing_published_reads_as_none(tmp_path: Path) -> None:
     [
         ("{", "not JSON"),
         ("[]", "not an object"),
-        (json.dumps({**ROUND.to_dict(), "format": 2}), "format 2"),
+        (json.dumps({**ROUND.to_dict(), "schemaVersion": 2}), "schemaVersion: 2 is not 1"),
         (json.dumps({**ROUND.to_dict(), "round": "3"}), "round: expected an integer"),
         (json.dumps({**ROUND.to_dict(), "master": None}), "master: expected a string"),
+        (json.dumps({**ROUND.to_dict(), "groupRank": True}), "round.groupRank: expected an int"),
     ],
-    ids=["truncated", "a list", "another format", "a string round", "no master"],
+    ids=["truncated", "a list", "another version", "a string round", "no master", "a bool"],
 )
 def test_an_unreadable_round_is_refused_with_what_is_wrong(
     tmp_path: Path, content: str, complaint: str

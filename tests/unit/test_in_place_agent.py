@@ -119,8 +119,8 @@ def agent(rdzv: KubernetesRendezvousHandler, first_id: int = 1000) -> Agent:
 
 
 def reformer_directory(rdzv: KubernetesRendezvousHandler) -> Path:
-    assert rdzv._reformer is not None
-    return rdzv._reformer.directory
+    assert rdzv.reformer is not None
+    return rdzv.reformer.directory
 
 
 def register_workers(rdzv: KubernetesRendezvousHandler, group: WorkerGroup) -> None:
@@ -169,7 +169,7 @@ def test_a_node_arriving_is_reformed_in_place_without_the_agent_restarting() -> 
         assert not joining.is_alive()
 
         assert set(answers) == {0}, "the agent never heard of a node waiting"
-        status = survivor_handler._watcher.status
+        status = survivor_handler.watcher.status
         assert status is not None and status.master is not None
         assert published == handoff.PublishedRound(
             round=2,
@@ -239,8 +239,8 @@ def test_a_worker_that_gave_up_gets_the_workers_restarted_in_an_unchanged_round(
         )
 
         assert rdzv.num_nodes_waiting() == 1
-        assert rdzv._reformer is not None and rdzv._reformer.gave_up is not None
-        assert "no round after round 1" in rdzv._reformer.gave_up
+        assert rdzv.reformer is not None and rdzv.reformer.gave_up is not None
+        assert "no round after round 1" in rdzv.reformer.gave_up
     finally:
         rdzv.shutdown()
 
@@ -253,7 +253,7 @@ def test_without_in_place_nothing_is_handed_to_the_workers(
     running = agent(rdzv)
     try:
         running._initialize_workers(running._worker_group)
-        assert rdzv._reformer is None
+        assert rdzv.reformer is None
         assert handoff.DIRECTORY_ENV not in os.environ
     finally:
         rdzv.shutdown()

@@ -26,8 +26,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from k8s_rendezvous import BACKEND_NAME, kube, rest
-from k8s_rendezvous.handler import KubernetesRendezvousHandler, parse_endpoint
+from k8s_rendezvous import BACKEND_NAME, config, kube, rest
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 
 @pytest.fixture
@@ -64,8 +64,8 @@ def test_torch_registry_builds_our_handler(pod_env: None, built: list[Rendezvous
     assert handler.get_backend() == "kubernetes"
     assert handler.get_run_id() == "run-1"
     assert handler.use_agent_store is True
-    assert handler._client.namespace == "team-a" and handler._client.name == "job-a"
-    assert handler._addr == "10.1.2.3" and handler._node == "trainer-0"
+    assert handler.client.namespace == "team-a" and handler.client.name == "job-a"
+    assert handler.addr == "10.1.2.3" and handler.node == "trainer-0"
 
 
 def test_a_torch_older_than_the_oldest_supported_is_refused_by_name(
@@ -86,7 +86,7 @@ def test_local_addr_overrides_the_pod_ip(pod_env: None, built: list[RendezvousHa
         RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr="fd00::7")
     )
     built.append(handler)
-    assert handler._addr == "fd00::7"
+    assert handler.addr == "fd00::7"
 
 
 def test_broken_credentials_are_a_connection_error_that_says_where(
@@ -117,7 +117,7 @@ def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
         "keep_alive_max_attempt": "3",
         "cas_backoff_max_seconds": "2",
     }
-    with caplog.at_level(logging.INFO, logger="k8s_rendezvous.handler"):
+    with caplog.at_level(logging.INFO, logger="k8s_rendezvous.config"):
         handler = KubernetesRendezvousHandler.from_parameters(params(timeout="900", **c10d))
     built.append(handler)
     unused = [r.getMessage() for r in caplog.records if "is not used by" in r.getMessage()]
@@ -130,13 +130,13 @@ def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
     [("job-a", ("own-ns", "job-a")), ("other/job-b", ("other", "job-b"))],
 )
 def test_endpoint_forms(endpoint: str, expected: tuple[str, str]) -> None:
-    assert parse_endpoint(endpoint, "own-ns") == expected
+    assert config.parse_endpoint(endpoint, "own-ns") == expected
 
 
 @pytest.mark.parametrize("endpoint", ["", "Job_A", "host:29400", "a/b/c"])
 def test_malformed_endpoint_says_which_forms_work(endpoint: str) -> None:
     with pytest.raises(ValueError, match="use NAME or NAMESPACE/NAME"):
-        parse_endpoint(endpoint, "own-ns")
+        config.parse_endpoint(endpoint, "own-ns")
 
 
 def test_plugin_import_is_light_and_loads_no_operator_code() -> None:
@@ -180,7 +180,7 @@ def test_without_pod_name_a_node_is_the_pod_its_token_names_not_its_hostname(
     monkeypatch.setattr(kube.RendezvousClient, "identity", identity)
     handler = KubernetesRendezvousHandler.from_parameters(params())
     built.append(handler)
-    assert handler._node == "train-workers-0-0-x7k2p" and asked == ["job-a"]
+    assert handler.node == "train-workers-0-0-x7k2p" and asked == ["job-a"]
 
 
 @pytest.mark.parametrize("answer", ["no pod", "unreachable"])
@@ -199,10 +199,10 @@ def test_without_pod_name_or_a_pod_token_a_node_is_its_hostname(
         return "someone", None
 
     monkeypatch.setattr(kube.RendezvousClient, "identity", identity)
-    with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
+    with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.config"):
         handler = KubernetesRendezvousHandler.from_parameters(params())
     built.append(handler)
-    assert handler._node == socket.gethostname()
+    assert handler.node == socket.gethostname()
     warned = [r.getMessage() for r in caplog.records if "POD_NAME is not set" in r.getMessage()]
     assert len(warned) == (answer == "unreachable")
 
@@ -216,4 +216,4 @@ def test_pod_name_wins_and_costs_no_request(
     monkeypatch.setattr(kube.RendezvousClient, "identity", identity)
     handler = KubernetesRendezvousHandler.from_parameters(params())
     built.append(handler)
-    assert handler._node == "trainer-0"
+    assert handler.node == "trainer-0"

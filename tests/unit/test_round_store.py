@@ -14,16 +14,15 @@ from tests.support.scripted_api import ScriptedRendezvousClient
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from k8s_rendezvous import handler as handler_module
-from k8s_rendezvous import state
+from k8s_rendezvous import round_store, state
 from k8s_rendezvous.errors import KubernetesRendezvousConnectionError
-from k8s_rendezvous.handler import KubernetesRendezvousHandler, _listen_for_store, _serve_store
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=30)
 
 
 def test_a_member_that_connects_before_rank_0_serves_is_answered_once_it_does() -> None:
-    offered = _listen_for_store()
+    offered = round_store.listen()
     port = int(offered.getsockname()[1])
     connected: list[TCPStore] = []
     timeout = datetime.timedelta(seconds=30)
@@ -36,7 +35,7 @@ def test_a_member_that_connects_before_rank_0_serves_is_answered_once_it_does() 
     # The kernel has completed the member's connect while nothing serves the socket yet.
     assert select.select([offered], [], [], 30)[0] == [offered]
     assert not connected
-    store = _serve_store(offered, timeout=10)
+    store = round_store.serve(offered, timeout=10)
     client.join(30)
     assert connected, "the member was never answered"
     connected[0].set("from-member", "hello")
@@ -120,7 +119,7 @@ def test_a_rank_0_that_cannot_serve_the_store_says_so(monkeypatch: pytest.Monkey
     def refuse(offered: socket.socket, timeout: float) -> TCPStore:
         raise RuntimeError("scripted: the server socket has failed to listen")
 
-    monkeypatch.setattr(handler_module, "_serve_store", refuse)
+    monkeypatch.setattr(round_store, "serve", refuse)
     client = SealsAloneAsRank0(state.RendezvousSpec(1, 1, "run"))
     handler = handler_for(client, "pod-0")
     try:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from k8s_rendezvous import state
-from k8s_rendezvous.handler import RoundWatcher
+from k8s_rendezvous import state, watch
 
 
 def rendezvous(version: int, round_key: str | None) -> dict[str, Any]:
@@ -21,7 +20,8 @@ def rendezvous(version: int, round_key: str | None) -> dict[str, Any]:
 
 
 class ScriptedWatches:
-    """Stands in for the API server's watches: each call plays the next script."""
+    """Stands in for the API server's watches, as the watcher reads them
+    (:class:`k8s_rendezvous.api.RendezvousReader`): each call plays the next script."""
 
     def __init__(self, *scripts: list[tuple[str, dict[str, Any]]]) -> None:
         self.name = "r"
@@ -32,6 +32,9 @@ class ScriptedWatches:
         self._scripts = list(scripts)
         self.exhausted = threading.Event()
         self.released = threading.Event()
+
+    def get(self) -> Mapping[str, Any]:
+        raise AssertionError("no script deletes the Rendezvous: nothing to read")
 
     def watch_unless(
         self,
@@ -49,9 +52,9 @@ class ScriptedWatches:
         yield from self._scripts.pop(0)
 
 
-def watch_until_idle(client: ScriptedWatches) -> RoundWatcher:
+def watch_until_idle(client: ScriptedWatches) -> watch.RoundWatcher:
     """A watcher run through every script, then stopped."""
-    watcher = RoundWatcher(client, "n-0")  # type: ignore[arg-type]
+    watcher = watch.RoundWatcher(client, "n-0")
     watcher.start()
     try:
         assert client.exhausted.wait(10)
@@ -152,7 +155,7 @@ def test_a_sliced_rendezvous_is_watched_through_the_nodes_own_slice() -> None:
 
 def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
     client = ScriptedWatches()
-    watcher = RoundWatcher(client, "n-0")  # type: ignore[arg-type]
+    watcher = watch.RoundWatcher(client, "n-0")
     watcher.start()
     try:
         started = time.monotonic()
@@ -176,7 +179,7 @@ def sealed(version: int, round_number: int) -> dict[str, Any]:
 
 
 def test_wait_judges_statuses_in_the_order_they_arrived() -> None:
-    watcher = RoundWatcher(ScriptedWatches(), "n-0")  # type: ignore[arg-type]
+    watcher = watch.RoundWatcher(ScriptedWatches(), "n-0")
     since = watcher.mark()
     # Two rounds arrive before the waiter looks (a node thawed with both in its socket).
     watcher.offer(sealed(5, 1))

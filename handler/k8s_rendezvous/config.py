@@ -1,0 +1,204 @@
+"""torchrun's parameters for ``--rdzv-backend=kubernetes``, read and checked: the
+``--rdzv-conf`` keys, the endpoint (which Rendezvous), and the node's own name.
+
+Nothing here talks to the API but :func:`own_pod_name`, once, when ``POD_NAME`` is unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import socket
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final
+
+from torch.distributed.elastic.rendezvous import RendezvousError
+
+from k8s_rendezvous import state
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from k8s_rendezvous import api
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
+_SPEC_TIMEOUT = "seconds; used if this node creates the Rendezvous, else its spec wins"
+CONFIG_KEYS: Final = {
+    "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
+    "join_timeout": _SPEC_TIMEOUT,
+    "last_call_timeout": _SPEC_TIMEOUT,
+    "close_timeout": _SPEC_TIMEOUT,
+    "heartbeat_timeout": _SPEC_TIMEOUT,
+    "in_place": "1 to keep the workers running through a change of the world when they "
+    "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
+    "restarts them as torch does",
+}
+SPEC_TIMEOUT_KEYS: Final = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+)
+"""The keys of :data:`CONFIG_KEYS` that a Rendezvous' spec holds too."""
+_IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
+C10D_KEYS_NOT_USED: Final = {
+    "is_host": "no node hosts the rendezvous: the operator keeps it in the Rendezvous, and "
+    "the round's rank 0 serves the workers' store",
+    "store_type": "the rendezvous is no store here; the round's store is always rank 0's TCPStore",
+    "use_libuv": "the round's store server is chosen by torch version (libuv where it can "
+    "serve a socket it is handed)",
+    "keep_alive_interval": "liveness is the pod's Lease, renewed three times per "
+    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
+    "keep_alive_max_attempt": "liveness is the pod's Lease, renewed three times per "
+    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
+    "cas_backoff_max_seconds": "nodes never compare-and-set a shared state: each writes its "
+    "own Lease, and only the operator writes the Rendezvous",
+}
+"""Keys torch's c10d backend accepts: taken, so that switching only ``--rdzv-backend``
+works, and each logged once as having no use here, with the reason."""
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What ``--rdzv-endpoint`` and ``--rdzv-conf`` say, checked."""
+
+    namespace: str
+    """The Rendezvous' namespace: the endpoint's, else the pod's own."""
+    name: str
+    """The Rendezvous' name."""
+    read_timeout: int = DEFAULT_READ_TIMEOUT_SECONDS
+    """Seconds to retry the API server and to wait on the round's store: torch's own
+    c10d backend waits as long on its store (``read_timeout``, 60 s)."""
+    configured_timeouts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """The spec timeouts given (:data:`SPEC_TIMEOUT_KEYS`): the spec of a Rendezvous this
+    node creates, compared with (and overruled by) the spec of one that exists."""
+    in_place: bool = False
+    """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
+    workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
+
+    @classmethod
+    def from_parameters(
+        cls, params: RendezvousParameters, default_namespace: str | None
+    ) -> Settings:
+        """Read torchrun's parameters; ``default_namespace`` is the pod's own.
+
+        Raises:
+            ValueError: An unknown ``--rdzv-conf`` key (naming the valid ones), a malformed
+                endpoint or a read timeout that is not a positive number of seconds.
+        """
+        unknown = (
+            set(params.config) - set(CONFIG_KEYS) - _IGNORED_CONFIG_KEYS - set(C10D_KEYS_NOT_USED)
+        )
+        if unknown:
+            valid = "; ".join(f"{key}: {meaning}" for key, meaning in CONFIG_KEYS.items())
+            accepted = ", ".join(sorted(C10D_KEYS_NOT_USED))
+            raise ValueError(
+                f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))} for the kubernetes "
+                f"rendezvous backend. Valid keys: {valid}. Also accepted, as torch's c10d "
+                f"backend takes them, but not used here: {accepted}."
+            )
+        for key in sorted(set(params.config) & set(C10D_KEYS_NOT_USED)):
+            log.info(
+                "--rdzv-conf %s is not used by the kubernetes backend: %s",
+                key,
+                C10D_KEYS_NOT_USED[key],
+            )
+        namespace, name = parse_endpoint(params.endpoint, default_namespace)
+        in_place = bool(params.get_as_bool("in_place", False))
+        read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
+        if read_timeout is None or read_timeout <= 0:
+            raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
+        configured = {
+            key: value for key in SPEC_TIMEOUT_KEYS if (value := params.get_as_int(key)) is not None
+        }
+        return cls(namespace, name, read_timeout, configured, in_place)
+
+
+def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
+    """``NAME`` or ``NAMESPACE/NAME`` to ``(namespace, name)``.
+
+    Raises:
+        ValueError: Not a Rendezvous' name, saying which forms work.
+    """
+    namespace, _, name = endpoint.strip().rpartition("/")
+    namespace = namespace or default_namespace or ""
+    if not _NAME.match(name) or not _NAME.match(namespace):
+        raise ValueError(
+            f"--rdzv-endpoint={endpoint!r} does not name a Rendezvous: use NAME or "
+            "NAMESPACE/NAME (lowercase DNS names; the namespace defaults to the pod's own"
+            + ("" if default_namespace else ", which is unknown here: set POD_NAMESPACE")
+            + ")."
+        )
+    return namespace, name
+
+
+def spec_to_create(
+    min_nodes: int, max_nodes: int, run_id: str, configured: Mapping[str, int]
+) -> state.RendezvousSpec:
+    """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
+    ``--rdzv-id``, the ``configured`` timeouts, and the defaults for the others."""
+    return state.RendezvousSpec(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        run_id=run_id,
+        join_timeout_seconds=configured.get("join_timeout", state.DEFAULT_JOIN_TIMEOUT_SECONDS),
+        last_call_timeout_seconds=configured.get(
+            "last_call_timeout", state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS
+        ),
+        close_timeout_seconds=configured.get("close_timeout", state.DEFAULT_CLOSE_TIMEOUT_SECONDS),
+        heartbeat_timeout_seconds=configured.get(
+            "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        ),
+    )
+
+
+def disagreements(
+    spec: state.RendezvousSpec,
+    run_id: str,
+    nnodes: tuple[int, int],
+    configured: Mapping[str, int],
+) -> list[str]:
+    """Where ``spec`` (of the Rendezvous found) and torchrun's parameters disagree, each
+    said for a log line that ends "the resource wins"."""
+    found: list[str] = []
+    if spec.run_id != run_id:
+        found.append(f"has runId {spec.run_id!r} but torchrun was given --rdzv-id={run_id!r}")
+    if (spec.min_nodes, spec.max_nodes) != nnodes:
+        found.append(
+            f"admits {spec.min_nodes}:{spec.max_nodes} nodes but torchrun was given "
+            f"--nnodes={nnodes[0]}:{nnodes[1]}"
+        )
+    in_spec = {
+        "join_timeout": spec.join_timeout_seconds,
+        "last_call_timeout": spec.last_call_timeout_seconds,
+        "close_timeout": spec.close_timeout_seconds,
+        "heartbeat_timeout": spec.heartbeat_timeout_seconds,
+    }
+    found.extend(
+        f"sets {key}={in_spec[key]} but --rdzv-conf gave {key}={value}"
+        for key, value in configured.items()
+        if in_spec[key] != value
+    )
+    return found
+
+
+def own_pod_name(client: api.RendezvousApi) -> str:
+    """This node's name when ``POD_NAME`` is not set: the pod its bound token was issued
+    for (one SelfSubjectReview at start), else the hostname. Not the hostname first: the
+    pods of an Indexed Job with a subdomain (JobSet's, Kubeflow Trainer's) are named
+    ``<job>-<index>-<suffix>`` but have ``<job>-<index>`` as their hostname."""
+    try:
+        _, pod = client.identity()
+    except RendezvousError as error:
+        log.warning(
+            "POD_NAME is not set and this node could not ask whose token it holds (%s); "
+            "taking the hostname %s as its pod's name",
+            error,
+            socket.gethostname(),
+        )
+        pod = None
+    return pod or socket.gethostname()

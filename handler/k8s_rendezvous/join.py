@@ -1,0 +1,123 @@
+"""The join step: what a node waiting to join does next, decided from the round as its
+watch shows it and from the node's own join request. No I/O, no clock, no torch.
+
+As torch's ``_RendezvousJoinOp`` is to its executor, :func:`decide` is to the handler's
+join (``KubernetesRendezvousHandler._next_round``), which loops sync -> decide -> apply:
+it waits on the watched status (sync), asks :func:`decide` (decide), and serves or reaches
+the round's store, writes a new request, or raises (apply). The rules, in order:
+
+1. The rendezvous is closed: :class:`Closed`, whatever else the status says.
+2. The request holds a rank in the round shown: :class:`Admitted`, to that rank (even if
+   the round went stale since: its members still meet at rank 0's store, and the agents
+   re-rendezvous once they see it stale).
+3. The request was admitted to a round this node never saw (its watch lost track, e.g.
+   across an API server restart) and a later round sealed without it: the operator has
+   spent it, so :class:`Rejoin` with a new one rather than wait out the join timeout.
+4. Anything else: :class:`Wait` for the next status.
+
+The join timeout and a Rendezvous deleted under the node are the waiting's to judge: the
+first is the absence of a status by a deadline, the second a change of the object's uid,
+neither of which a status shows.
+
+:func:`nodes_waiting` (what ``num_nodes_waiting()`` answers) and :func:`is_stale` judge a
+joined round by the same watched status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeAlias
+
+from k8s_rendezvous import state
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """The request is a member of the round: this node's rank, the world and where the
+    round's store is (rank 0's)."""
+
+    round: int
+    rank: int
+    world_size: int
+    master: state.Master
+
+
+@dataclasses.dataclass(frozen=True)
+class Closed:
+    """No further round forms: the operator's reason and message for closing."""
+
+    reason: str | None
+    message: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejoin:
+    """The request is spent without a round to show for it: ask again (a new attempt)."""
+
+    reason: str
+    """Why, for the log (\"... joining again\")."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """Nothing to do yet: wait for the next status."""
+
+
+Decision: TypeAlias = Admitted | Closed | Rejoin | Wait
+
+
+def decide(view: state.NodeView, request: state.NodeEntry) -> Decision:
+    """The join step for ``request`` (this node's join request) given ``view`` (the
+    status as this node reads it): the rules of this module's docstring, in order."""
+    if view.state is state.RoundState.CLOSED:
+        return Closed(view.closed_reason, view.closed_message)
+    rank = view.rank_of(request)
+    if rank is not None:
+        if view.master is None:  # a status edited by hand: a member list without a master
+            return Rejoin(f"round {view.round} admitted it but names no master")
+        return Admitted(view.round, rank, view.world_size, view.master)
+    if view.left_behind_with(request):
+        return Rejoin(
+            f"it was admitted to a round it never saw, and round {view.round} sealed without it"
+        )
+    return Wait()
+
+
+def is_decided(view: state.NodeView, request: state.NodeEntry) -> bool:
+    """Whether :func:`decide` has more to say for ``view`` than :class:`Wait`."""
+    return not isinstance(decide(view, request), Wait)
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """The round a node last joined."""
+
+    round: int
+    rank: int
+    uid: str
+    """Of the Rendezvous the round belongs to: one made anew under the same name has
+    rounds of its own."""
+
+
+def is_stale(view: state.NodeView | None, round_number: int) -> bool:
+    """Whether round ``round_number`` is no longer the sealed round ``view`` shows (the
+    operator learnt a member is gone, or nodes wait to join): its store may never answer.
+    No status seen yet judges nothing."""
+    return view is not None and not (
+        view.round == round_number and view.state is state.RoundState.SEALED
+    )
+
+
+def nodes_waiting(view: state.NodeView, joined: Joined | None, uid: str | None) -> int:
+    """What ``num_nodes_waiting()`` answers for ``view`` after joining ``joined`` (``None``:
+    never), while the Rendezvous held has ``uid`` (``None``: deleted, none made anew).
+
+    torch's agent restarts its workers and re-rendezvouses when this is positive: so it is
+    at least 1 whenever the node's round is over (a later round, a stale one, a Rendezvous
+    made anew), and 0 when there is nothing to re-rendezvous into (never joined, closed,
+    deleted: the members train on)."""
+    if joined is None or view.state is state.RoundState.CLOSED or uid is None:
+        return 0
+    if uid == joined.uid and view.round == joined.round and view.state is state.RoundState.SEALED:
+        return view.nodes_waiting
+    return max(1, view.nodes_waiting)

@@ -1,0 +1,226 @@
+"""The join step (k8s_rendezvous.join), table-driven and without any I/O: statuses as the
+operator writes them, read as a node reads them.
+
+Aspects: what a join does next for each status (admitted, closed, asked again, wait);
+which requests a round admits (this very attempt of this very agent, nothing older); what
+num_nodes_waiting() answers after a join; when a joined round is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from k8s_rendezvous import join, state
+
+NODE = "pod-1"
+REQUEST = state.NodeEntry("agent-a", 2, "10.0.0.1", 29500)
+"""This node's current join request (its agent's second)."""
+OTHER = state.Member("pod-0", "agent-z", 1, "10.0.0.9")
+MASTER = state.Master(OTHER.addr, 4242)
+
+
+def admitted_as(entry: state.NodeEntry) -> state.Member:
+    return state.Member(NODE, entry.instance, entry.attempt, entry.addr)
+
+
+def view(**status: object) -> state.NodeView:
+    """``NODE``'s view of a status with these fields, through the wire format."""
+    written = state.RendezvousStatus(**status).to_dict()  # type: ignore[arg-type]
+    return state.NodeView.from_dict(written, NODE)
+
+
+SEALED = state.RoundState.SEALED
+REFORMING = state.RoundState.REFORMING
+CLOSED = state.RoundState.CLOSED
+
+
+@pytest.mark.parametrize(
+    ("status", "decision"),
+    [
+        pytest.param(
+            view(),
+            join.Wait(),
+            id="before the operator's first write the join waits",
+        ),
+        pytest.param(
+            view(round=1, members=(OTHER,), master=MASTER, state=SEALED),
+            join.Wait(),
+            id="a round sealed without the request waits for the next",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER, admitted_as(REQUEST)), master=MASTER, state=SEALED),
+            join.Admitted(round=2, rank=1, world_size=2, master=MASTER),
+            id="a round that holds the request admits it to its rank",
+        ),
+        pytest.param(
+            view(
+                round=2,
+                members=(OTHER, admitted_as(REQUEST)),
+                master=MASTER,
+                state=REFORMING,
+                nodes_waiting=1,
+            ),
+            join.Admitted(round=2, rank=1, world_size=2, master=MASTER),
+            id="a round gone stale still admits its members, who meet at its store",
+        ),
+        pytest.param(
+            view(
+                round=2,
+                members=(OTHER, admitted_as(dataclasses.replace(REQUEST, attempt=1))),
+                master=MASTER,
+                state=SEALED,
+            ),
+            join.Wait(),
+            id="a rank held by the agent's earlier request does not admit this one",
+        ),
+        pytest.param(
+            view(
+                round=2,
+                members=(OTHER, admitted_as(dataclasses.replace(REQUEST, instance="agent-b"))),
+                master=MASTER,
+                state=SEALED,
+            ),
+            join.Wait(),
+            id="a rank held by another agent of the same pod does not admit this one",
+        ),
+        pytest.param(
+            view(
+                round=3,
+                members=(OTHER,),
+                master=MASTER,
+                state=SEALED,
+                left_behind=(admitted_as(REQUEST),),
+            ),
+            join.Rejoin("it was admitted to a round it never saw, and round 3 sealed without it"),
+            id="a request left behind by a later round is spent and asked again",
+        ),
+        pytest.param(
+            view(
+                round=2,
+                members=(admitted_as(REQUEST),),
+                master=MASTER,
+                state=CLOSED,
+                closed_reason="Finished",
+                closed_message="every member finished",
+            ),
+            join.Closed("Finished", "every member finished"),
+            id="a closed rendezvous ends the join even where it lists the request",
+        ),
+    ],
+)
+def test_the_join_step_decides_from_the_status_and_the_request(
+    status: state.NodeView, decision: join.Decision
+) -> None:
+    assert join.decide(status, REQUEST) == decision
+    assert join.is_decided(status, REQUEST) is not isinstance(decision, join.Wait)
+
+
+def test_a_member_list_without_a_master_is_asked_again_not_trusted() -> None:
+    # A hand-edited status: the decoder takes a Reforming round without its master.
+    status = state.NodeView(
+        NODE, REFORMING, round=4, world_size=1, own_ranks=((0, admitted_as(REQUEST)),)
+    )
+    assert join.decide(status, REQUEST) == join.Rejoin("round 4 admitted it but names no master")
+
+
+def test_a_node_of_a_sliced_round_is_admitted_to_the_rank_its_slice_gives() -> None:
+    members = (OTHER, *(state.Member(f"pod-{i}", "x", 1, "10.0.1.1") for i in range(2, 9)))
+    members += (admitted_as(REQUEST),)
+    sealed = state.RendezvousStatus(SEALED, 5, members, MASTER, slices=3)
+    own = state.slice_index(NODE, 3)
+    piece = {k: v for k, v in sealed.slice_fields()[own].items() if v is not None}
+    assert join.decide(state.NodeView.from_dict(piece, NODE), REQUEST) == join.Admitted(
+        round=5, rank=len(members) - 1, world_size=len(members), master=MASTER
+    )
+
+
+JOINED = join.Joined(round=2, rank=1, uid="uid-1")
+
+
+@pytest.mark.parametrize(
+    ("status", "joined", "uid", "waiting"),
+    [
+        pytest.param(
+            view(round=1, members=(OTHER,), master=MASTER, state=SEALED),
+            None,
+            "uid-1",
+            0,
+            id="a node that never joined has nothing to re-rendezvous into",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=SEALED),
+            JOINED,
+            "uid-1",
+            0,
+            id="the node's own sealed round has nobody waiting",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=REFORMING, nodes_waiting=3),
+            JOINED,
+            "uid-1",
+            3,
+            id="the node's round gone stale counts those who made it so",
+        ),
+        pytest.param(
+            view(round=3, members=(OTHER,), master=MASTER, state=SEALED),
+            JOINED,
+            "uid-1",
+            1,
+            id="a later round sealed without the node tells it to re-rendezvous",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=SEALED),
+            JOINED,
+            "uid-2",
+            1,
+            id="a rendezvous made anew tells the node to re-rendezvous",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=REFORMING, nodes_waiting=1),
+            JOINED,
+            None,
+            0,
+            id="a deleted rendezvous leaves the members training",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=CLOSED, nodes_waiting=1),
+            JOINED,
+            "uid-1",
+            0,
+            id="a closed rendezvous has nothing to re-rendezvous into",
+        ),
+    ],
+)
+def test_nodes_waiting_is_positive_exactly_when_the_joined_round_is_over(
+    status: state.NodeView, joined: join.Joined | None, uid: str | None, waiting: int
+) -> None:
+    assert join.nodes_waiting(status, joined, uid) == waiting
+
+
+@pytest.mark.parametrize(
+    ("status", "stale"),
+    [
+        pytest.param(None, False, id="no status seen yet judges nothing"),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=SEALED),
+            False,
+            id="the round still sealed is not stale",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=REFORMING, nodes_waiting=1),
+            True,
+            id="the round re-forming is stale",
+        ),
+        pytest.param(
+            view(round=3, members=(OTHER,), master=MASTER, state=SEALED),
+            True,
+            id="a later round makes the joined one stale",
+        ),
+    ],
+)
+def test_a_joined_round_is_stale_once_it_is_no_longer_the_sealed_one(
+    status: state.NodeView | None, stale: bool
+) -> None:
+    assert join.is_stale(status, 2) is stale
