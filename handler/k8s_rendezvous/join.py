@@ -7,9 +7,11 @@ it waits on the watched status (sync), asks :func:`decide` (decide), and serves 
 the round's store, writes a new request, or raises (apply). The rules, in order:
 
 1. The rendezvous is closed: :class:`Closed`, whatever else the status says.
-2. The request holds a rank in the round shown: :class:`Admitted`, to that rank (even if
-   the round went stale since: its members still meet at rank 0's store, and the agents
-   re-rendezvous once they see it stale).
+2. The request holds a rank in the round shown: :class:`Admitted`, to that rank, even in a
+   round gone stale since (seen late, e.g. after the watch lost track): rank 0 serves its
+   store, a member gives up on a rank 0 that does not answer while the round is stale
+   (:func:`is_stale`) and asks again, and the agents re-rendezvous once they see it.
+   (A status edited by hand to list the request without a master: :class:`Rejoin`.)
 3. The request was admitted to a round this node never saw (its watch lost track, e.g.
    across an API server restart) and a later round sealed without it: the operator has
    spent it, so :class:`Rejoin` with a new one rather than wait out the join timeout.
