@@ -121,7 +121,7 @@ def _build_torch(spec: Json, common: Json) -> Any:
 def _time_join_writes(slot: Slot) -> None:
     """Record when the node's own entry was written and when its watcher took a new round
     key (for the latency breakdown; private attributes, read only)."""
-    client = slot.handler._client
+    client = slot.handler.client
     write = client.write_lease
 
     def timed(*args: Any, **kwargs: Any) -> None:
