@@ -52,7 +52,7 @@ def find_helm(explicit: str | None) -> str:
     if env := os.environ.get("HELM"):
         return env
     built = subprocess.run(
-        ["bash", str(REPO / "tests" / "cluster" / "build.sh")],
+        ["bash", str(REPO / "devkit" / "cluster" / "build.sh")],
         check=True,
         capture_output=True,
         text=True,
