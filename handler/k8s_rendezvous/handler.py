@@ -340,6 +340,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             except watch.RendezvousReplaced as replaced:
                 obj = self._made_anew(replaced.uid, deadline)
                 spec, owner_uid = self._check_spec(obj), self._owner_uid(obj)
+                # The request's Lease was owned by the deleted Rendezvous, so garbage
+                # collection takes it with it: ask the new one, and let it own the Lease.
+                request, since = self._ask(spec, owner_uid)
                 self._heartbeat.start(spec, owner_uid)
                 continue
             if status is None:

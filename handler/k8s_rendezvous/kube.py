@@ -89,6 +89,8 @@ class RendezvousClient:
         self._pod_uid: str | None = _pod_uid(self._rest.bearer_claims())
         self._lease_owners: dict[str, str] = {}
         """The owner uid each Lease this client made or moved was last written with."""
+        self._lease_entries: dict[str, state.NodeEntry] = {}
+        """The entry (the node's request) each Lease was last written with."""
         self._group_path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}"
         self._leases_path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
@@ -185,7 +187,14 @@ class RendezvousClient:
         if self._pod_uid is not None:
             annotations[state.POD_UID_ANNOTATION] = self._pod_uid
         if entry is not None:
+            self._lease_entries[name] = entry
             annotations[state.ENTRY_ANNOTATION] = entry.to_annotation()
+        # A heartbeat that finds the Lease gone (collected with a deleted Rendezvous, or
+        # deleted by hand) makes it anew with the node's request: without it, the node
+        # would wait for a round that nobody knows it asked for.
+        made_annotations = dict(annotations)
+        if (request := self._lease_entries.get(name)) is not None:
+            made_annotations[state.ENTRY_ANNOTATION] = request.to_annotation()
         now = state.format_time(datetime.datetime.now(datetime.timezone.utc))
         spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
         owners = [
@@ -199,7 +208,7 @@ class RendezvousClient:
             "metadata": {
                 "name": name,
                 "labels": {state.NODE_LABEL: self.name},
-                "annotations": annotations,
+                "annotations": made_annotations,
                 "ownerReferences": owners,
             },
             "spec": spec,

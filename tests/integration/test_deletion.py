@@ -2,10 +2,11 @@
 
 Aspects: an annotated Job's Rendezvous deleted while the Job runs is made anew by the
 operator (an Event on the Job says so); a node that waited joins the new one's first
-round, and members of a sealed round are told to rejoin and do; their Leases move to the
-new owner rather than being collected with the old. A Rendezvous nobody makes anew gives a
-waiting node, within seconds rather than at its join timeout, an error that says it was
-deleted.
+round, even when its request's Lease was collected with the old one; members of a sealed
+round are told to rejoin and do; their Leases move to the new owner rather than being
+collected with the old. A waiting node's Lease deleted under it is made anew, with its
+request, by its next heartbeat. A Rendezvous nobody makes anew gives a waiting node,
+within seconds rather than at its join timeout, an error that says it was deleted.
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ def _delete(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> None:
     )
 
 
+def _delete_lease(api: kubernetes.client.ApiClient, rdzv: Rendezvous, node: str) -> None:
+    kubernetes.client.CoordinationV1Api(api).delete_namespaced_lease(
+        state.lease_name(rdzv.name, node), rdzv.namespace
+    )
+
+
+def _lease_entry(api: kubernetes.client.ApiClient, rdzv: Rendezvous, node: str) -> str | None:
+    try:
+        lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(
+            state.lease_name(rdzv.name, node), rdzv.namespace
+        )
+    except kubernetes.client.exceptions.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return (lease.metadata.annotations or {}).get(state.ENTRY_ANNOTATION)
+
+
 def _lease_owners(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> dict[str, set[str]]:
     found = kubernetes.client.CoordinationV1Api(api).list_namespaced_lease(
         rdzv.namespace, label_selector=f"{state.NODE_LABEL}={rdzv.name}"
@@ -56,15 +75,20 @@ def test_a_running_jobs_deleted_rendezvous_is_made_anew_and_its_nodes_join_it(
     workers_namespace: str,
     attach_nodes: AttachNodes,
 ) -> None:
-    make_job(admin_api, workers_namespace, "remade", 2, {"k8s-rendezvous.dev/nodes": "2"})
+    # Heartbeats 5 min apart: only the join itself can ask the new Rendezvous.
+    annotations = {"k8s-rendezvous.dev/nodes": "2", "k8s-rendezvous.dev/heartbeat-timeout": "900"}
+    make_job(admin_api, workers_namespace, "remade", 2, annotations)
     # No recorder: the history of two objects of one name is not one rendezvous'.
     rdzv = Rendezvous(admin_api, workers_namespace, "remade")
     first_uid = wait_for(lambda: _uid(rdzv), 30, "Rendezvous created for the Job")
     nodes = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "remade", 2))
 
-    # A node waiting for its peer when the Rendezvous is deleted.
+    # A node waiting for its peer when the Rendezvous is deleted. Its request's Lease is
+    # owned by the deleted one; garbage collection may take it before the node notices
+    # the deletion, and here it is gone first for certain.
     waiting = nodes[0].join_in_background()
     rdzv.wait_requests(lambda requests: nodes[0].pod in requests, "the first node asked")
+    _delete_lease(admin_api, rdzv, nodes[0].pod)
     _delete(admin_api, rdzv)
     second_uid = wait_for(
         lambda: (uid := _uid(rdzv)) != first_uid and uid, 30, "Rendezvous made anew"
@@ -96,6 +120,32 @@ def test_a_running_jobs_deleted_rendezvous_is_made_anew_and_its_nodes_join_it(
         10,
         "every Lease owned by the Rendezvous made anew",
     )
+
+
+def test_a_waiting_nodes_lease_deleted_under_it_is_made_anew_with_its_request(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: AttachNodes,
+) -> None:
+    # The shortest heartbeat timeout: a renewal each second.
+    annotations = {"k8s-rendezvous.dev/nodes": "2", "k8s-rendezvous.dev/heartbeat-timeout": "3"}
+    make_job(admin_api, workers_namespace, "relet", 2, annotations)
+    rdzv = Rendezvous(admin_api, workers_namespace, "relet")
+    wait_for(lambda: _uid(rdzv), 30, "Rendezvous created for the Job")
+    nodes = attach_nodes(rdzv, running_pods(admin_api, workers_namespace, "relet", 2))
+    waiting = nodes[0].join_in_background()
+    asked = rdzv.wait_requests(lambda requests: nodes[0].pod in requests, "the first node asked")
+
+    _delete_lease(admin_api, rdzv, nodes[0].pod)
+    wait_for(
+        lambda: (entry := _lease_entry(admin_api, rdzv, nodes[0].pod)) is not None
+        and state.NodeEntry.from_annotation(entry, "lease") == asked[nodes[0].pod],
+        30,
+        "the waiting node's Lease made anew by its heartbeat, with its request",
+    )
+    later = nodes[1].join_in_background()
+    infos = [waiting.wait(), later.wait()]
+    assert sorted(info.rank for info in infos) == [0, 1]
 
 
 def test_a_waiting_node_is_told_that_its_rendezvous_was_deleted(

@@ -7,7 +7,8 @@ becomes RendezvousConnectionError saying so; 401 and 403 are retried only briefl
 restarted API server refuses until its authorizer is ready), then name the role to bind;
 404 names the ways to make the Rendezvous; 422 is a state error; a join creates the node's
 Lease once (a refused create is retried as a create), then merge-patches it without a
-resourceVersion (joins never conflict), and re-creates it if it was deleted.
+resourceVersion (joins never conflict), and re-creates it if it was deleted, with the node's
+request even when a heartbeat finds it gone.
 """
 
 from __future__ import annotations
@@ -192,6 +193,26 @@ def test_a_deleted_lease_is_created_again(server: tuple[str, Script]) -> None:
     script.statuses = [404]
     write_lease(rendezvous)
     assert [method for method, _, _ in script.requests] == ["POST", "PATCH", "POST"]
+
+
+def test_a_heartbeat_that_finds_the_lease_deleted_makes_it_anew_with_the_request(
+    server: tuple[str, Script],
+) -> None:
+    """Garbage collection takes a Lease with its deleted Rendezvous: the node's request
+    must come back with the Lease, or nobody knows the node waits."""
+    host, script = server
+    rendezvous = rendezvous_client(host)
+    write_lease(rendezvous, dataclasses.replace(ENTRY, attempt=3))
+    script.statuses = [404]
+    write_lease(rendezvous, entry=None)  # a heartbeat
+    write_lease(rendezvous, entry=None)  # and one more, with the Lease there
+    (_, patched, made, beat) = script.requests
+    assert (patched[0], made[0], beat[0]) == ("PATCH", "POST", "PATCH")
+    assert made[2] is not None
+    written = made[2]["metadata"]["annotations"][state.ENTRY_ANNOTATION]
+    assert state.NodeEntry.from_annotation(written, "e") == dataclasses.replace(ENTRY, attempt=3)
+    # A renewal never writes the request: it could undo a newer join's.
+    assert beat[2] is not None and state.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
 
 
 @pytest.mark.parametrize("status", [429, 503])
