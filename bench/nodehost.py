@@ -134,10 +134,14 @@ def _time_join_writes(slot: Slot) -> None:
     watcher = slot.handler.watcher
     offer = watcher.offer
 
+    def round_key() -> str | None:
+        status = watcher.status
+        return None if status is None else status.round_key
+
     def seen(obj: Any) -> None:
-        key = watcher._raw_round_key
+        key = round_key()
         offer(obj)
-        if watcher._raw_round_key != key:
+        if round_key() != key:
             slot.seen_wall = time.time()
 
     watcher.offer = seen

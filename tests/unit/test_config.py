@@ -90,7 +90,7 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     handler = KubernetesRendezvousHandler(
-        SealsAlone(state.RendezvousSpec(1, 1, "run")),  # type: ignore[arg-type]
+        SealsAlone(state.RendezvousSpec(1, 1, "run")),
         run_id="run",
         node="pod-0",
         addr="127.0.0.1",

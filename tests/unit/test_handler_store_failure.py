@@ -54,7 +54,7 @@ def connection_error_of_rank_1(master_port: int) -> KubernetesRendezvousConnecti
     """What ``next_rendezvous()`` of pod-1 raises when sealed as rank 1 of a round whose
     rank 0's store is at ``master_port``."""
     handler = KubernetesRendezvousHandler(
-        SealedWithUnreachableRank0(master_port),  # type: ignore[arg-type]
+        SealedWithUnreachableRank0(master_port),
         run_id="run",
         node="pod-1",
         addr="127.0.0.1",

@@ -98,7 +98,7 @@ class Operator(ScriptedRendezvousClient):
 
 def handler(client: Operator, node: str, in_place: bool = True) -> KubernetesRendezvousHandler:
     return KubernetesRendezvousHandler(
-        client,  # type: ignore[arg-type]
+        client,
         run_id="run",
         node=node,
         addr="127.0.0.1",

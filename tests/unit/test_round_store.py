@@ -68,7 +68,7 @@ class SealsTwoWhenBothJoined(ScriptedRendezvousClient):
 
 def handler_for(client: ScriptedRendezvousClient, node: str) -> KubernetesRendezvousHandler:
     return KubernetesRendezvousHandler(
-        client,  # type: ignore[arg-type]
+        client,
         run_id="run",
         node=node,
         addr="127.0.0.1",
