@@ -127,13 +127,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     log.info("k8s-rendezvous-operator %s starting", __version__)
     from k8s_rendezvous_operator import handlers  # registers the kopf handlers
 
-    del handlers
     if args.webhook:
         if not args.webhook_host:
             parser.error("--webhook needs --webhook-host (the webhook Service's DNS name)")
-        from k8s_rendezvous_operator import webhook  # registers the admission handler
-
-        del webhook
+        handlers.register_webhook()
     from k8s_rendezvous_operator import leadership
 
     # The liveness endpoint is ours, not kopf's: kopf's binds one address family only.

@@ -1,5 +1,6 @@
 """The kopf registrations: what the operator watches and how each event reaches the
-:class:`.reconciler.Reconciler` (imported for its side effect by ``__main__``).
+:class:`.reconciler.Reconciler` (imported for its side effect by ``__main__``), and the
+admission webhook's (:func:`register_webhook`, with ``--webhook``).
 
 Only kopf's low-level event handlers are used: they run on every watch event at once,
 without the wait for the operator's own patches that kopf's create/update handlers make,
@@ -16,7 +17,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, observe
+from k8s_rendezvous_operator import injection, kube, observe, webhook
 from k8s_rendezvous_operator.reconciler import Reconciler
 
 
@@ -136,3 +137,34 @@ async def job_event(
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
     await reconciler.job_seen((namespace, name), body, deleted=event.get("type") == "DELETED")
+
+
+def register_webhook() -> None:
+    """Serve the mutating admission webhook that gives pods of annotated Jobs torchrun's
+    environment (:mod:`.webhook` says how it is registered with the API server)."""
+    kopf.on.startup()(_configure_webhook)
+    kopf.on.mutate(
+        "",
+        "v1",
+        "pods",
+        id=webhook.HANDLER_ID,
+        operations={"CREATE"},
+        ignore_failures=True,
+        labels={webhook.JOB_NAME_LABEL: kopf.PRESENT},
+    )(_inject_torchrun_env)
+
+
+async def _configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.admission.server = webhook.server(memo["webhook"], memo.get("namespaces") or ())
+    settings.admission.managed = None
+
+
+async def _inject_torchrun_env(
+    body: kopf.Body, patch: kopf.Patch, namespace: str | None, memo: kopf.Memo, **_: Any
+) -> None:
+    reconciler: Reconciler = memo["reconciler"]
+    found = await reconciler.rendezvous_for_pod(namespace or body.metadata.namespace or "", body)
+    if found is not None:
+        name, spec = found
+        for key, value in injection.inject(body, name, spec).items():
+            patch[key] = value

@@ -1,5 +1,6 @@
 """The mutating admission webhook that gives pods of annotated Jobs torchrun's
-environment (imported only when ``--webhook`` is on, so its handler is registered then).
+environment: its configuration and server (registered with kopf by
+:func:`.handlers.register_webhook` when ``--webhook`` is on).
 
 The operator registers it itself, not through kopf's managed configuration (which fixes
 the timeout at 30 s and sends pods of every namespace): only pods with the
@@ -19,8 +20,7 @@ from typing import Any
 
 import kopf
 
-from k8s_rendezvous_operator import certificates, injection, kube
-from k8s_rendezvous_operator.reconciler import Reconciler
+from k8s_rendezvous_operator import kube
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,12 @@ class RegisteringWebhookServer:
             delay = min(delay * 2, 30.0)
 
 
-@kopf.on.startup()
-async def configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    options = memo["webhook"]
+def server(options: Mapping[str, Any], namespaces: Sequence[str]) -> RegisteringWebhookServer:
+    """The webhook server the operator's ``--webhook-*`` ``options`` describe: its
+    certificate from ``cert_dir``, or self-signed for ``host`` (and ``addr``)."""
+    # Imported here: cryptography costs every operator its memory, and only this needs it.
+    from k8s_rendezvous_operator import certificates
+
     if options["cert_dir"]:
         directory = Path(options["cert_dir"])
         ca, cert, key = directory / "ca.crt", directory / "tls.crt", directory / "tls.key"
@@ -155,7 +158,7 @@ async def configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **
         ca, cert, key = certificates.write_self_signed(
             directory, [options["host"], *([options["addr"]] if options["addr"] else [])]
         )
-    server = kopf.WebhookServer(
+    listening = kopf.WebhookServer(
         addr=options["addr"] or None,
         port=options["port"],
         host=options["host"],
@@ -163,33 +166,12 @@ async def configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **
         certfile=str(cert),
         pkeyfile=str(key),
     )
-    settings.admission.server = RegisteringWebhookServer(
-        server,
+    return RegisteringWebhookServer(
+        listening,
         kube.OperatorApi(kube.load_api_client()),
         options["config_name"],
         service=options["service"],
         service_port=options["port"],
         timeout_seconds=options["timeout_seconds"],
-        namespaces=memo.get("namespaces") or (),
+        namespaces=namespaces,
     )
-    settings.admission.managed = None
-
-
-@kopf.on.mutate(
-    "",
-    "v1",
-    "pods",
-    id=HANDLER_ID,
-    operations={"CREATE"},
-    ignore_failures=True,
-    labels={JOB_NAME_LABEL: kopf.PRESENT},
-)
-async def inject_torchrun_env(
-    body: kopf.Body, patch: kopf.Patch, namespace: str | None, memo: kopf.Memo, **_: Any
-) -> None:
-    reconciler: Reconciler = memo["reconciler"]
-    found = await reconciler.rendezvous_for_pod(namespace or body.metadata.namespace or "", body)
-    if found is not None:
-        name, spec = found
-        for key, value in injection.inject(body, name, spec).items():
-            patch[key] = value
