@@ -18,23 +18,8 @@ out=$cache/controllers-kueue${KUEUE_VERSION}-jobset${JOBSET_VERSION}-trainer${TR
 mkdir -p "$out"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
-log() { echo "[build] $*" >&2; }
-
-step() {  # step ID WHAT FUNCTION: build one component; the Go tool's output goes to a log
-  local name=$2 began file="$out/logs/$1.log" rc
-  began=$(date +%s); mkdir -p "$out/logs"
-  log "building $name (output: $file)"
-  set +e
-  ( set -e; "$3" ) >"$file" 2>&1
-  rc=$?
-  set -e
-  if [ "$rc" != 0 ]; then
-    log "building $name failed after $(( $(date +%s) - began )) s; the end of $file:"
-    tail -n 40 "$file" >&2
-    exit "$rc"
-  fi
-  log "built $name in $(( $(date +%s) - began )) s"
-}
+# shellcheck source=lib.sh
+. "$here/lib.sh"
 
 module_dir() {  # module_dir MODULE@VERSION: its source, downloaded into the module cache
   go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])'

@@ -25,23 +25,8 @@ esac
 mkdir -p "$out"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
-log() { echo "[build] $*" >&2; }
-
-step() {  # step ID WHAT FUNCTION: build one component; the Go tool's output goes to a log
-  local name=$2 began file="$out/logs/$1.log" rc
-  began=$(date +%s); mkdir -p "$out/logs"
-  log "building $name (output: $file)"
-  set +e
-  ( set -e; "$3" ) >"$file" 2>&1
-  rc=$?
-  set -e
-  if [ "$rc" != 0 ]; then
-    log "building $name failed after $(( $(date +%s) - began )) s; the end of $file:"
-    tail -n 40 "$file" >&2
-    exit "$rc"
-  fi
-  log "built $name in $(( $(date +%s) - began )) s"
-}
+# shellcheck source=lib.sh
+. "$here/lib.sh"
 
 have() {  # have NAME: a usable binary is in the cache or in a prebuilt directory
   local name=$1 dir
