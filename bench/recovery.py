@@ -70,6 +70,8 @@ class Variant:
     rdzv_conf: str = ""
     label: str = ""
     script: Path = RESTARTING_SCRIPT
+    warm: bool = False
+    """Workers forked from the node's zygote (``-m k8s_rendezvous.warm``, ``warm_start=1``)."""
 
     @property
     def in_place(self) -> bool:
@@ -78,6 +80,13 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {
     "ours": Variant("ours", "kubernetes", label="ours (workers restarted)"),
+    "ours-warm": Variant(
+        "ours-warm",
+        "kubernetes",
+        "warm_start=1",
+        "ours, workers restarted warm (forked from a zygote)",
+        warm=True,
+    ),
     "ours-in-place": Variant(
         "ours-in-place", "kubernetes", "in_place=1", "ours, in place", IN_PLACE_SCRIPT
     ),
@@ -392,6 +401,7 @@ class Trial:
             args.append(f"--rdzv-conf={conf}")
         return [
             *args,
+            *(["-m", "k8s_rendezvous.warm"] if self.variant.warm else []),
             str(self.variant.script),
             "--steps",
             "1000000",

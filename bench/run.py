@@ -78,7 +78,7 @@ PLANS = {
         import_reps=3,
         recovery_reps=1,
         # c10d's variants wait out its keep-alive and last call: minutes, in every trial
-        recovery_variants=("ours", "ours-in-place"),
+        recovery_variants=("ours", "ours-warm", "ours-in-place"),
         max_workers=2,
         torch_join_timeout=60,
     ),
@@ -97,7 +97,7 @@ PLANS = {
         live=(200, 4),
         import_reps=30,
         recovery_reps=3,
-        recovery_variants=("ours", "ours-in-place", "c10d-defaults", "c10d-tuned"),
+        recovery_variants=("ours", "ours-warm", "ours-in-place", "c10d-defaults", "c10d-tuned"),
         max_workers=8,
         torch_join_timeout=240,
     ),

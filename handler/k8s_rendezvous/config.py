@@ -35,6 +35,9 @@ CONFIG_KEYS: Final = {
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
+    "warm_start": "1 to start each worker forked from a process that imported torch once "
+    "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
+    "k8s_rendezvous.warm train.py); 0, the default, lets each import torch",
 }
 SPEC_TIMEOUT_KEYS: Final = (
     "join_timeout",
@@ -79,6 +82,8 @@ class Settings:
     in_place: bool = False
     """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
     workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
+    warm_start: bool = False
+    """Start workers forked from a process that imported torch (:mod:`k8s_rendezvous.warm`)."""
 
     @classmethod
     def from_parameters(
@@ -115,7 +120,8 @@ class Settings:
         configured = {
             key: value for key in SPEC_TIMEOUT_KEYS if (value := params.get_as_int(key)) is not None
         }
-        return cls(namespace, name, read_timeout, configured, in_place)
+        warm_start = bool(params.get_as_bool("warm_start", False))
+        return cls(namespace, name, read_timeout, configured, in_place, warm_start)
 
 
 def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -53,6 +54,7 @@ from k8s_rendezvous import (
     rest,
     round_store,
     state,
+    warm,
     watch,
 )
 from k8s_rendezvous.errors import (
@@ -125,6 +127,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         configured_timeouts: Timeouts given in ``--rdzv-conf``, compared with the spec.
         in_place: Re-form the node's round in place, keeping the workers, when they are
             on the in-place path (:mod:`k8s_rendezvous.reforming`).
+        warm_start: Start the zygote the workers are forked from when their entrypoint
+            is :mod:`k8s_rendezvous.warm`.
     """
 
     def __init__(
@@ -139,8 +143,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         read_timeout: float = config.DEFAULT_READ_TIMEOUT_SECONDS,
         configured_timeouts: Mapping[str, int] | None = None,
         in_place: bool = False,
+        warm_start: bool = False,
     ) -> None:
         self._client = client
+        # First: it imports torch while this node joins, so that the first workers are
+        # forked from it too.
+        self._zygote = warm.start_zygote() if warm_start else None
         self._run_id = run_id
         self._node = node
         self._addr = addr
@@ -197,6 +205,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             read_timeout=settings.read_timeout,
             configured_timeouts=settings.configured_timeouts,
             in_place=settings.in_place,
+            warm_start=settings.warm_start,
         )
 
     # -- what this node is and holds (read-only) ------------------------------------------
@@ -252,6 +261,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def reformer(self) -> reforming.Reformer | None:
         """Re-forms this node's round in place, if built with ``in_place``."""
         return self._reformer
+
+    @property
+    def zygote(self) -> subprocess.Popen[bytes] | None:
+        """The process its workers are forked from, if built with ``warm_start``."""
+        return self._zygote
 
     # -- RendezvousHandler --------------------------------------------------------------
 
@@ -553,6 +567,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._heartbeat.stop()
         if self._reformer is not None:
             self._reformer.stop()
+        if self._zygote is not None and self._zygote.stdin is not None:
+            self._zygote.stdin.close()  # it exits, with any worker it still runs
         finished = _called_by_a_succeeded_agent()
         try:
             if self._attempt > 0 and not self._closed_locally:

@@ -135,10 +135,12 @@ class LocalPod:
         exit_barrier_timeout: float | None = None,
         rdzv_conf: str = "",
         script: Path = TRAIN_SCRIPT,
+        warm: bool = False,
     ) -> None:
         """Start ``torchrun --rdzv-backend=kubernetes`` running ``script``
         (examples/elastic_train.py by default; with ``exit_barrier_timeout``:
-        tests/e2e/launch.py, torchrun with that setting)."""
+        tests/e2e/launch.py, torchrun with that setting; ``warm``: through
+        ``-m k8s_rendezvous.warm``, which needs ``warm_start=1`` in ``rdzv_conf``)."""
         self._launch(
             {},
             [
@@ -155,6 +157,7 @@ class LocalPod:
                 *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
                 f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.1",
+                *(["-m", "k8s_rendezvous.warm"] if warm else []),
             ],
             script_args,
             script,

@@ -138,8 +138,10 @@ def test_a_waiting_nodes_lease_deleted_under_it_is_made_anew_with_its_request(
 
     _delete_lease(admin_api, rdzv, nodes[0].pod)
     wait_for(
-        lambda: (entry := _lease_entry(admin_api, rdzv, nodes[0].pod)) is not None
-        and state.NodeEntry.from_annotation(entry, "lease") == asked[nodes[0].pod],
+        lambda: (
+            (entry := _lease_entry(admin_api, rdzv, nodes[0].pod)) is not None
+            and state.NodeEntry.from_annotation(entry, "lease") == asked[nodes[0].pod]
+        ),
         30,
         "the waiting node's Lease made anew by its heartbeat, with its request",
     )

@@ -3,7 +3,8 @@ as torch does it, parameters from torchrun, and what importing the plugin costs.
 
 Aspects: torch's registry lists and builds the ``kubernetes`` backend; get_backend()
 matches the entry-point name (torch checks it); the endpoint forms; unknown --rdzv-conf
-keys are refused naming the valid ones; without POD_NAME a node is the pod its token names
+keys are refused naming the valid ones; ``warm_start=1`` starts the zygote the workers are
+forked from (and shutdown() ends it); without POD_NAME a node is the pod its token names
 (then the hostname); the plugin module imports neither the Kubernetes client nor kopf nor
 the operator.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from k8s_rendezvous import BACKEND_NAME, config, kube, rest
+from k8s_rendezvous import BACKEND_NAME, config, kube, rest, warm
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 
@@ -123,6 +125,29 @@ def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
     unused = [r.getMessage() for r in caplog.records if "is not used by" in r.getMessage()]
     assert sorted(m.split()[1] for m in unused) == sorted(c10d)
     assert any("is_host is not used" in m and "rank 0 serves" in m for m in unused)
+
+
+def test_warm_start_starts_the_zygote_and_points_the_workers_at_it(
+    pod_env: None, built: list[RendezvousHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(warm.SOCKET_ENV, raising=False)  # restored after the test
+    handler = KubernetesRendezvousHandler.from_parameters(params(warm_start="1"))
+    built.append(handler)
+    assert isinstance(handler, KubernetesRendezvousHandler)
+    zygote = handler.zygote
+    assert zygote is not None and zygote.poll() is None
+    socket_path = os.environ[warm.SOCKET_ENV]  # what torch's agent hands its workers
+    assert "--zygote" in zygote.args and socket_path in zygote.args
+    handler.shutdown()
+    assert zygote.wait(60) == 0, "the zygote ends with the node"
+
+
+def test_without_warm_start_no_zygote_is_started(
+    pod_env: None, built: list[RendezvousHandler]
+) -> None:
+    handler = KubernetesRendezvousHandler.from_parameters(params())
+    built.append(handler)
+    assert isinstance(handler, KubernetesRendezvousHandler) and handler.zygote is None
 
 
 @pytest.mark.parametrize(

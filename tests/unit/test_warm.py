@@ -1,0 +1,204 @@
+"""Warm worker starts (k8s_rendezvous.warm), with real processes: one zygote (torch imported
+once) serves the tests' clients as torch's agent would start them.
+
+Aspects: a worker started warm runs forked from the zygote, with torch already imported,
+and with the client's arguments, environment, working directory and standard streams, and
+the client exits with its exit code (a script, or ``-m`` and a module); a signal sent to
+the client's process group (what the agent sends) reaches the worker, and the client dies
+by the same signal; a client killed outright takes its worker with it; a malformed request
+is refused and the zygote goes on serving; without a zygote the client runs the script
+itself (a cold start); the zygote ends, with its workers and its socket, when the agent's
+pipe closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devkit.waiting import wait_for
+from k8s_rendezvous import warm
+
+REPORT = """\
+import json, os, sys, time
+started = {
+    "argv": sys.argv[1:], "cwd": os.getcwd(), "value": os.environ.get("WARM_TEST_VALUE"),
+    "pid": os.getpid(), "ppid": os.getppid(), "torch": "torch" in sys.modules,
+}
+print(json.dumps(started), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "wait":
+    with open(sys.argv[2], "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    saved = os.environ.get(warm.SOCKET_ENV)
+    process = warm.start_zygote()
+    path = os.environ[warm.SOCKET_ENV]
+    try:
+        wait_for(lambda: os.path.exists(path), 120, "the zygote listens (torch imported)")
+        yield process, path
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()
+        process.wait(60)
+        if saved is None:
+            os.environ.pop(warm.SOCKET_ENV, None)
+        else:
+            os.environ[warm.SOCKET_ENV] = saved
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "report.py"
+    path.write_text(REPORT)
+    return path
+
+
+def run_client(*args: str, socket_path: str | None, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != warm.SOCKET_ENV}
+    env["WARM_TEST_VALUE"] = "from the client"
+    if socket_path is not None:
+        env[warm.SOCKET_ENV] = socket_path
+    return subprocess.run(
+        [sys.executable, "-u", "-m", "k8s_rendezvous.warm", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_warm_worker_runs_forked_from_the_zygote_as_the_client_asked(
+    zygote: tuple[subprocess.Popen[bytes], str], script: Path, tmp_path: Path
+) -> None:
+    process, path = zygote
+    done = run_client(str(script), "3", "two words", socket_path=path, cwd=tmp_path)
+    started = json.loads(done.stdout)
+    assert started["ppid"] == process.pid, "forked by the zygote"
+    assert started["torch"], "torch imported before the script ran"
+    assert started["argv"] == ["3", "two words"]
+    assert (started["cwd"], started["value"]) == (str(tmp_path), "from the client")
+    assert done.stderr == "to stderr\n"
+    assert done.returncode == 3
+
+
+def test_a_module_runs_warm_as_python_m_runs_it(
+    zygote: tuple[subprocess.Popen[bytes], str], script: Path, tmp_path: Path
+) -> None:
+    process, path = zygote
+    done = run_client("-m", "report", "0", socket_path=path, cwd=script.parent)
+    assert done.returncode == 0, done.stderr
+    started = json.loads(done.stdout.splitlines()[0])
+    assert (started["ppid"], started["argv"]) == (process.pid, ["0"])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_to_the_clients_group_ends_its_worker(
+    zygote: tuple[subprocess.Popen[bytes], str],
+    script: Path,
+    tmp_path: Path,
+    signum: signal.Signals,
+) -> None:
+    """SIGTERM is forwarded to the worker's group, and the client dies by it as the
+    worker did; SIGKILL cannot be forwarded: the zygote sees the client's connection
+    close and kills the worker."""
+    _, path = zygote
+    pid_file = tmp_path / "worker.pid"
+    env = {**os.environ, warm.SOCKET_ENV: path}
+    waiting = subprocess.Popen(
+        [sys.executable, "-u", "-m", "k8s_rendezvous.warm", str(script), "wait", str(pid_file)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # as torch's agent starts its workers
+    )
+    try:
+        worker = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "worker up"))
+        assert worker != waiting.pid
+        os.killpg(waiting.pid, signum)
+        assert waiting.wait(60) == -signum
+        wait_for(lambda: not _alive(worker), 30, f"worker {worker} ended with its client")
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+
+
+def test_a_malformed_request_is_refused_and_the_zygote_serves_on(
+    zygote: tuple[subprocess.Popen[bytes], str], script: Path, tmp_path: Path
+) -> None:
+    _, path = zygote
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(path)
+        body = json.dumps({"schemaVersion": 99, "argv": ["x"]}).encode()
+        connection.sendall(len(body).to_bytes(4, "big") + body)
+        assert connection.recv(1) == b"", "closed without starting anything"
+    done = run_client(str(script), "0", socket_path=path, cwd=tmp_path)
+    assert done.returncode == 0
+
+
+def test_without_a_zygote_the_client_runs_the_script_itself(script: Path, tmp_path: Path) -> None:
+    done = run_client(str(script), "5", socket_path=str(tmp_path / "none.sock"), cwd=tmp_path)
+    started = json.loads(done.stdout)
+    assert started["ppid"] == os.getpid(), "the client is the worker"
+    assert (started["argv"], started["value"]) == (["5"], "from the client")
+    assert done.returncode == 5
+
+
+def test_the_zygote_ends_with_its_workers_when_the_agent_goes(script: Path, tmp_path: Path) -> None:
+    saved = os.environ.get(warm.SOCKET_ENV)
+    process = warm.start_zygote()
+    path = os.environ[warm.SOCKET_ENV]
+    if saved is not None:
+        os.environ[warm.SOCKET_ENV] = saved
+    pid_file = tmp_path / "worker.pid"
+    waiting: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for(lambda: os.path.exists(path), 120, "the zygote listens")
+        waiting = subprocess.Popen(
+            [sys.executable, "-u", "-m", "k8s_rendezvous.warm", str(script), "wait", str(pid_file)],
+            env={**os.environ, warm.SOCKET_ENV: path},
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+        )
+        worker = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "up"))
+        assert worker != waiting.pid, "forked by the zygote"
+        assert process.stdin is not None
+        process.stdin.close()
+        assert process.wait(60) == 0
+        assert not _alive(worker)
+        assert not os.path.exists(os.path.dirname(path))
+    finally:
+        for running in (waiting, process):
+            if running is None:
+                continue
+            if running.poll() is None:
+                running.kill()
+            running.wait()
+        if saved is None:
+            os.environ.pop(warm.SOCKET_ENV, None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes: it runs nothing (its parent reaps it).
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
