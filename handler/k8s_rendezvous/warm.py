@@ -16,9 +16,11 @@ streams (the descriptors themselves, so torchrun's ``--redirects`` and ``--tee``
 Towards the agent it stands in for the forked worker: it forwards the signals the agent
 sends to the worker's process group (the agent signals its own worker's group alike), and
 exits as the worker exits, by the same signal if one ended it. A client killed outright
-(SIGKILL) closes its connection, and the zygote kills the worker's group. Without a zygote
-ready (not asked for, still importing, or gone) the client runs the script itself: a cold
-start, as without this module.
+(SIGKILL) closes its connection, and the zygote kills the worker's group; a worker dies
+with its zygote. A client that comes while the zygote still imports waits for it (the
+rest of one import, instead of one more beside it on the same cores). One that finds no
+zygote, or loses it before its worker was forked, runs the script itself: a cold start,
+as without this module.
 
 What a worker inherits from the zygote instead of its own start: whatever torch and the
 preloaded modules read from the environment at import (the agent's environment when the
@@ -29,6 +31,7 @@ handler started). torchrun's per-worker variables (``RANK``, ``LOCAL_RANK``,
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import importlib
 import json
@@ -53,6 +56,7 @@ SCHEMA_VERSION: Final = 1
 _PRELOADED: Final = ("torch", "torch.distributed")
 _STANDARD_STREAMS: Final = (0, 1, 2)
 _MAX_MESSAGE_BYTES: Final = 16 << 20
+_PR_SET_PDEATHSIG: Final = 1
 _FORWARDED_SIGNALS: Final = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -190,17 +194,25 @@ class Zygote:
     def serve(self) -> StartRequest | None:
         """Serve until the agent goes; returns only in a forked worker, with what it is
         to run (the zygote's own state closed)."""
-        preload = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
-        for module in (*_PRELOADED, *preload):
-            importlib.import_module(module.strip())
-        # Listening before the path exists: a client never finds a socket nobody serves.
+        # Listening first: a client that comes while the imports run waits in the backlog
+        # (the rest of one import) instead of importing torch beside it, on the same cores.
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(f"{self._path}.new")
-        self._listener.listen(64)
-        os.rename(f"{self._path}.new", self._path)
-        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
-        self._selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "agent")
+        self._listener.bind(self._path)
+        self._listener.listen(socket.SOMAXCONN)
         try:
+            preload = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",")]
+            for module in (*_PRELOADED, *filter(None, preload)):
+                try:
+                    importlib.import_module(module)
+                except ImportError as error:
+                    print(
+                        f"k8s_rendezvous.warm: cannot import {module} ahead ({error}); "
+                        f"fix {PRELOAD_ENV}. Workers start cold.",
+                        file=sys.stderr,
+                    )
+                    raise SystemExit(1) from error
+            self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+            self._selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "agent")
             while True:
                 for key, _ in self._selector.select():
                     if key.data == "agent" and not os.read(sys.stdin.fileno(), 4096):
@@ -233,9 +245,10 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             return None
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._become_worker(fds)
+            self._become_worker(zygote, fds)
             return request
         for fd in fds:
             os.close(fd)
@@ -250,7 +263,8 @@ class Zygote:
             self._client_gone(pidfd)
         return None
 
-    def _become_worker(self, fds: Sequence[int]) -> None:
+    def _become_worker(self, zygote: int, fds: Sequence[int]) -> None:
+        _die_with(zygote)
         os.setsid()  # its own group, which the client signals as the agent would
         for signum in _FORWARDED_SIGNALS:  # Python's own, which the zygote may have changed
             signal.signal(
@@ -304,6 +318,16 @@ class Zygote:
         if self._listener is not None:
             self._listener.close()
         shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
+
+
+def _die_with(zygote: int) -> None:
+    """Be killed when the zygote dies: a client that lost the zygote before learning its
+    worker's pid starts cold, so a fork it never heard of must not run on."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != zygote:  # it died before the request took
+        os._exit(1)
 
 
 def _kill_group(pid: int, signum: int) -> None:
@@ -368,15 +392,15 @@ def _start(argv: Sequence[str]) -> int:
         _run(request)
         return 0
     with connection:
-        _send(connection, request.to_dict(), _STANDARD_STREAMS)
         try:
+            _send(connection, request.to_dict(), _STANDARD_STREAMS)
             pid = int(_receive(connection)[0]["pid"])
-        except (EOFError, KeyError, ValueError) as error:
-            print(
-                f"k8s_rendezvous.warm: the zygote did not start the worker ({error})",
-                file=sys.stderr,
-            )
-            return 1
+        except (OSError, EOFError, KeyError, ValueError, ProtocolError) as error:
+            # Nothing was forked for us (or it dies with the zygote): start cold.
+            print(f"k8s_rendezvous.warm: no warm start ({error}); starting cold", file=sys.stderr)
+            connection.close()
+            _run(request)
+            return 0
         for signum in _FORWARDED_SIGNALS:
             signal.signal(signum, lambda received, _frame: _kill_group(pid, received))
         try:

@@ -6,9 +6,10 @@ and with the client's arguments, environment, working directory and standard str
 the client exits with its exit code (a script, or ``-m`` and a module); a signal sent to
 the client's process group (what the agent sends) reaches the worker, and the client dies
 by the same signal; a client killed outright takes its worker with it; a malformed request
-is refused and the zygote goes on serving; without a zygote the client runs the script
-itself (a cold start); the zygote ends, with its workers and its socket, when the agent's
-pipe closes.
+is refused and the zygote goes on serving; a request sent while the zygote still imports
+is served once it is done; without a zygote, or with one whose preloads fail (named), the
+client runs the script itself (a cold start); the zygote ends, with its workers and its
+socket, when the agent's pipe closes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json, os, sys, time
 started = {
     "argv": sys.argv[1:], "cwd": os.getcwd(), "value": os.environ.get("WARM_TEST_VALUE"),
     "pid": os.getpid(), "ppid": os.getppid(), "torch": "torch" in sys.modules,
+    "gate": "gate_module" in sys.modules,
 }
 print(json.dumps(started), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -202,3 +204,77 @@ def _alive(pid: int) -> bool:
     # A zombie is gone for our purposes: it runs nothing (its parent reaps it).
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+GATE_MODULE = """\
+import os
+with open(os.environ["WARM_TEST_GATE"]) as gate:  # until the test opens it for writing
+    gate.read()
+"""
+
+
+@pytest.fixture
+def own_zygote_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote of the test's own (its environment restored afterwards)."""
+    monkeypatch.delenv(warm.SOCKET_ENV, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), *sys.path])))
+
+
+def _stop(process: subprocess.Popen[bytes]) -> int:
+    if process.stdin is not None:
+        process.stdin.close()
+    return process.wait(60)
+
+
+def test_a_request_sent_while_the_zygote_imports_is_served_once_it_is_done(
+    own_zygote_env: None, script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    (tmp_path / "gate_module.py").write_text(GATE_MODULE)
+    monkeypatch.setenv("WARM_TEST_GATE", str(gate))
+    monkeypatch.setenv(warm.PRELOAD_ENV, "gate_module")
+    process = warm.start_zygote()
+    path = os.environ[warm.SOCKET_ENV]
+    read_end, write_end = os.pipe()
+    try:
+        wait_for(lambda: os.path.exists(path), 60, "the zygote listens")
+        request = warm.StartRequest((str(script), "0"), dict(os.environ), str(tmp_path), True)
+        body = json.dumps(request.to_dict()).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(path)  # while the zygote waits on the gate, mid-import
+            socket.send_fds(connection, [len(body).to_bytes(4, "big")], [0, write_end, 2])
+            connection.sendall(body)
+            os.close(write_end)
+            write_end = -1
+            with open(gate, "w"):
+                pass  # the import ends
+            with os.fdopen(read_end) as output:
+                read_end = -1
+                started = json.loads(output.readline())
+        assert started["ppid"] == process.pid and started["gate"] and started["torch"]
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+        _stop(process)
+
+
+def test_a_preload_that_fails_is_named_and_workers_start_cold(
+    own_zygote_env: None,
+    script: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(warm.PRELOAD_ENV, "no_such_module_here")
+    process = warm.start_zygote()
+    path = os.environ[warm.SOCKET_ENV]
+    try:
+        done = run_client(str(script), "0", socket_path=path, cwd=tmp_path)
+        assert done.returncode == 0
+        assert json.loads(done.stdout.splitlines()[-1])["ppid"] == os.getpid(), "cold"
+    finally:
+        code = _stop(process)
+    assert code == 1
+    assert "cannot import no_such_module_here ahead" in capfd.readouterr().err
