@@ -143,13 +143,18 @@ def _receive(connection: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any
             raise EOFError("the other end closed the connection")
     else:
         header = b""
-    header += _exactly(connection, 4 - len(header))
-    (size,) = struct.unpack("!I", header)
-    if size > _MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"a message of {size} bytes is more than a start request needs")
-    message = json.loads(_exactly(connection, size))
-    if not isinstance(message, dict):
-        raise ProtocolError("a message is not a JSON object")
+    try:
+        header += _exactly(connection, 4 - len(header))
+        (size,) = struct.unpack("!I", header)
+        if size > _MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"a message of {size} bytes is more than a start request needs")
+        message = json.loads(_exactly(connection, size))
+        if not isinstance(message, dict):
+            raise ProtocolError("a message is not a JSON object")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     return message, fds
 
 
