@@ -28,7 +28,9 @@ DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
 _SPEC_TIMEOUT = "seconds; used if this node creates the Rendezvous, else its spec wins"
 CONFIG_KEYS: Final = {
     "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
-    "join_timeout": _SPEC_TIMEOUT,
+    "join_timeout": "seconds this node waits to be admitted to a round: its own deadline, "
+    "as in torch's c10d, with none while it waits as a spare (the round is full); the "
+    "spec's joinTimeoutSeconds if not given, and the spec of a Rendezvous it creates",
     "last_call_timeout": _SPEC_TIMEOUT,
     "close_timeout": _SPEC_TIMEOUT,
     "heartbeat_timeout": _SPEC_TIMEOUT,
@@ -178,8 +180,7 @@ def disagreements(
             f"admits {spec.min_nodes}:{spec.max_nodes} nodes but torchrun was given "
             f"--nnodes={nnodes[0]}:{nnodes[1]}"
         )
-    in_spec = {
-        "join_timeout": spec.join_timeout_seconds,
+    in_spec = {  # join_timeout is not here: each node's own deadline, as in c10d
         "last_call_timeout": spec.last_call_timeout_seconds,
         "close_timeout": spec.close_timeout_seconds,
         "heartbeat_timeout": spec.heartbeat_timeout_seconds,
@@ -187,7 +188,7 @@ def disagreements(
     found.extend(
         f"sets {key}={in_spec[key]} but --rdzv-conf gave {key}={value}"
         for key, value in configured.items()
-        if in_spec[key] != value
+        if key in in_spec and in_spec[key] != value
     )
     return found
 

@@ -7,6 +7,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -14,6 +15,7 @@ from torch.distributed.elastic.rendezvous import (
 __all__ = [
     "KubernetesRendezvousClosedError",
     "KubernetesRendezvousConnectionError",
+    "KubernetesRendezvousGracefulExitError",
     "KubernetesRendezvousStateError",
     "KubernetesRendezvousTimeoutError",
     "NodeNotAPodError",
@@ -39,6 +41,12 @@ class KubernetesRendezvousTimeoutError(RendezvousTimeoutError):
 
 class KubernetesRendezvousClosedError(RendezvousClosedError):
     """The rendezvous is closed; no further round will be formed."""
+
+
+class KubernetesRendezvousGracefulExitError(RendezvousGracefulExitError):
+    """The rendezvous closed while this node waited as a spare: it was not needed. torch's
+    agent logs it and ends without error; its launcher (torch 2.6 to 2.15) then fails on
+    the missing run result and exits 1, as it does with c10d's spares."""
 
 
 class NodeNotAPodError(RendezvousError):

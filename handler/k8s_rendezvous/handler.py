@@ -19,8 +19,8 @@ heartbeat (:mod:`k8s_rendezvous.heartbeat`), the round's store
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -60,6 +60,7 @@ from k8s_rendezvous import (
 from k8s_rendezvous.errors import (
     KubernetesRendezvousClosedError,
     KubernetesRendezvousConnectionError,
+    KubernetesRendezvousGracefulExitError,
     KubernetesRendezvousStateError,
     KubernetesRendezvousTimeoutError,
     NodeNotAPodError,
@@ -110,6 +111,51 @@ def _called_by_a_succeeded_agent() -> bool:
         return agent.get_worker_group().state is WorkerState.SUCCEEDED
     except Exception:  # an agent of its own kind, without a worker group
         return False
+
+
+class _JoinDeadline:
+    """When a join gives up, as a monotonic time. As torch's c10d treats a node in its
+    redundancy list, a spare (the round is sealed full without it,
+    :func:`k8s_rendezvous.join.is_spare`) has no deadline, and one that stops being a
+    spare gets the whole join timeout afresh. Without this, spares would time out and
+    fail their pods, and a Job's ``backoffLimit`` with them."""
+
+    def __init__(self, node: str, timeout: float) -> None:
+        self._node = node
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._request: state.NodeEntry | None = None
+        self._max_nodes = 0
+        self.spare = False
+        """Whether the node waits as a spare, as of the latest status judged."""
+
+    def follow(self, request: state.NodeEntry, max_nodes: int) -> None:
+        """Judge ``request`` (the node's current one) against a round of ``max_nodes``."""
+        self._request, self._max_nodes = request, max_nodes
+
+    def judge(self, view: state.NodeView) -> bool:
+        """Whether the join step has something to say about ``view``; each status the
+        wait judges, in order, also tells whether the node is a spare."""
+        assert self._request is not None, "follow() comes first"
+        if join.is_decided(view, self._request):
+            return True  # what it was before this status (a close) is what counts
+        spare = join.is_spare(view, self._request, self._max_nodes)
+        if spare != self.spare:
+            self.spare = spare
+            if spare:
+                log.info(
+                    "node %s waits as a spare: round %d is full (%d nodes); it joins, with "
+                    "no deadline meanwhile, when a member is lost or the round re-forms",
+                    self._node,
+                    view.round,
+                    self._max_nodes,
+                )
+            else:
+                self._deadline = time.monotonic() + self._timeout
+        return False
+
+    def __call__(self) -> float:
+        return math.inf if self.spare else self._deadline
 
 
 class KubernetesRendezvousHandler(RendezvousHandler):
@@ -174,6 +220,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._spec_checked = False
         self._node_checked = False
         self._closed_locally = False
+        self._shut_down = False
         self._join_lock = threading.Lock()
         """Held by every join: next_rendezvous()'s, and one in place."""
         self._reformer = (
@@ -280,6 +327,17 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
+        # As with torch's c10d, a node that closed the rendezvous or shut down joins
+        # nothing: a join request now would overwrite its Close, or join a round nobody
+        # serves.
+        if self._closed_locally or self._shut_down:
+            raise KubernetesRendezvousClosedError(
+                f"node {self._node} "
+                + ("shut down" if self._shut_down else "closed")
+                + f" {self._client.reference} (its "
+                + ("shutdown()" if self._shut_down else "set_closed()")
+                + "): it joins no further round. Start a new torchrun to join again."
+            )
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh socket, served on only if this node becomes rank 0.
         try:
@@ -344,15 +402,15 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         request, since = self._ask(spec, owner_uid)
         self._heartbeat.start(spec, owner_uid)
         log.info("node %s joins %s (attempt %d)", self._node, self._client.reference, self._attempt)
+        deadline = _JoinDeadline(self._node, self._join_timeout(spec))
         while True:
             # Sync: the first status, since the request was written, that the join step
             # has something to say about.
-            deadline = started + spec.join_timeout_seconds
-            decided = functools.partial(join.is_decided, request=request)
+            deadline.follow(request, spec.max_nodes)
             try:
-                status = self._wait(decided, deadline, since, owner_uid)
+                status = self._wait(deadline.judge, deadline, since, owner_uid)
             except watch.RendezvousReplaced as replaced:
-                obj = self._made_anew(replaced.uid, deadline)
+                obj = self._made_anew(replaced.uid, deadline())
                 spec, owner_uid = self._check_spec(obj), self._owner_uid(obj)
                 # The request's Lease was owned by the deleted Rendezvous, so garbage
                 # collection takes it with it: ask the new one, and let it own the Lease.
@@ -364,6 +422,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             # Decide, then apply.
             decision = join.decide(status, request)
             if isinstance(decision, join.Closed):
+                if deadline.spare:
+                    raise self._spare_released(decision)
                 raise self._closed_error(decision)
             if isinstance(decision, join.Admitted):
                 log.info(
@@ -409,17 +469,19 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def _wait(
         self,
         decided: Callable[[state.NodeView], bool],
-        deadline: float,
+        deadline: Callable[[], float],
         since: int,
         uid: str,
     ) -> state.NodeView | None:
         """The watcher's wait, with the one check that this node is a pod once it has
         waited ``_NODE_CHECK_SECONDS`` unadmitted."""
         if not self._node_checked:
-            soon = min(deadline, time.monotonic() + _NODE_CHECK_SECONDS)
-            status = self._watcher.wait(decided, soon, since, uid)
-            if status is not None or time.monotonic() >= deadline:
+            check_at = time.monotonic() + _NODE_CHECK_SECONDS
+            status = self._watcher.wait(decided, lambda: min(deadline(), check_at), since, uid)
+            if status is not None or time.monotonic() >= deadline():
                 return status
+            # Judged up to about now: on from the latest (judging it again changes nothing).
+            since = self._watcher.mark()
             self._node_checked = True
             if (problem := self._not_this_pod()) is not None:
                 self._withdraw()
@@ -548,10 +610,16 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return join.nodes_waiting(status, self._joined, self._watcher.uid)
 
     def is_closed(self) -> bool:
+        if self._closed_locally:
+            return True
         status = self._watcher.status
         if status is None:
-            status = state.NodeView.from_dict(self._client.get().get("status"), self._node)
-        return self._closed_locally or status.state is state.RoundState.CLOSED
+            try:
+                obj = self._client.get()
+            except RendezvousNotFoundError:
+                return False  # as c10d's: nothing closed it yet
+            status = state.NodeView.from_dict(obj.get("status"), self._node)
+        return status.state is state.RoundState.CLOSED
 
     def set_closed(self) -> None:
         self._write_intent(state.NodeIntent.CLOSE)
@@ -563,6 +631,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         shutdown), and the other members finish their work undisturbed. Otherwise (a
         failed agent, or any other caller) it is lost to the round, and the others go on
         in a new one; the rendezvous closes once every member has left."""
+        self._shut_down = True
         self._watcher.stop()
         self._heartbeat.stop()
         if self._reformer is not None:
@@ -593,7 +662,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         entry = state.NodeEntry(
             self._instance, max(self._attempt, 1), self._addr, self._entry_port or 1, intent
         )
-        obj = self._watcher.latest or self._client.get()
+        obj = self._watcher.latest or self._read_or_create()  # c10d's set_closed() creates
         spec = self._check_spec(obj)
         self._client.write_lease(
             self._node,
@@ -649,6 +718,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 log.warning("%s %s; the resource wins", self._client.reference, disagreement)
         return spec
 
+    def _join_timeout(self, spec: state.RendezvousSpec) -> int:
+        """This node's join deadline in seconds: its own ``--rdzv-conf join_timeout`` if
+        given (a local deadline, as in torch's c10d), else the spec's."""
+        return self._configured_timeouts.get("join_timeout", spec.join_timeout_seconds)
+
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         status = self._watcher.status or state.NodeView(self._node)
         self._withdraw()
@@ -658,7 +732,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         namespace, name = self._client.namespace, self._client.name
         return KubernetesRendezvousTimeoutError(
             f"no round of {self._client.reference} included node {self._node} within "
-            f"{spec.join_timeout_seconds} s (minNodes={spec.min_nodes}, "
+            f"{self._join_timeout(spec)} s (minNodes={spec.min_nodes}, "
             f"maxNodes={spec.max_nodes}); it is {status.state.value} after round "
             f"{status.round} (members: {members}). The nodes that asked to join hold the "
             f"Leases of `kubectl get leases -n {namespace} -l {state.NODE_LABEL}={name}`; "
@@ -672,6 +746,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._write_intent(state.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
+
+    def _spare_released(self, closed: join.Closed) -> KubernetesRendezvousGracefulExitError:
+        return KubernetesRendezvousGracefulExitError(
+            f"{self._client.reference} closed ({closed.reason}: {closed.message}) while node "
+            f"{self._node} waited as a spare (its round was full): it was not needed, and "
+            "ends without having trained."
+        )
 
     def _closed_error(self, closed: join.Closed) -> KubernetesRendezvousClosedError:
         return KubernetesRendezvousClosedError(

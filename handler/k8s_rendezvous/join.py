@@ -19,7 +19,9 @@ the round's store, writes a new request, or raises (apply). The rules, in order:
 
 The join timeout and a Rendezvous deleted under the node are the waiting's to judge: the
 first is the absence of a status by a deadline, the second a change of the object's uid,
-neither of which a status shows.
+neither of which a status shows. The deadline does not run while :func:`is_spare` says
+the node waits as a spare, and starts afresh when it stops being one, as torch's c10d
+treats its redundancy list.
 
 :func:`nodes_waiting` (what ``num_nodes_waiting()`` answers) and :func:`is_stale` judge a
 joined round by the same watched status.
@@ -83,6 +85,18 @@ def decide(view: state.NodeView, request: state.NodeEntry) -> Decision:
             f"it was admitted to a round it never saw, and round {view.round} sealed without it"
         )
     return Wait()
+
+
+def is_spare(view: state.NodeView, request: state.NodeEntry, max_nodes: int) -> bool:
+    """Whether ``request`` waits as a spare in ``view``: the round is sealed full
+    (``max_nodes`` members) without it, so it cannot be admitted until a member is lost or
+    the round goes stale. torch's c10d keeps such a node in its redundancy list, with no
+    join deadline while it is there."""
+    return (
+        view.state is state.RoundState.SEALED
+        and view.world_size >= max_nodes
+        and view.rank_of(request) is None
+    )
 
 
 def is_decided(view: state.NodeView, request: state.NodeEntry) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -162,15 +163,17 @@ class RoundWatcher:
     def wait(
         self,
         done: Callable[[state.NodeView], bool],
-        deadline: float,
+        deadline: float | Callable[[], float],
         since: int | None = None,
         uid: str | None = None,
     ) -> state.NodeView | None:
         """The first status for which ``done(status)``, or ``None`` at the monotonic
-        ``deadline``. Statuses are judged in the order they arrived: the latest at
-        ``since`` (a :meth:`mark`; default: now) and each after it. So the answer does not
-        depend on how far the watch has read ahead of the caller, e.g. a node thawed with
-        several rounds waiting in its socket gets the first that admitted it.
+        ``deadline`` (a callable is asked again after every status: a spare's deadline
+        moves with the round, and may be ``math.inf``). Statuses are judged in the order
+        they arrived: the latest at ``since`` (a :meth:`mark`; default: now) and each after
+        it. So the answer does not depend on how far the watch has read ahead of the
+        caller, e.g. a node thawed with several rounds waiting in its socket gets the
+        first that admitted it.
 
         Raises :class:`RendezvousReplaced` once the Rendezvous is no longer the one of
         ``uid`` (deleted, perhaps made anew): its statuses cannot answer for that one's."""
@@ -189,10 +192,10 @@ class RoundWatcher:
                         f"{self._client.reference} has a status this node cannot read: "
                         f"{self._decode_error}"
                     )
-                remaining = deadline - time.monotonic()
+                remaining = (deadline() if callable(deadline) else deadline) - time.monotonic()
                 if remaining <= 0:
                     return None
-                self._changed.wait(remaining)
+                self._changed.wait(None if math.isinf(remaining) else remaining)
 
     def _run(self) -> None:
         backoff = 0.1

@@ -107,6 +107,5 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
     assert [message.split()[3] for message in wins] == [
         "close_timeout=30",
         "heartbeat_timeout=30",
-        "join_timeout=600",
         "last_call_timeout=30",
-    ]
+    ], "join_timeout is the node's own deadline, as in c10d: nothing to overrule"

@@ -224,3 +224,31 @@ def test_a_joined_round_is_stale_once_it_is_no_longer_the_sealed_one(
     status: state.NodeView | None, stale: bool
 ) -> None:
     assert join.is_stale(status, 2) is stale
+
+
+@pytest.mark.parametrize(
+    ("status", "spare"),
+    [
+        pytest.param(
+            view(round=1, members=(OTHER,), master=MASTER, state=SEALED),
+            True,
+            id="a round sealed full without the request",
+        ),
+        pytest.param(
+            view(round=1, members=(OTHER,), master=MASTER, state=REFORMING, nodes_waiting=1),
+            False,
+            id="a round re-forming has room",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER, admitted_as(REQUEST)), master=MASTER, state=SEALED),
+            False,
+            id="a member is no spare",
+        ),
+        pytest.param(view(), False, id="nothing formed yet"),
+    ],
+)
+def test_a_node_is_a_spare_only_while_a_full_round_is_sealed_without_it(
+    status: state.NodeView, spare: bool
+) -> None:
+    assert join.is_spare(status, REQUEST, max_nodes=1) is spare
+    assert join.is_spare(status, REQUEST, max_nodes=2) is False or status.world_size >= 2
