@@ -17,6 +17,10 @@ SEAL_LATENCY: Final = Histogram(
 MEMBERS_LOST: Final = Counter(
     "k8s_rendezvous_members_lost_total", "Members dropped from a sealed round.", ["reason"]
 )
+WAITERS_EXPIRED: Final = Counter(
+    "k8s_rendezvous_waiters_expired_total",
+    "Join requests not counted because their agents stopped renewing their Leases.",
+)
 CLOSED: Final = Counter("k8s_rendezvous_closed_total", "Rendezvous closed.", ["reason"])
 NODES_WAITING: Final = Gauge(
     "k8s_rendezvous_nodes_waiting", "Sum of status.nodesWaiting over all rendezvous."

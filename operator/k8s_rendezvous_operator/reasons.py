@@ -13,6 +13,7 @@ from k8s_rendezvous.state import RendezvousSpec
 # On a Rendezvous: its rounds.
 ROUND_SEALED: Final = "RoundSealed"
 MEMBER_LOST: Final = "MemberLost"
+WAITER_EXPIRED: Final = "WaiterExpired"
 CLOSED: Final = "Closed"
 # On a Rendezvous: what it is not told, or refuses.
 NODE_REFUSED: Final = "NodeRefused"
@@ -69,6 +70,15 @@ def closed_all_left(round_: int) -> str:
 
 def member_lost(pod: str, rank: int, round_: int, why: str) -> str:
     return f"pod {pod} (rank {rank} of round {round_}) left the round: {why}"
+
+
+def waiter_expired(pod: str, timeout_seconds: int) -> str:
+    return (
+        f"pod {pod} asked to join but its agent has not renewed its Lease for "
+        f"{timeout_seconds} s (heartbeatTimeoutSeconds), so it is not counted: its torchrun "
+        "has probably died while the pod runs on. It counts again once it renews (a new "
+        f"torchrun joins anew); else check the pod: kubectl logs {pod}"
+    )
 
 
 def round_sealed(

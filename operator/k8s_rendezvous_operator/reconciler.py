@@ -72,6 +72,9 @@ class RendezvousMemory:
     """Made by a pod: the uid it was given its creator's owner for."""
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     """The pods whose requests are refused, with the reason reported."""
+    expired: dict[str, state.NodeEntry] = dataclasses.field(default_factory=dict)
+    """The waiters not counted for want of heartbeats (rule 12), with the request
+    reported: each request is reported once."""
     waiting: int = 0
     """Its ``nodesWaiting``, for the gauge summed over every rendezvous."""
     slices_written: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -250,6 +253,27 @@ class Reconciler:
                 self._post([body], warning=True, reason=reason, message=message)
         self._unposted = [unposted for unposted in self._unposted if unposted[0] != key]
 
+    def _report_expired(
+        self,
+        key: Key,
+        body: Mapping[str, Any],
+        spec: state.RendezvousSpec,
+        requests: Mapping[str, state.NodeEntry],
+        expired: tuple[str, ...],
+    ) -> None:
+        """Say once per request that it is not counted for want of heartbeats."""
+        memory = self._memory(key)
+        reported, memory.expired = memory.expired, {pod: requests[pod] for pod in expired}
+        for pod in expired:
+            if reported.get(pod) != requests[pod]:
+                metrics.WAITERS_EXPIRED.inc()
+                self._warn(
+                    key,
+                    body,
+                    reasons.WAITER_EXPIRED,
+                    reasons.waiter_expired(pod, spec.heartbeat_timeout_seconds),
+                )
+
     def _report_refusals(
         self, key: Key, body: Mapping[str, Any], refused: Mapping[str, membership.Refusal]
     ) -> None:
@@ -374,6 +398,7 @@ class Reconciler:
         if looking := self._looking_at(namespace, decision.awaiting):
             await asyncio.wait(looking, timeout=10)
             return False
+        self._report_expired(key, body, spec, requests, decision.expired_waiters)
         memory.forming_since = decision.status.forming_since
         if decision.write:
             written = await self._write(key, memory, body, decision, now)

@@ -41,6 +41,11 @@ And what those rules rely on:
 11. :func:`awaiting_observation`: a round is never sealed with a pod not yet observed: the
     decision names those pods, and the reconciler looks before it writes (looking is how a
     restarted operator learns that the pod behind an old request is gone).
+12. :func:`waiter_expired`: a node asking to join whose Lease was not renewed within
+    ``heartbeatTimeoutSeconds`` (its agent died while its pod runs on: a wrapper shell, a
+    sidecar, a stopped process) is not a joiner: never counted, never sealed, and named
+    once by the decision. torch's c10d drops such a node after its keep-alive window; a
+    round sealed with it would hang every agent of the round in torch's rank assignment.
 """
 
 from __future__ import annotations
@@ -125,11 +130,18 @@ class Liveness:
     renewals the operator could not have seen."""
 
     def expires_at(
-        self, member: Member, sealed_at: datetime.datetime | None, timeout: datetime.timedelta
+        self,
+        node: str,
+        instance: str,
+        timeout: datetime.timedelta,
+        *,
+        sealed_at: datetime.datetime | None = None,
     ) -> datetime.datetime:
+        """When ``node``'s agent ``instance`` (a member of a round sealed at
+        ``sealed_at``, or a waiter) is taken for dead without a renewal of its Lease."""
         last = max(self.since, sealed_at or self.since)
-        beat = self.heartbeats.get(member.node)
-        if beat is not None and beat.instance == member.instance:
+        beat = self.heartbeats.get(node)
+        if beat is not None and beat.instance == instance:
             last = max(last, beat.seen_at)
         return last + timeout
 
@@ -156,6 +168,9 @@ class Verdict:
     """Decide again at this time even if nothing changes (last call, heartbeat expiry)."""
     forming_seconds: float | None = None
     """For a sealed round: from the first join request the operator saw to the seal."""
+    expired_waiters: tuple[str, ...] = ()
+    """Nodes asking to join that are not counted, their Leases not renewed in time (rule
+    12); the reconciler reports each request once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +219,10 @@ class Context:
             return {}
         return {
             member.node: self.liveness.expires_at(
-                member, self.stored.sealed_at, self.heartbeat_timeout
+                member.node,
+                member.instance,
+                self.heartbeat_timeout,
+                sealed_at=self.stored.sealed_at,
             )
             for member in self.stored.members
         }
@@ -231,8 +249,8 @@ class Context:
         )
 
     @functools.cached_property
-    def joiners(self) -> list[str]:
-        """Nodes asking to be admitted to a round they are not already in."""
+    def waiters(self) -> list[str]:
+        """Nodes asking to be admitted to a round they are not already in, alive or not."""
         stored = self.stored
         admitted = {(m.node, m.instance, m.attempt) for m in (*stored.members, *stored.left_behind)}
         return [
@@ -243,6 +261,35 @@ class Context:
             # still running the round it was admitted to, not asking for another
             and (name, entry.instance, entry.attempt) not in admitted
         ]
+
+    @functools.cached_property
+    def waiter_expiries(self) -> dict[str, datetime.datetime]:
+        """When each waiter stops counting without a heartbeat (rule 12)."""
+        if self.liveness is None:
+            return {}
+        return {
+            name: self.liveness.expires_at(
+                name, self.requests[name].instance, self.heartbeat_timeout
+            )
+            for name in self.waiters
+        }
+
+    @functools.cached_property
+    def expired_waiters(self) -> tuple[str, ...]:
+        return tuple(name for name in self.waiters if waiter_expired(self, name))
+
+    @functools.cached_property
+    def joiners(self) -> list[str]:
+        """Waiters that count: their agents are alive."""
+        expired = set(self.expired_waiters)
+        return [name for name in self.waiters if name not in expired]
+
+    @functools.cached_property
+    def next_waiter_expiry(self) -> datetime.datetime | None:
+        return min(
+            (moment for moment in self.waiter_expiries.values() if moment > self.now),
+            default=None,
+        )
 
 
 Rule = Callable[[Context, RendezvousStatus], "RendezvousStatus | Verdict"]
@@ -438,7 +485,10 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
     wake_at = None
     if ctx.liveness is not None:
         wake_at = min(
-            ctx.liveness.expires_at(member, now, ctx.heartbeat_timeout) for member in members
+            ctx.liveness.expires_at(
+                member.node, member.instance, ctx.heartbeat_timeout, sealed_at=now
+            )
+            for member in members
         )
     return Verdict(
         sealed,
@@ -458,7 +508,10 @@ def keeps_forming(ctx: Context, status: RendezvousStatus) -> RendezvousStatus | 
         forming_since=status.forming_since or (ctx.now if ctx.joiners else None),
         last_call_deadline=deadline,
     )
-    wake_at = min((m for m in (deadline, ctx.next_expiry) if m is not None), default=None)
+    wake_at = min(
+        (m for m in (deadline, ctx.next_expiry, ctx.next_waiter_expiry) if m is not None),
+        default=None,
+    )
     return Verdict(forming, losses=_reported_losses(ctx), wake_at=wake_at)
 
 
@@ -496,6 +549,13 @@ def rank_order(ctx: Context, candidates: Sequence[str], previous: Sequence[Membe
 
     new = sorted((name for name in candidates if name not in old_rank), key=newcomer_key)
     return known + new
+
+
+def waiter_expired(ctx: Context, name: str) -> bool:
+    """Rule 12: whether the waiting node ``name`` has gone a heartbeat timeout without
+    renewing its Lease (its join request counts as a renewal)."""
+    expiry = ctx.waiter_expiries.get(name)
+    return expiry is not None and ctx.now >= expiry
 
 
 def needs_write(ctx: Context, decided: RendezvousStatus) -> bool:
@@ -586,7 +646,7 @@ def _decided(ctx: Context, verdict: Verdict) -> Decision:
     status = _with_conditions(verdict.status, ctx.now, ctx.generation)
     return Decision(
         **{field.name: getattr(verdict, field.name) for field in dataclasses.fields(Verdict)}
-        | {"status": status},
+        | {"status": status, "expired_waiters": ctx.expired_waiters},
         write=needs_write(ctx, status),
         awaiting=awaiting_observation(ctx, verdict),
         previous=ctx.stored,

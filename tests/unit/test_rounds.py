@@ -55,6 +55,11 @@ class World:
             entry = dataclasses.replace(old, attempt=old.attempt + 1, intent=NodeIntent.JOIN)
         self.write(node, entry)
         self.pods.setdefault(node, rounds.PodObservation())
+        if self.liveness is not None:  # the write is a renewal of the node's Lease
+            beat = rounds.Heartbeat(entry.instance, self.now)
+            self.liveness = dataclasses.replace(
+                self.liveness, heartbeats={**self.liveness.heartbeats, node: beat}
+            )
         return entry
 
     def restart_agent(self, node: str) -> None:
@@ -363,6 +368,42 @@ def test_member_without_heartbeats_expires_after_the_timeout_and_wakes_the_opera
         ("b", rounds.LOST_HEARTBEAT_EXPIRED)
     ]
     assert decision.wake_at == T0 + datetime.timedelta(seconds=17), "a's next expiry"
+
+
+def test_a_waiter_without_heartbeats_stops_counting_and_is_never_sealed() -> None:
+    """Rule 12: its agent died while its pod runs on (a wrapper shell, a sidecar)."""
+    world = World(spec(1, 3, last_call=30, heartbeat=9), liveness=rounds.Liveness({}, since=T0))
+    world.join("a")
+    world.join("dead")
+    decision = world.decide()
+    assert not decision.sealed and decision.expired_waiters == ()
+    assert decision.wake_at == T0 + datetime.timedelta(seconds=9), "woken at the expiry"
+    beat = rounds.Heartbeat(world.requests["a"].instance, T0 + datetime.timedelta(seconds=8))
+    world.liveness = rounds.Liveness({"a": beat}, since=T0)
+    world.tick(9)
+    decision = world.decide()
+    assert decision.expired_waiters == ("dead",)
+    assert decision.wake_at == T0 + datetime.timedelta(seconds=17), "a's expiry, then"
+    world.tick(21)  # the last call; a renews every few seconds
+    beat = rounds.Heartbeat(world.requests["a"].instance, world.now)
+    world.liveness = rounds.Liveness({"a": beat}, since=T0)
+    assert world.decide().sealed
+    assert world.ranks() == ["a"], "the dead waiter is not sealed"
+
+
+def test_a_waiter_that_renews_again_counts_again() -> None:
+    world = World(spec(2, 2, heartbeat=9), liveness=rounds.Liveness({}, since=T0))
+    world.join("a")
+    world.join("b")
+    world.tick(9)
+    assert world.decide().expired_waiters == ("a", "b")
+    assert world.status.state is not RoundState.SEALED
+    world.liveness = rounds.Liveness(
+        {node: rounds.Heartbeat(world.requests[node].instance, world.now) for node in ("a", "b")},
+        since=T0,
+    )
+    decision = world.decide()
+    assert decision.expired_waiters == () and decision.sealed
 
 
 def test_heartbeat_of_a_previous_agent_instance_does_not_count() -> None:
