@@ -304,6 +304,12 @@ class Joining:
                 )
             )
 
+    def still_blocked_after(self, seconds: float) -> bool:
+        """Whether ``next_rendezvous()`` has neither returned nor raised ``seconds`` from
+        now (it returns at once if it ends sooner)."""
+        self._thread.join(seconds)
+        return self._thread.is_alive()
+
     def wait(self, timeout: float = 60) -> RendezvousInfo:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), f"{self.node.pod}: next_rendezvous() still blocked"
@@ -364,6 +370,7 @@ def attach_nodes(
         max_nodes: int = 1,
         read_timeout: int = 20,
         service_account: str = "default",
+        configured_timeouts: dict[str, int] | None = None,
     ) -> list[Node]:
         nodes = []
         for pod in pods:
@@ -384,6 +391,7 @@ def attach_nodes(
                 min_nodes=min_nodes,
                 max_nodes=max_nodes,
                 read_timeout=read_timeout,
+                configured_timeouts=configured_timeouts,
             )
             node = Node(name, addr, handler, api, rendezvous)
             created.append(node)

@@ -1,0 +1,172 @@
+"""What a long run meets, against the real control plane, as torch's c10d backend would
+behave: spares that outwait their join timeout, a waiter whose agent died while its pod
+runs on, and a handler used after it closed or shut down.
+
+Aspects: a node's own ``--rdzv-conf join_timeout`` is its deadline (the spec's 600 s is
+not); a spare (the round is sealed full without it) has no join deadline, steps in
+when a member is lost, gets the whole join timeout afresh once it is no longer a spare,
+and ends with ``RendezvousGracefulExitError`` when the rendezvous closes; a waiter killed
+by PID (its pod stays Running) stops counting once its Lease is a heartbeat timeout old,
+is named once in a ``WaiterExpired`` Warning and is never sealed into a round;
+``next_rendezvous()`` after ``set_closed()`` or ``shutdown()`` raises
+``RendezvousClosedError`` at once and writes nothing; ``is_closed()`` before the
+Rendezvous exists is ``False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import kubernetes.client
+import pytest
+from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod, join_all
+from tests.support.node_process import NodeProcess
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from devkit.operator import OperatorProcess
+from devkit.waiting import wait_for
+from k8s_rendezvous import kube, state
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+JOIN_TIMEOUT = 2
+SPARE_TIMEOUTS = {"join_timeout": JOIN_TIMEOUT}
+"""The spare's own ``--rdzv-conf``: a local deadline, as in c10d (the spec's is 600 s)."""
+HEARTBEAT_TIMEOUT = 3  # the CRD's minimum: nodes renew every second
+
+
+def test_a_spare_outwaits_its_join_timeout_and_steps_in_when_a_member_is_lost(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    rdzv = make_rendezvous(2, 2)
+    members = make_nodes(rdzv, 2)
+    join_all(members)
+    spare = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)[0]
+    waiting = spare.join_in_background()
+    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    # Three join timeouts: c10d's redundancy list has no deadline, nor has ours.
+    assert waiting.still_blocked_after(3 * JOIN_TIMEOUT), f"the spare gave up: {waiting.error!r}"
+    assert rdzv.status().round == 1, "a spare does not disturb the full round"
+
+    delete_pod(admin_api, rdzv.namespace, members[1].pod)
+    survivor = members[0].join_in_background()
+    assert waiting.wait(30).world_size == 2, "the spare steps in when a member is lost"
+    assert survivor.wait(30).world_size == 2
+
+
+def test_a_spare_no_longer_spare_gets_the_whole_join_timeout_afresh_then_times_out(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    rdzv = make_rendezvous(2, 2)
+    members = make_nodes(rdzv, 2)
+    join_all(members)
+    spare = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)[0]
+    waiting = spare.join_in_background()
+    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    assert waiting.still_blocked_after(2 * JOIN_TIMEOUT), f"the spare gave up: {waiting.error!r}"
+    # Both members lost and none rejoins: the round re-forms, and the spare alone cannot
+    # make minNodes. It is no longer a spare, so its deadline runs again, from now.
+    for member in members:
+        delete_pod(admin_api, rdzv.namespace, member.pod)
+    rdzv.wait(lambda s: s.state is not state.RoundState.SEALED, "the round re-forms")
+    with pytest.raises(RendezvousTimeoutError, match=f"within {JOIN_TIMEOUT} s"):
+        waiting.wait(30)
+    assert rdzv.requests()[spare.pod].intent is state.NodeIntent.LEAVE, "withdrawn"
+
+
+def test_a_spare_ends_gracefully_when_the_rendezvous_closes(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    rdzv = make_rendezvous(1, 1)
+    (member,) = make_nodes(rdzv, 1)
+    join_all([member])
+    spare = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)[0]
+    waiting = spare.join_in_background()
+    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    member.handler.set_closed()
+    with pytest.raises(RendezvousGracefulExitError, match="waited as a spare"):
+        waiting.wait(30)
+
+
+def test_a_waiter_whose_agent_died_is_reported_once_and_never_sealed_into_a_round(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    pod_environment: Callable[..., dict[str, str]],
+    tmp_path: Path,
+) -> None:
+    rdzv = make_rendezvous(1, 2, heartbeatTimeoutSeconds=HEARTBEAT_TIMEOUT)
+    (member,) = make_nodes(rdzv, 1)
+    join_all([member])
+    (pod,) = create_pods(admin_api, workers_namespace, ["waiter-0"])
+    env = pod_environment(pod, pod["status"]["podIP"])
+    with NodeProcess(env, rdzv.name, "1:2", tmp_path / "waiter-0.log") as waiter:
+        assert waiter.answer(60)["ready"] == waiter.pid
+        waiter.send("next")
+        # Its request makes the round re-form; the member, training, has not rejoined yet.
+        rdzv.wait(lambda s: s.state is state.RoundState.REFORMING, "the newcomer is seen")
+        waiter.kill()  # SIGKILL by PID: the agent is gone, the pod runs on
+
+    def expired() -> list[str]:
+        return [m for _, reason, m in rdzv.events() if reason == "WaiterExpired"]
+
+    reported = wait_for(expired, HEARTBEAT_TIMEOUT + 30, "the dead waiter is reported")
+    assert "pod waiter-0 asked to join" in reported[0], reported
+    rejoined = member.join_in_background().wait(30)
+    assert rejoined.world_size == 1, "the dead waiter is not sealed into the round"
+    status = rdzv.status()
+    assert [m.node for m in status.members] == [member.pod]
+    assert len(expired()) == 1, "reported once"
+    core = kubernetes.client.CoreV1Api(admin_api)
+    assert core.read_namespaced_pod("waiter-0", workers_namespace).status.phase == "Running"
+
+
+def test_after_set_closed_or_shutdown_next_rendezvous_raises_closed_and_writes_nothing(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    operator_process: OperatorProcess,
+) -> None:
+    rdzv = make_rendezvous(1, 2)
+    closing, leaving = make_nodes(rdzv, 2)
+    join_all([closing, leaving])
+    assert leaving.handler.shutdown()
+    with pytest.raises(RendezvousClosedError, match="shutdown"):
+        leaving.handler.next_rendezvous()
+    assert rdzv.requests()[leaving.pod].intent is state.NodeIntent.LEAVE, "nothing rewritten"
+    # Closed before the operator saw it: no join may overwrite the Close.
+    operator_process.kill()
+    closing.handler.set_closed()
+    with pytest.raises(RendezvousClosedError, match="set_closed"):
+        closing.handler.next_rendezvous()
+    assert rdzv.requests()[closing.pod].intent is state.NodeIntent.CLOSE
+    assert closing.handler.is_closed()
+    operator_process.start()
+    rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed once the operator is back")
+
+
+def test_is_closed_before_the_rendezvous_exists_is_false_as_with_c10d(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    rdzv = make_rendezvous(1, 1)
+    (node,) = make_nodes(rdzv, 1)
+    client = kube.RendezvousClient(node.api, rdzv.namespace, f"{rdzv.name}-absent", retry_seconds=5)
+    handler = KubernetesRendezvousHandler(
+        client, run_id="absent", node=node.pod, addr=node.addr, min_nodes=1, max_nodes=1
+    )
+    try:
+        assert handler.is_closed() is False
+    finally:
+        handler.shutdown()
