@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
@@ -25,15 +26,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
-_SPEC_TIMEOUT = "seconds; used if this node creates the Rendezvous, else its spec wins"
 CONFIG_KEYS: Final = {
     "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
-    "join_timeout": "seconds this node waits to be admitted to a round: its own deadline, "
-    "as in torch's c10d, with none while it waits as a spare (the round is full); the "
-    "spec's joinTimeoutSeconds if not given, and the spec of a Rendezvous it creates",
-    "last_call_timeout": _SPEC_TIMEOUT,
-    "close_timeout": _SPEC_TIMEOUT,
-    "heartbeat_timeout": _SPEC_TIMEOUT,
+    **{
+        timeout.conf_key: f"seconds, at least {timeout.minimum}: {timeout.meaning}; "
+        + (
+            "this node's own (the spec's if not given)"
+            if timeout.node_local
+            else "used if this node creates the Rendezvous, else its spec wins"
+        )
+        for timeout in state.SPEC_TIMEOUTS
+    },
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
@@ -41,12 +44,7 @@ CONFIG_KEYS: Final = {
     "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
     "k8s_rendezvous.warm train.py); 0, the default, lets each import torch",
 }
-SPEC_TIMEOUT_KEYS: Final = (
-    "join_timeout",
-    "last_call_timeout",
-    "close_timeout",
-    "heartbeat_timeout",
-)
+SPEC_TIMEOUT_KEYS: Final = tuple(timeout.conf_key for timeout in state.SPEC_TIMEOUTS)
 """The keys of :data:`CONFIG_KEYS` that a Rendezvous' spec holds too."""
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
 C10D_KEYS_NOT_USED: Final = {
@@ -65,6 +63,10 @@ C10D_KEYS_NOT_USED: Final = {
 """Keys torch's c10d backend accepts: taken, so that switching only ``--rdzv-backend``
 works, and each logged once as having no use here, with the reason."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_RUN_ID = re.compile(r"^[!-~]{1,253}\Z")
+"""As the CRD holds ``spec.runId``: printable ASCII without spaces."""
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torch's switch for workers that start their own store instead of the agent's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +122,30 @@ class Settings:
         if read_timeout is None or read_timeout <= 0:
             raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
         configured = {
-            key: value for key in SPEC_TIMEOUT_KEYS if (value := params.get_as_int(key)) is not None
+            timeout.conf_key: value
+            for timeout in state.SPEC_TIMEOUTS
+            if (value := params.get_as_int(timeout.conf_key)) is not None
         }
+        for timeout in state.SPEC_TIMEOUTS:
+            if configured.get(timeout.conf_key, timeout.minimum) < timeout.minimum:
+                raise ValueError(
+                    f"--rdzv-conf {timeout.conf_key}={configured[timeout.conf_key]} is below "
+                    f"its least value, {timeout.minimum} s ({timeout.meaning}); give "
+                    f"{timeout.conf_key}={timeout.minimum} or more, or leave it out for "
+                    f"{timeout.default}."
+                )
+        if not _RUN_ID.match(params.run_id):
+            raise ValueError(
+                f"--rdzv-id={params.run_id!r} is not a run id: 1 to 253 printable ASCII "
+                "characters without spaces (it prefixes torch's store keys)."
+            )
+        if os.environ.get(_NO_SHARED_STORE, "0") not in ("", "0"):
+            raise ValueError(
+                f"{_NO_SHARED_STORE}={os.environ[_NO_SHARED_STORE]} is not supported by the "
+                "kubernetes rendezvous backend: the round's rank 0 serves the workers' store "
+                "on the port the round names (MASTER_PORT), so the workers cannot start one "
+                f"of their own there. Unset {_NO_SHARED_STORE}."
+            )
         warm_start = bool(params.get_as_bool("warm_start", False))
         return cls(namespace, name, read_timeout, configured, in_place, warm_start)
 
@@ -149,46 +173,31 @@ def spec_to_create(
 ) -> state.RendezvousSpec:
     """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
     ``--rdzv-id``, the ``configured`` timeouts, and the defaults for the others."""
-    return state.RendezvousSpec(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        run_id=run_id,
-        join_timeout_seconds=configured.get("join_timeout", state.DEFAULT_JOIN_TIMEOUT_SECONDS),
-        last_call_timeout_seconds=configured.get(
-            "last_call_timeout", state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS
-        ),
-        close_timeout_seconds=configured.get("close_timeout", state.DEFAULT_CLOSE_TIMEOUT_SECONDS),
-        heartbeat_timeout_seconds=configured.get(
-            "heartbeat_timeout", state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
-        ),
-    )
+    timeouts: dict[str, Any] = {
+        timeout.attribute: configured.get(timeout.conf_key, timeout.default)
+        for timeout in state.SPEC_TIMEOUTS
+    }
+    return state.RendezvousSpec(min_nodes, max_nodes, run_id, **timeouts)
 
 
 def disagreements(
-    spec: state.RendezvousSpec,
-    run_id: str,
-    nnodes: tuple[int, int],
-    configured: Mapping[str, int],
+    spec: state.RendezvousSpec, nnodes: tuple[int, int], configured: Mapping[str, int]
 ) -> list[str]:
     """Where ``spec`` (of the Rendezvous found) and torchrun's parameters disagree, each
     said for a log line that ends "the resource wins"."""
     found: list[str] = []
-    if spec.run_id != run_id:
-        found.append(f"has runId {spec.run_id!r} but torchrun was given --rdzv-id={run_id!r}")
     if (spec.min_nodes, spec.max_nodes) != nnodes:
         found.append(
             f"admits {spec.min_nodes}:{spec.max_nodes} nodes but torchrun was given "
             f"--nnodes={nnodes[0]}:{nnodes[1]}"
         )
-    in_spec = {  # join_timeout is not here: each node's own deadline, as in c10d
-        "last_call_timeout": spec.last_call_timeout_seconds,
-        "close_timeout": spec.close_timeout_seconds,
-        "heartbeat_timeout": spec.heartbeat_timeout_seconds,
-    }
     found.extend(
-        f"sets {key}={in_spec[key]} but --rdzv-conf gave {key}={value}"
-        for key, value in configured.items()
-        if key in in_spec and in_spec[key] != value
+        f"sets {timeout.conf_key}={getattr(spec, timeout.attribute)} but --rdzv-conf gave "
+        f"{timeout.conf_key}={configured[timeout.conf_key]}"
+        for timeout in state.SPEC_TIMEOUTS
+        if not timeout.node_local
+        and timeout.conf_key in configured
+        and getattr(spec, timeout.attribute) != configured[timeout.conf_key]
     )
     return found
 

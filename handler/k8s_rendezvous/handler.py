@@ -710,11 +710,18 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             raise KubernetesRendezvousStateError(
                 f"{self._client.reference} has an invalid spec: {error}"
             ) from error
+        if spec.run_id != self._run_id:
+            # Merged into one round, nodes of two run ids would wait on different store
+            # prefixes for ever; c10d keeps them in two rendezvous.
+            raise KubernetesRendezvousStateError(
+                f"{self._client.reference} has runId {spec.run_id!r} but torchrun was given "
+                f"--rdzv-id={self._run_id!r}: its rounds are another run's. Give every node "
+                f"--rdzv-id={spec.run_id} (an annotated Job's pods get it as PET_RDZV_ID: "
+                "drop --rdzv-id from the command), or use another Rendezvous."
+            )
         if not self._spec_checked:
             self._spec_checked = True
-            for disagreement in config.disagreements(
-                spec, self._run_id, self._nnodes, self._configured_timeouts
-            ):
+            for disagreement in config.disagreements(spec, self._nnodes, self._configured_timeouts):
                 log.warning("%s %s; the resource wins", self._client.reference, disagreement)
         return spec
 

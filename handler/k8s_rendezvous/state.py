@@ -65,6 +65,75 @@ DEFAULT_CLOSE_TIMEOUT_SECONDS: Final = 30
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS: Final = 30
 MIN_HEARTBEAT_TIMEOUT_SECONDS: Final = 3
 
+
+@dataclasses.dataclass(frozen=True)
+class SpecTimeout:
+    """One timeout of a Rendezvous' spec, described once: the codec, the ``--rdzv-conf``
+    keys, the Job annotations and their checks are derived from :data:`SPEC_TIMEOUTS`,
+    and a test holds the CRD to it."""
+
+    attribute: str
+    """The :class:`RendezvousSpec` attribute."""
+    field: str
+    """The spec's field in the CRD."""
+    conf_key: str
+    """torchrun's ``--rdzv-conf`` key (the annotation is ``k8s-rendezvous.dev/`` and this
+    key with dashes)."""
+    default: int
+    minimum: int
+    meaning: str
+    """What it bounds, and why the default is what it is."""
+    node_local: bool = False
+    """Each node's own deadline, as in torch's c10d: a node's ``--rdzv-conf`` value holds
+    for that node whatever the spec says (the spec's is the default)."""
+
+    @property
+    def annotation_suffix(self) -> str:
+        return self.conf_key.replace("_", "-")
+
+
+SPEC_TIMEOUTS: Final = (
+    SpecTimeout(
+        "join_timeout_seconds",
+        "joinTimeoutSeconds",
+        "join_timeout",
+        DEFAULT_JOIN_TIMEOUT_SECONDS,
+        1,
+        "how long a node waits in next_rendezvous() to be admitted, with no deadline while "
+        "it waits as a spare (its round is full); c10d's default, long enough for image "
+        "pulls and scheduling",
+        node_local=True,
+    ),
+    SpecTimeout(
+        "last_call_timeout_seconds",
+        "lastCallTimeoutSeconds",
+        "last_call_timeout",
+        DEFAULT_LAST_CALL_TIMEOUT_SECONDS,
+        0,
+        "after minNodes have joined, how long the operator waits for more before sealing "
+        "(a stale round seals as soon as every survivor is back); c10d's default",
+    ),
+    SpecTimeout(
+        "close_timeout_seconds",
+        "closeTimeoutSeconds",
+        "close_timeout",
+        DEFAULT_CLOSE_TIMEOUT_SECONDS,
+        1,
+        "how long set_closed() and shutdown() try to record themselves; c10d's default",
+    ),
+    SpecTimeout(
+        "heartbeat_timeout_seconds",
+        "heartbeatTimeoutSeconds",
+        "heartbeat_timeout",
+        DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+        MIN_HEARTBEAT_TIMEOUT_SECONDS,
+        "a node whose agent has not renewed its Lease for this long is dropped, member or "
+        "waiter; nodes renew three times per period (at 1,000 nodes and 30 s, 100 Lease "
+        "writes a second), and pod deletion and failure are noticed at once",
+    ),
+)
+"""Every timeout of the spec, in the CRD's order."""
+
 NODE_LABEL: Final = f"{GROUP}/rendezvous"
 """On a node's pod (set by the operator) and Lease (set by the node): the Rendezvous name."""
 INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
@@ -408,11 +477,8 @@ class RendezvousSpec:
                 "minNodes": self.min_nodes,
                 "maxNodes": self.max_nodes,
                 "runId": self.run_id,
-                "joinTimeoutSeconds": self.join_timeout_seconds,
-                "lastCallTimeoutSeconds": self.last_call_timeout_seconds,
-                "closeTimeoutSeconds": self.close_timeout_seconds,
-                "heartbeatTimeoutSeconds": self.heartbeat_timeout_seconds,
             }
+            | {timeout.field: getattr(self, timeout.attribute) for timeout in SPEC_TIMEOUTS}
         )
 
     @classmethod
@@ -422,22 +488,12 @@ class RendezvousSpec:
             min_nodes=_int(data, "minNodes", field, minimum=1),
             max_nodes=_int(data, "maxNodes", field, minimum=1),
             run_id=_str(data, "runId", field),
-            join_timeout_seconds=_int(
-                data, "joinTimeoutSeconds", field, default=DEFAULT_JOIN_TIMEOUT_SECONDS, minimum=1
-            ),
-            last_call_timeout_seconds=_int(
-                data, "lastCallTimeoutSeconds", field, default=DEFAULT_LAST_CALL_TIMEOUT_SECONDS
-            ),
-            close_timeout_seconds=_int(
-                data, "closeTimeoutSeconds", field, default=DEFAULT_CLOSE_TIMEOUT_SECONDS
-            ),
-            heartbeat_timeout_seconds=_int(
-                data,
-                "heartbeatTimeoutSeconds",
-                field,
-                default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
-                minimum=MIN_HEARTBEAT_TIMEOUT_SECONDS,
-            ),
+            **{
+                timeout.attribute: _int(
+                    data, timeout.field, field, default=timeout.default, minimum=timeout.minimum
+                )
+                for timeout in SPEC_TIMEOUTS
+            },
             rank_order_node_label=(
                 None
                 if data.get("rankOrder") is None

@@ -11,25 +11,24 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import Any, Final
 
 from k8s_rendezvous import state
 
 PREFIX: Final = f"{state.GROUP}/"
 NODES: Final = f"{PREFIX}nodes"
-JOIN_TIMEOUT: Final = f"{PREFIX}join-timeout"
-LAST_CALL_TIMEOUT: Final = f"{PREFIX}last-call-timeout"
-CLOSE_TIMEOUT: Final = f"{PREFIX}close-timeout"
-HEARTBEAT_TIMEOUT: Final = f"{PREFIX}heartbeat-timeout"
+TIMEOUTS: Final = {f"{PREFIX}{t.annotation_suffix}": t for t in state.SPEC_TIMEOUTS}
+"""The annotation of each spec timeout."""
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
 
 ACCEPTED: Final = {
     NODES: 'a node count "N" or a range "MIN:MAX" (torchrun --nnodes), 1 <= MIN <= MAX <= 100000',
-    JOIN_TIMEOUT: 'seconds, e.g. "600" or "600s" (default 600)',
-    LAST_CALL_TIMEOUT: 'seconds, e.g. "30" or "30s", may be "0" (default 30)',
-    CLOSE_TIMEOUT: 'seconds, e.g. "30" or "30s" (default 30)',
-    HEARTBEAT_TIMEOUT: f"seconds, at least {state.MIN_HEARTBEAT_TIMEOUT_SECONDS} (default 30)",
+    **{
+        key: f'seconds, e.g. "{t.default}" or "{t.default}s", at least {t.minimum} '
+        f"(default {t.default})"
+        for key, t in TIMEOUTS.items()
+    },
     RUN_ID: "torchrun's --rdzv-id, 1 to 253 printable ASCII characters without spaces "
     "(default: the Job's name)",
     RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
@@ -112,14 +111,9 @@ def parse(
             errors.append(AnnotationError(key, raw, problem))
         return raw
 
-    join = seconds(JOIN_TIMEOUT, state.DEFAULT_JOIN_TIMEOUT_SECONDS, 1)
-    last_call = seconds(LAST_CALL_TIMEOUT, state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS, 0)
-    close = seconds(CLOSE_TIMEOUT, state.DEFAULT_CLOSE_TIMEOUT_SECONDS, 1)
-    heartbeat = seconds(
-        HEARTBEAT_TIMEOUT,
-        state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
-        state.MIN_HEARTBEAT_TIMEOUT_SECONDS,
-    )
+    timeouts: dict[str, Any] = {
+        t.attribute: seconds(key, t.default, t.minimum) for key, t in TIMEOUTS.items()
+    }
     run_id = text(RUN_ID, lambda v: bool(_RUN_ID.match(v)), "not a run id")
     rank_order = text(
         RANK_ORDER,
@@ -132,9 +126,6 @@ def parse(
         min_nodes=bounds[0],
         max_nodes=bounds[1],
         run_id=run_id or job_name,
-        join_timeout_seconds=join,
-        last_call_timeout_seconds=last_call,
-        close_timeout_seconds=close,
-        heartbeat_timeout_seconds=heartbeat,
         rank_order_node_label=rank_order,
+        **timeouts,
     )

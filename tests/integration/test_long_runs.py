@@ -25,6 +25,7 @@ from tests.support.node_process import NodeProcess
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
 )
 
@@ -170,3 +171,22 @@ def test_is_closed_before_the_rendezvous_exists_is_false_as_with_c10d(
         assert handler.is_closed() is False
     finally:
         handler.shutdown()
+
+
+def test_a_node_of_another_run_id_is_refused_not_merged_into_the_round(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    """Merged, it would wait for ever on another store prefix than the round's others."""
+    rdzv = make_rendezvous(1, 2)
+    (node,) = make_nodes(rdzv, 1)
+    client = kube.RendezvousClient(node.api, rdzv.namespace, rdzv.name, retry_seconds=5)
+    other_run = KubernetesRendezvousHandler(
+        client, run_id="another-run", node=node.pod, addr=node.addr, min_nodes=1, max_nodes=2
+    )
+    try:
+        with pytest.raises(RendezvousStateError, match="--rdzv-id='another-run'"):
+            other_run.next_rendezvous()
+    finally:
+        other_run.shutdown()
+    assert node.pod not in rdzv.requests(), "it asked nothing"

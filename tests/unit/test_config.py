@@ -41,25 +41,16 @@ def test_a_created_rendezvous_takes_the_configured_timeouts_and_defaults_for_the
 
 
 @pytest.mark.parametrize(
-    ("run_id", "nnodes", "configured", "said"),
+    ("nnodes", "configured", "said"),
     [
-        pytest.param("run", (2, 4), {}, [], id="parameters that match say nothing"),
+        pytest.param((2, 4), {}, [], id="parameters that match say nothing"),
         pytest.param(
-            "other",
-            (2, 4),
-            {},
-            ["has runId 'run' but torchrun was given --rdzv-id='other'"],
-            id="another run id is named",
-        ),
-        pytest.param(
-            "run",
             (1, 4),
             {},
             ["admits 2:4 nodes but torchrun was given --nnodes=1:4"],
             id="other node counts are named",
         ),
         pytest.param(
-            "run",
             (2, 4),
             {"join_timeout": 600, "close_timeout": 5, "heartbeat_timeout": 12},
             [
@@ -71,9 +62,9 @@ def test_a_created_rendezvous_takes_the_configured_timeouts_and_defaults_for_the
     ],
 )
 def test_where_the_resource_and_torchruns_parameters_disagree_each_is_named(
-    run_id: str, nnodes: tuple[int, int], configured: dict[str, int], said: list[str]
+    nnodes: tuple[int, int], configured: dict[str, int], said: list[str]
 ) -> None:
-    assert config.disagreements(SPEC, run_id, nnodes, configured) == said
+    assert config.disagreements(SPEC, nnodes, configured) == said
 
 
 class SealsAlone(ScriptedRendezvousClient):

@@ -107,6 +107,41 @@ def test_unknown_rdzv_conf_key_names_the_valid_ones(pod_env: None) -> None:
     assert "is_host" in str(error.value), "names the c10d keys it accepts too"
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "least"),
+    [
+        ("join_timeout", "0", "1"),
+        ("last_call_timeout", "-1", "0"),
+        ("close_timeout", "0", "1"),
+        ("heartbeat_timeout", "2", "3"),
+    ],
+)
+def test_a_timeout_below_its_least_value_is_refused_at_creation_naming_it(
+    pod_env: None, key: str, value: str, least: str
+) -> None:
+    """As c10d's RendezvousTimeout refuses a timeout <= 0 when the handler is built, not
+    at the first join (nor, for a pod that creates the Rendezvous, in the API server)."""
+    with pytest.raises(
+        ValueError, match=rf"--rdzv-conf {key}={value} is below its least value, {least} s"
+    ):
+        KubernetesRendezvousHandler.from_parameters(params(**{key: value}))
+
+
+def test_a_run_id_the_resource_cannot_hold_is_refused_at_creation(pod_env: None) -> None:
+    with pytest.raises(ValueError, match="--rdzv-id='two words' is not a run id"):
+        KubernetesRendezvousHandler.from_parameters(
+            RendezvousParameters(BACKEND_NAME, "job-a", "two words", 1, 1)
+        )
+
+
+def test_workers_with_a_store_of_their_own_are_refused_by_name(
+    pod_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is not supported"):
+        KubernetesRendezvousHandler.from_parameters(params())
+
+
 def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
     pod_env: None, built: list[RendezvousHandler], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import pathlib
 
 import hypothesis
 import pytest
+import yaml
 from hypothesis import strategies as st
 
 from k8s_rendezvous import state
@@ -349,3 +351,27 @@ def test_a_slice_that_names_no_rendezvous_is_refused_with_the_fix() -> None:
     owned["metadata"]["ownerReferences"] = []
     with pytest.raises(state.DecodeError, match=r"names no Rendezvous\. .* delete this one"):
         state.rendezvous_uid(owned)
+
+
+def test_the_crd_holds_each_spec_timeout_as_the_table_describes_it() -> None:
+    """The CRD is written by hand; the codec, the ``--rdzv-conf`` keys and the Job
+    annotations are derived from :data:`state.SPEC_TIMEOUTS`: this keeps the four in step."""
+    crd_path = (
+        pathlib.Path(__file__).parents[2]
+        / "charts/k8s-rendezvous/crds/k8s-rendezvous.dev_rendezvous.yaml"
+    )
+    crd = yaml.safe_load(crd_path.read_text())
+    properties = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]
+    in_crd = {
+        name: (field.get("default"), field.get("minimum"))
+        for name, field in properties.items()
+        if name.endswith("TimeoutSeconds")
+    }
+    assert in_crd == {t.field: (t.default, t.minimum) for t in state.SPEC_TIMEOUTS}
+    for timeout in state.SPEC_TIMEOUTS:
+        with pytest.raises(state.DecodeError, match=f"{timeout.field}: must be at least"):
+            state.RendezvousSpec.from_dict(
+                {"minNodes": 1, "maxNodes": 1, "runId": "r", timeout.field: timeout.minimum - 1}
+            )
