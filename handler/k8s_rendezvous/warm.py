@@ -22,6 +22,10 @@ rest of one import, instead of one more beside it on the same cores). One that f
 zygote, or loses it before its worker was forked, runs the script itself: a cold start,
 as without this module.
 
+The zygote listens on an abstract Unix socket of a random name (nothing in the filesystem
+to outlive a node killed outright), and serves only processes of its own user that
+descend from its agent; others are refused, and start cold.
+
 What a worker inherits from the zygote instead of its own start: whatever torch and the
 preloaded modules read from the environment at import (the agent's environment when the
 handler started). torchrun's per-worker variables (``RANK``, ``LOCAL_RANK``,
@@ -37,19 +41,19 @@ import importlib
 import json
 import os
 import runpy
+import secrets
 import selectors
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 SOCKET_ENV: Final = "K8S_RDZV_WARM_SOCKET"
-"""Where the workers find the zygote (set in the agent's environment, which they inherit)."""
+"""Where the workers find the zygote (set in the agent's environment, which they inherit):
+``@NAME`` for the abstract socket ``\\0NAME``, as ``ss`` shows it, or a path."""
 PRELOAD_ENV: Final = "K8S_RDZV_WARM_PRELOAD"
 """More modules for the zygote to import ahead, comma-separated (torch always is)."""
 SCHEMA_VERSION: Final = 1
@@ -57,6 +61,9 @@ _PRELOADED: Final = ("torch", "torch.distributed")
 _STANDARD_STREAMS: Final = (0, 1, 2)
 _MAX_MESSAGE_BYTES: Final = 16 << 20
 _PR_SET_PDEATHSIG: Final = 1
+_PEERCRED: Final = struct.Struct("3i")
+"""``struct ucred``: pid, uid, gid."""
+_MAX_ANCESTRY: Final = 64
 _FORWARDED_SIGNALS: Final = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -158,6 +165,35 @@ def _receive(connection: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any
     return message, fds
 
 
+def _address(name: str) -> str:
+    """The socket address ``name`` (a ``SOCKET_ENV`` value) stands for."""
+    # An environment variable or an argument cannot hold the abstract name's leading NUL.
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def _peer(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end (as of its connect or listen)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, _ = _PEERCRED.unpack(credentials)
+    return pid, uid
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants (``pid`` 0, a
+    process of another pid namespace, is not)."""
+    for _ in range(_MAX_ANCESTRY):
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            return False
+    return False
+
+
 # -- the agent's side ----------------------------------------------------------------------
 
 
@@ -165,13 +201,15 @@ def start_zygote() -> subprocess.Popen[bytes]:
     """Start the zygote for this agent's workers, and point them at it (``SOCKET_ENV`` in
     this process' environment, which torch's agent gives each worker). It lives as long
     as this process: it exits when its standard input, a pipe from here, closes."""
-    directory = tempfile.mkdtemp(prefix="k8s-rdzv-warm-")
-    path = os.path.join(directory, "zygote.sock")
+    # Abstract: the kernel frees the name with the zygote's socket, where a socket file
+    # would outlive a node killed outright (SIGKILL runs no clean-up). Random, so that no
+    # other process can take the name first.
+    name = f"@k8s-rdzv-warm-{secrets.token_hex(16)}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "k8s_rendezvous.warm", "--zygote", path],
+        [sys.executable, "-m", "k8s_rendezvous.warm", "--zygote", name],
         stdin=subprocess.PIPE,
     )
-    os.environ[SOCKET_ENV] = path
+    os.environ[SOCKET_ENV] = name
     return process
 
 
@@ -189,8 +227,10 @@ class Zygote:
     """Imports ahead, then forks a worker per client; single-threaded, so that a fork
     copies no lock another thread holds."""
 
-    def __init__(self, path: str) -> None:
-        self._path = path
+    def __init__(self, name: str) -> None:
+        self._address = _address(name)
+        self._agent = os.getppid()
+        """Whose workers it serves: the process that started it, and its descendants."""
         self._selector = selectors.DefaultSelector()
         self._workers: dict[int, _Worker] = {}
         """By the pidfd that tells when each exits."""
@@ -202,7 +242,7 @@ class Zygote:
         # Listening first: a client that comes while the imports run waits in the backlog
         # (the rest of one import) instead of importing torch beside it, on the same cores.
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self._path)
+        self._listener.bind(self._address)
         self._listener.listen(socket.SOMAXCONN)
         try:
             preload = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",")]
@@ -238,6 +278,18 @@ class Zygote:
         assert self._listener is not None
         client, _ = self._listener.accept()
         client.settimeout(10)  # a client stuck mid-request must not hold the others
+        # An abstract socket has no file permissions: any process in this network
+        # namespace (another container of the pod, too) can connect, and a worker runs
+        # with its environment and as the zygote's user.
+        pid, uid = _peer(client)
+        if uid != os.getuid() or not _descends_from(pid, self._agent):
+            print(
+                f"k8s_rendezvous.warm: a connection from pid {pid} (uid {uid}) was refused: "
+                f"only uid {os.getuid()}'s processes under pid {self._agent} are served",
+                file=sys.stderr,
+            )
+            client.close()
+            return None
         fds: list[int] = []
         try:
             message, fds = _receive(client, max_fds=len(_STANDARD_STREAMS))
@@ -322,7 +374,6 @@ class Zygote:
             os.close(pidfd)
         if self._listener is not None:
             self._listener.close()
-        shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
 
 
 def _die_with(zygote: int) -> None:
@@ -371,13 +422,23 @@ def _run(request: StartRequest) -> None:
 # -- the client ----------------------------------------------------------------------------
 
 
-def _connect(path: str | None) -> socket.socket | None:
-    if not path:
+def _connect(name: str | None) -> socket.socket | None:
+    if not name:
         return None
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(path)
+        connection.connect(_address(name))
     except OSError:  # not started yet, still importing, or gone: a cold start
+        connection.close()
+        return None
+    # The request carries this process' environment and streams: not to another user's
+    # process that took the name of a zygote gone.
+    _, uid = _peer(connection)
+    if uid != os.getuid():
+        print(
+            f"k8s_rendezvous.warm: {name} is served by uid {uid}, not {os.getuid()}; starting cold",
+            file=sys.stderr,
+        )
         connection.close()
         return None
     return connection
