@@ -19,6 +19,7 @@ heartbeat (:mod:`k8s_rendezvous.heartbeat`), the round's store
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from typing import Any, Final
 
 # Exported by torch.distributed at run time but missing from its type stubs.
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
-from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
+from torch.distributed.elastic.agent.server.api import ElasticAgent
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandler,
@@ -79,10 +80,16 @@ _NODE_CHECK_SECONDS: Final = 5.0
 """How long a node waits unadmitted before it checks, once, that it is the pod it names:
 a node no Pod stands for is never admitted, and would otherwise wait out its join
 timeout. Joins admitted sooner (the usual) pay no request for it."""
+_EXIT_BARRIER_KEY: Final = "torchelastic/agent/terminal_state/num_members"
+"""The counter torch's elastic agent adds to, in its round's store, as it enters its exit
+barrier (``_TERMINAL_STATE_SYNC_ID`` with ``store_util.barrier``'s ``/num_members``): it
+enters it only once its workers succeeded, in torch 2.6 to 2.15 alike."""
+_FINISH_CHECK_SECONDS: Final = 5.0
+"""Bound on reading that counter at ``shutdown()``: rank 0's store is this node's own or
+on a live peer's (a dead one refuses at once); only a partitioned rank 0 takes this long."""
 _AGENT_FRAMES: Final = 4
-"""How far up its callers ``shutdown()`` and ``next_rendezvous()`` look for torch's agent
-(it is the caller's caller at most: ``launch_agent``, or the agent's ``_shutdown`` from
-its ``run``; the agent's ``_rendezvous``, under its profiling wrapper)."""
+"""How far up its callers ``next_rendezvous()`` looks for torch's agent on the in-place
+path (the agent's ``_rendezvous``, under its profiling wrapper)."""
 
 
 def _calling_agent(frame: FrameType | None) -> ElasticAgent | None:
@@ -97,20 +104,6 @@ def _calling_agent(frame: FrameType | None) -> ElasticAgent | None:
                 return candidate
         frame = frame.f_back
     return None
-
-
-def _called_by_a_succeeded_agent() -> bool:
-    """Whether the caller is torch's elastic agent ending with its workers succeeded:
-    ``launch_agent`` (which holds it as ``agent``) calls ``shutdown()`` after the agent
-    ran, whether its workers succeeded or failed, and before torch 2.8 so does the agent's
-    own ``_shutdown``. Only the worker group's state tells the two apart."""
-    agent = _calling_agent(sys._getframe(1).f_back)  # shutdown()'s caller
-    if agent is None:
-        return False
-    try:
-        return agent.get_worker_group().state is WorkerState.SUCCEEDED
-    except Exception:  # an agent of its own kind, without a worker group
-        return False
 
 
 class _JoinDeadline:
@@ -216,6 +209,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
         """The previous one, kept one more round for agents still finishing with it."""
+        self._round_store_handle: Store | None = None
+        """The last round's store as its agent uses it (under the round's prefix)."""
         self._entry_port = 0
         self._spec_checked = False
         self._node_checked = False
@@ -440,8 +435,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 if store is not None:
                     self._joined = join.Joined(decision.round, decision.rank, owner_uid)
                     prefix = f"torch.rendezvous.{self._run_id}.{decision.round}"
+                    self._round_store_handle = PrefixStore(prefix, store)
                     return reforming.Joined(
-                        status, decision.rank, owner_uid, PrefixStore(prefix, store)
+                        status, decision.rank, owner_uid, self._round_store_handle
                     )
                 # Stale before rank 0 answered (most likely its pod is gone): this round
                 # is spent, and the next forms without waiting out read_timeout.
@@ -626,11 +622,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._closed_locally = True
 
     def shutdown(self) -> bool:
-        """This node leaves. If torch's agent calls it because its workers succeeded, the
-        node finished: no further round forms (as torch's c10d closes at any agent's
-        shutdown), and the other members finish their work undisturbed. Otherwise (a
-        failed agent, or any other caller) it is lost to the round, and the others go on
-        in a new one; the rendezvous closes once every member has left."""
+        """This node leaves. If an agent of its last round entered torch's exit barrier
+        (its workers succeeded), the node finished: no further round forms (as torch's
+        c10d closes at any agent's shutdown), and the other members finish their work
+        undisturbed. Otherwise (workers failed, or never ran) it is lost to the round, and
+        the others go on in a new one; the rendezvous closes once every member has left."""
         self._shut_down = True
         self._watcher.stop()
         self._heartbeat.stop()
@@ -638,7 +634,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._reformer.stop()
         if self._zygote is not None and self._zygote.stdin is not None:
             self._zygote.stdin.close()  # it exits, with any worker it still runs
-        finished = _called_by_a_succeeded_agent()
+        finished = self._round_finishing()
         try:
             if self._attempt > 0 and not self._closed_locally:
                 self._write_intent(state.NodeIntent.FINISH if finished else state.NodeIntent.LEAVE)
@@ -647,9 +643,25 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             log.warning("node %s could not record leaving: %s", self._node, error)
             return False
         finally:
-            self._serving = self._retired = None
+            self._serving = self._retired = self._round_store_handle = None
 
     # -- internals ------------------------------------------------------------------------
+
+    def _round_finishing(self) -> bool:
+        """Whether an agent of this node's last round entered torch's exit barrier, which
+        it does only once its workers succeeded: the round's work is ending, and this node
+        finishes rather than leaves (whoever calls ``shutdown()``, and however). Unknown
+        (no round, rank 0 unreachable) is ``False``: the node leaves, and the node that
+        finished, rank 0's included, closes the rendezvous."""
+        store = self._round_store_handle
+        if store is None:
+            return False
+        try:
+            store.set_timeout(datetime.timedelta(seconds=_FINISH_CHECK_SECONDS))
+            return bool(store.check([_EXIT_BARRIER_KEY]))
+        except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
+            log.info("node %s could not read its round's exit barrier: %s", self._node, error)
+            return False
 
     def _open_connection_ahead(self) -> None:
         # Once the watch holds its connection (its first object is here), or has given up

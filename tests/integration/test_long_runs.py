@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.utils import store as store_util
 
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
@@ -190,3 +191,33 @@ def test_a_node_of_another_run_id_is_refused_not_merged_into_the_round(
     finally:
         other_run.shutdown()
     assert node.pod not in rdzv.requests(), "it asked nothing"
+
+
+def test_a_node_finishes_when_its_round_entered_torchs_exit_barrier_whoever_calls_shutdown(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    """No torch agent among the callers: the round's store says whether an agent's
+    workers succeeded (torch's agent enters its exit barrier only then)."""
+    rdzv = make_rendezvous(2, 2)
+    done, other = make_nodes(rdzv, 2)
+    info, _ = join_all([done, other])
+    store_util.barrier(info.store, world_size=1, key_prefix="torchelastic/agent/terminal_state")
+    assert done.handler.shutdown()
+    assert rdzv.requests()[done.pod].intent is state.NodeIntent.FINISH
+    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed")
+    assert closed.closed_reason == "NodeFinished"
+    assert other.handler.num_nodes_waiting() == 0, "the other finishes undisturbed"
+
+
+def test_a_node_whose_round_never_reached_the_exit_barrier_leaves(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+) -> None:
+    rdzv = make_rendezvous(1, 2)
+    failed, survivor = make_nodes(rdzv, 2)
+    join_all([failed, survivor])
+    assert failed.handler.shutdown()
+    assert rdzv.requests()[failed.pod].intent is state.NodeIntent.LEAVE
+    wait_for(lambda: survivor.handler.num_nodes_waiting() > 0, 10, "the survivor re-forms")
+    assert rdzv.status().state is not state.RoundState.CLOSED
