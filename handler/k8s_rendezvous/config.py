@@ -6,7 +6,9 @@ Nothing here talks to the API but :func:`own_pod_name`, once, when ``POD_NAME`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -200,6 +202,36 @@ def disagreements(
         and getattr(spec, timeout.attribute) != configured[timeout.conf_key]
     )
     return found
+
+
+def local_address(local_addr: str, pod_ip: str | None) -> str:
+    """``--local-addr`` as the operator checks it: one IP address in its canonical form.
+    An IP is normalised (``[fd00::7]`` and ``FD00:0::7`` are ``fd00::7``); a host name
+    (c10d's default node address is the FQDN) is resolved here, as the operator admits
+    only the pod's own IPs: to ``pod_ip`` (``POD_IP``) if it is among its addresses, else
+    to its first.
+
+    Raises:
+        ValueError: It is neither an IP nor a name that resolves, saying which forms work.
+    """
+    text = local_addr.strip()
+    try:
+        return str(ipaddress.ip_address(text.removeprefix("[").removesuffix("]")))
+    except ValueError:
+        pass
+    try:
+        found = [str(info[4][0]) for info in socket.getaddrinfo(text, None)]
+    except (OSError, UnicodeError) as error:
+        raise ValueError(
+            f"--local-addr={local_addr!r} is neither an IP address nor a host name that "
+            f"resolves here ({error}). Give one of the pod's IPs (the default, from POD_IP), "
+            "or a name that resolves to it, e.g. the pod's FQDN in a headless Service."
+        ) from error
+    addresses = [str(ipaddress.ip_address(address.partition("%")[0])) for address in found]
+    with contextlib.suppress(ValueError):  # a malformed POD_IP: the operator will say so
+        if pod_ip is not None and (own := str(ipaddress.ip_address(pod_ip))) in addresses:
+            return own
+    return addresses[0]
 
 
 def own_pod_name(client: api.RendezvousApi) -> str:

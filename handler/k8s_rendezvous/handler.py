@@ -229,10 +229,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """Build a handler from torchrun's parameters and the pod's environment."""
         settings = config.Settings.from_parameters(params, rest.own_namespace())
         api_client = kube.load_api_client()
+        pod_ip = os.environ.get("POD_IP") or None
         addr = (
-            params.local_addr
-            or os.environ.get("POD_IP")
-            or round_store.route_address(kube.server_host(api_client))
+            config.local_address(params.local_addr, pod_ip)
+            if params.local_addr
+            else pod_ip or round_store.route_address(kube.server_host(api_client))
         )
         client = kube.RendezvousClient(
             api_client, settings.namespace, settings.name, retry_seconds=settings.read_timeout

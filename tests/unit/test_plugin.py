@@ -91,6 +91,37 @@ def test_local_addr_overrides_the_pod_ip(pod_env: None, built: list[RendezvousHa
     assert handler.addr == "fd00::7"
 
 
+@pytest.mark.parametrize(
+    ("local_addr", "pod_ip", "addr"),
+    [
+        pytest.param("[FD00:0::7]", "10.1.2.3", "fd00::7", id="an IPv6 literal, canonical"),
+        pytest.param("localhost", "127.0.0.1", "127.0.0.1", id="a host name, to the pod's IP"),
+    ],
+)
+def test_local_addr_is_one_ip_in_canonical_form_as_the_operator_checks_it(
+    pod_env: None,
+    built: list[RendezvousHandler],
+    monkeypatch: pytest.MonkeyPatch,
+    local_addr: str,
+    pod_ip: str,
+    addr: str,
+) -> None:
+    """c10d's node address defaults to the FQDN; the operator admits only the pod's IPs."""
+    monkeypatch.setenv("POD_IP", pod_ip)
+    handler = KubernetesRendezvousHandler.from_parameters(
+        RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr=local_addr)
+    )
+    built.append(handler)
+    assert handler.addr == addr
+
+
+def test_a_local_addr_that_does_not_resolve_is_refused_at_creation(pod_env: None) -> None:
+    with pytest.raises(ValueError, match="neither an IP address nor a host name that resolves"):
+        KubernetesRendezvousHandler.from_parameters(
+            RendezvousParameters(BACKEND_NAME, "x", "r", 1, 1, local_addr="no-such-host.invalid")
+        )
+
+
 def test_broken_credentials_are_a_connection_error_that_says_where(
     pod_env: None, tmp_path: Path
 ) -> None:
