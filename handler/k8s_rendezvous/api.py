@@ -58,9 +58,10 @@ class LeaseWriter(Protocol):
         duration_seconds: int,
         owner_uid: str,
         entry: state.NodeEntry | None = None,
+        budget_seconds: float | None = None,
     ) -> None:
         """Renew node ``node``'s Lease (owned by the Rendezvous of ``owner_uid``) and, if
-        given, replace its entry."""
+        given, replace its entry, within ``budget_seconds`` (default: the client's)."""
 
 
 class RendezvousApi(RendezvousReader, LeaseWriter, Protocol):

@@ -28,17 +28,38 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_READ_TIMEOUT_SECONDS: Final = 60
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS: Final = 5
+"""c10d's: the budget of one renewal of the node's Lease, retries included."""
+DEFAULT_KEEP_ALIVE_INTERVAL_SECONDS: Final = 10
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
+"""With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
+renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
+_KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
+
+
+def _timeout_meaning(timeout: state.SpecTimeout) -> str:
+    where = (
+        "this node's own (the spec's if not given)"
+        if timeout.node_local
+        else "used if this node creates the Rendezvous, else its spec wins"
+    )
+    return f"seconds, at least {timeout.minimum}: {timeout.meaning}; {where}"
+
+
+_HEARTBEAT = next(t for t in state.SPEC_TIMEOUTS if t.conf_key is None)
 CONFIG_KEYS: Final = {
     "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
     **{
-        timeout.conf_key: f"seconds, at least {timeout.minimum}: {timeout.meaning}; "
-        + (
-            "this node's own (the spec's if not given)"
-            if timeout.node_local
-            else "used if this node creates the Rendezvous, else its spec wins"
-        )
+        timeout.conf_key: _timeout_meaning(timeout)
         for timeout in state.SPEC_TIMEOUTS
+        if timeout.conf_key is not None
     },
+    "keep_alive_interval": "seconds between renewals of the node's Lease (10); times "
+    f"keep_alive_max_attempt (3), the liveness window: {_timeout_meaning(_HEARTBEAT)}",
+    "keep_alive_max_attempt": "renewals a node may miss before it is dropped (3); see "
+    "keep_alive_interval",
+    "heartbeat_timeout": "seconds one renewal of the node's Lease may take, retries "
+    "included (5), as c10d bounds one keep-alive write",
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
@@ -46,8 +67,6 @@ CONFIG_KEYS: Final = {
     "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
     "k8s_rendezvous.warm train.py); 0, the default, lets each import torch",
 }
-SPEC_TIMEOUT_KEYS: Final = tuple(timeout.conf_key for timeout in state.SPEC_TIMEOUTS)
-"""The keys of :data:`CONFIG_KEYS` that a Rendezvous' spec holds too."""
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
 C10D_KEYS_NOT_USED: Final = {
     "is_host": "no node hosts the rendezvous: the operator keeps it in the Rendezvous, and "
@@ -55,10 +74,6 @@ C10D_KEYS_NOT_USED: Final = {
     "store_type": "the rendezvous is no store here; the round's store is always rank 0's TCPStore",
     "use_libuv": "the round's store server is chosen by torch version (libuv where it can "
     "serve a socket it is handed)",
-    "keep_alive_interval": "liveness is the pod's Lease, renewed three times per "
-    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
-    "keep_alive_max_attempt": "liveness is the pod's Lease, renewed three times per "
-    "heartbeat_timeout (spec.heartbeatTimeoutSeconds), and Kubernetes' own pod status",
     "cas_backoff_max_seconds": "nodes never compare-and-set a shared state: each writes its "
     "own Lease, and only the operator writes the Rendezvous",
 }
@@ -83,13 +98,16 @@ class Settings:
     """Seconds to retry the API server and to wait on the round's store: torch's own
     c10d backend waits as long on its store (``read_timeout``, 60 s)."""
     configured_timeouts: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """The spec timeouts given (:data:`SPEC_TIMEOUT_KEYS`): the spec of a Rendezvous this
-    node creates, compared with (and overruled by) the spec of one that exists."""
+    """The spec timeouts given, by their field in the spec (:data:`state.SPEC_TIMEOUTS`):
+    the spec of a Rendezvous this node creates, compared with (and, but for a node's own
+    deadlines, overruled by) the spec of one that exists."""
     in_place: bool = False
     """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
     workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
     warm_start: bool = False
     """Start workers forked from a process that imported torch (:mod:`k8s_rendezvous.warm`)."""
+    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+    """The budget of one renewal of the node's Lease, as c10d's ``heartbeat_timeout``."""
 
     @classmethod
     def from_parameters(
@@ -123,19 +141,16 @@ class Settings:
         read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
         if read_timeout is None or read_timeout <= 0:
             raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
-        configured = {
-            timeout.conf_key: value
-            for timeout in state.SPEC_TIMEOUTS
-            if (value := params.get_as_int(timeout.conf_key)) is not None
-        }
-        for timeout in state.SPEC_TIMEOUTS:
-            if configured.get(timeout.conf_key, timeout.minimum) < timeout.minimum:
-                raise ValueError(
-                    f"--rdzv-conf {timeout.conf_key}={configured[timeout.conf_key]} is below "
-                    f"its least value, {timeout.minimum} s ({timeout.meaning}); give "
-                    f"{timeout.conf_key}={timeout.minimum} or more, or leave it out for "
-                    f"{timeout.default}."
-                )
+        configured = _configured_timeouts(params)
+        heartbeat_timeout = params.get_as_int(
+            "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        )
+        if heartbeat_timeout is None or heartbeat_timeout <= 0:
+            raise ValueError(
+                "--rdzv-conf heartbeat_timeout must be a positive number of seconds: the "
+                "budget of one renewal of the node's Lease, as in c10d (5). The window in "
+                f"which a node must renew is {_KEEP_ALIVE}."
+            )
         if not _RUN_ID.match(params.run_id):
             raise ValueError(
                 f"--rdzv-id={params.run_id!r} is not a run id: 1 to 253 printable ASCII "
@@ -149,7 +164,49 @@ class Settings:
                 f"of their own there. Unset {_NO_SHARED_STORE}."
             )
         warm_start = bool(params.get_as_bool("warm_start", False))
-        return cls(namespace, name, read_timeout, configured, in_place, warm_start)
+        return cls(
+            namespace, name, read_timeout, configured, in_place, warm_start, heartbeat_timeout
+        )
+
+
+def _configured_timeouts(params: RendezvousParameters) -> dict[str, int]:
+    """The spec timeouts ``--rdzv-conf`` gives, by their field in the spec.
+
+    Raises:
+        ValueError: One below its least value, naming it and the fix.
+    """
+    configured: dict[str, int] = {}
+    for timeout in state.SPEC_TIMEOUTS:
+        if timeout.conf_key is not None:
+            value = params.get_as_int(timeout.conf_key)
+        else:
+            interval = params.get_as_int("keep_alive_interval")
+            attempts = params.get_as_int("keep_alive_max_attempt")
+            if interval is None and attempts is None:
+                continue
+            if (interval is not None and interval < 1) or (attempts is not None and attempts < 1):
+                raise ValueError(
+                    "--rdzv-conf keep_alive_interval and keep_alive_max_attempt must be at "
+                    f"least 1, got {interval} and {attempts}"
+                )
+            value = (interval or DEFAULT_KEEP_ALIVE_INTERVAL_SECONDS) * (
+                attempts or DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+            )
+        if value is None:
+            continue
+        if value < timeout.minimum:
+            raise ValueError(
+                f"--rdzv-conf {given_as(timeout)}={value} is below its least value, "
+                f"{timeout.minimum} s ({timeout.meaning}); give {timeout.minimum} or more, "
+                f"or leave it out for {timeout.default}."
+            )
+        configured[timeout.field] = value
+    return configured
+
+
+def given_as(timeout: state.SpecTimeout) -> str:
+    """How ``--rdzv-conf`` gives ``timeout``."""
+    return timeout.conf_key or _KEEP_ALIVE
 
 
 def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
@@ -176,7 +233,7 @@ def spec_to_create(
     """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
     ``--rdzv-id``, the ``configured`` timeouts, and the defaults for the others."""
     timeouts: dict[str, Any] = {
-        timeout.attribute: configured.get(timeout.conf_key, timeout.default)
+        timeout.attribute: configured.get(timeout.field, timeout.default)
         for timeout in state.SPEC_TIMEOUTS
     }
     return state.RendezvousSpec(min_nodes, max_nodes, run_id, **timeouts)
@@ -194,12 +251,12 @@ def disagreements(
             f"--nnodes={nnodes[0]}:{nnodes[1]}"
         )
     found.extend(
-        f"sets {timeout.conf_key}={getattr(spec, timeout.attribute)} but --rdzv-conf gave "
-        f"{timeout.conf_key}={configured[timeout.conf_key]}"
+        f"sets {given_as(timeout)}={getattr(spec, timeout.attribute)} but --rdzv-conf gave "
+        f"{given_as(timeout)}={configured[timeout.field]}"
         for timeout in state.SPEC_TIMEOUTS
         if not timeout.node_local
-        and timeout.conf_key in configured
-        and getattr(spec, timeout.attribute) != configured[timeout.conf_key]
+        and timeout.field in configured
+        and getattr(spec, timeout.attribute) != configured[timeout.field]
     )
     return found
 

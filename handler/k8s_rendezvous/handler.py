@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import hashlib
 import logging
 import math
 import os
@@ -36,6 +38,8 @@ from typing import Any, Final
 # Exported by torch.distributed at run time but missing from its type stubs.
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.agent.server.api import ElasticAgent
+from torch.distributed.elastic.events import construct_and_record_rdzv_event
+from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandler,
@@ -106,6 +110,32 @@ def _calling_agent(frame: FrameType | None) -> ElasticAgent | None:
     return None
 
 
+def _claim_node(reference: str, node: str) -> socket.socket:
+    """Hold the name ``node`` for this agent, in ``reference``, while it lives: an abstract
+    Unix socket, which every container of the pod sees (they share its network namespace)
+    and the kernel frees with the process, however it ends.
+
+    Raises:
+        KubernetesRendezvousStateError: Another agent of this pod holds it.
+    """
+    key = hashlib.sha256(f"{reference}/{node}".encode()).hexdigest()[:32]
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0k8s-rendezvous-node-{key}")
+    except OSError as error:
+        claim.close()
+        if error.errno != errno.EADDRINUSE:
+            raise
+        # Two agents under one node name would share its Lease: each join would overwrite
+        # the other's request, and neither would ever be admitted.
+        raise KubernetesRendezvousStateError(
+            f"another torchrun agent of pod {node} already joins {reference}: a pod is one "
+            "node of a rendezvous, with one Lease. Run one torchrun per pod (more workers: "
+            "--nproc-per-node), or give each agent its own pod."
+        ) from error
+    return claim
+
+
 class _JoinDeadline:
     """When a join gives up, as a monotonic time. As torch's c10d treats a node in its
     redundancy list, a spare (the round is sealed full without it,
@@ -163,7 +193,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         min_nodes: torchrun's ``--nnodes`` minimum, checked against the spec.
         max_nodes: torchrun's ``--nnodes`` maximum, checked against the spec.
         read_timeout: Seconds to retry the API server and to wait on the round's store.
-        configured_timeouts: Timeouts given in ``--rdzv-conf``, compared with the spec.
+        configured_timeouts: Spec timeouts given in ``--rdzv-conf``, by their field in the
+            spec (:attr:`k8s_rendezvous.config.Settings.configured_timeouts`).
+        heartbeat_timeout: Seconds one renewal of the node's Lease may take (c10d's).
         in_place: Re-form the node's round in place, keeping the workers, when they are
             on the in-place path (:mod:`k8s_rendezvous.reforming`).
         warm_start: Start the zygote the workers are forked from when their entrypoint
@@ -181,6 +213,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         max_nodes: int,
         read_timeout: float = config.DEFAULT_READ_TIMEOUT_SECONDS,
         configured_timeouts: Mapping[str, int] | None = None,
+        heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         in_place: bool = False,
         warm_start: bool = False,
     ) -> None:
@@ -204,11 +237,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         threading.Thread(
             target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
         ).start()
-        self._heartbeat = heartbeat.Heartbeat(client, node, self._instance)
+        self._heartbeat = heartbeat.Heartbeat(client, node, self._instance, heartbeat_timeout)
         self._serving: TCPStore | None = None
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
         """The previous one, kept one more round for agents still finishing with it."""
+        self._node_claim: socket.socket | None = None
+        """Held while this agent lives (:func:`_claim_node`), if built by torchrun."""
         self._round_store_handle: Store | None = None
         """The last round's store as its agent uses it (under the round's prefix)."""
         self._entry_port = 0
@@ -238,18 +273,27 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         client = kube.RendezvousClient(
             api_client, settings.namespace, settings.name, retry_seconds=settings.read_timeout
         )
-        return cls(
-            client,
-            run_id=params.run_id,
-            node=os.environ.get("POD_NAME") or config.own_pod_name(client),
-            addr=addr,
-            min_nodes=params.min_nodes,
-            max_nodes=params.max_nodes,
-            read_timeout=settings.read_timeout,
-            configured_timeouts=settings.configured_timeouts,
-            in_place=settings.in_place,
-            warm_start=settings.warm_start,
-        )
+        node = os.environ.get("POD_NAME") or config.own_pod_name(client)
+        claim = _claim_node(client.reference, node)
+        try:
+            handler = cls(
+                client,
+                run_id=params.run_id,
+                node=node,
+                addr=addr,
+                min_nodes=params.min_nodes,
+                max_nodes=params.max_nodes,
+                read_timeout=settings.read_timeout,
+                configured_timeouts=settings.configured_timeouts,
+                heartbeat_timeout=settings.heartbeat_timeout,
+                in_place=settings.in_place,
+                warm_start=settings.warm_start,
+            )
+        except BaseException:
+            claim.close()
+            raise
+        handler._node_claim = claim
+        return handler
 
     # -- what this node is and holds (read-only) ------------------------------------------
 
@@ -323,6 +367,23 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
+        # torchelastic's rendezvous events, as c10d records them (its event handler logs them).
+        self._record(f"node {self._node} attempts to join the next round of {self._run_id}")
+        try:
+            info = self._join_next(sys._getframe(1))
+        except Exception as error:
+            self._record(f"{type(error).__name__}: {error}", NodeState.FAILED)
+            raise
+        joined = self._joined
+        self._record(
+            f"node {self._node} joined round {joined.round if joined else 0} of "
+            f"{self._run_id} as rank {info.rank} in a world of {info.world_size}",
+            rank=info.rank,
+        )
+        return info
+
+    def _join_next(self, caller: FrameType | None) -> RendezvousInfo:
+        """next_rendezvous() but for its events; ``caller`` is its caller's frame."""
         # As with torch's c10d, a node that closed the rendezvous or shut down joins
         # nothing: a join request now would overwrite its Close, or join a round nobody
         # serves.
@@ -350,7 +411,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 offered.close()  # a no-op once the round's store has taken it over
             store = joined.store
             if self._reformer is not None:
-                agent = _calling_agent(sys._getframe(1))
+                agent = _calling_agent(caller)
                 store = self._reformer.started(joined, agent)
             status = joined.status
             assert status.master is not None
@@ -621,6 +682,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         self._write_intent(state.NodeIntent.CLOSE)
         self._closed_locally = True
+        self._record(f"node {self._node} closed {self._run_id}", NodeState.SUCCEEDED)
 
     def shutdown(self) -> bool:
         """This node leaves. If an agent of its last round entered torch's exit barrier
@@ -639,14 +701,36 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         try:
             if self._attempt > 0 and not self._closed_locally:
                 self._write_intent(state.NodeIntent.FINISH if finished else state.NodeIntent.LEAVE)
+            self._record(
+                f"node {self._node} {'finished' if finished else 'left'} {self._run_id}",
+                NodeState.SUCCEEDED,
+            )
             return True
         except RendezvousError as error:
             log.warning("node %s could not record leaving: %s", self._node, error)
             return False
         finally:
             self._serving = self._retired = self._round_store_handle = None
+            if self._node_claim is not None:
+                self._node_claim.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _record(
+        self,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        rank: int | None = None,
+    ) -> None:
+        construct_and_record_rdzv_event(
+            run_id=self._run_id,
+            message=message,
+            node_state=node_state,
+            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
+            hostname=self._node,
+            pid=os.getpid(),
+            rank=rank,
+        )
 
     def _round_finishing(self) -> bool:
         """Whether an agent of this node's last round entered torch's exit barrier, which
@@ -683,6 +767,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             spec.heartbeat_timeout_seconds,
             self._owner_uid(obj),
             entry,
+            # c10d's close timeout bounds set_closed() and shutdown() alike.
+            budget_seconds=self._configured_timeouts.get(
+                "closeTimeoutSeconds", spec.close_timeout_seconds
+            ),
         )
 
     def _read_or_create(self) -> Mapping[str, Any]:
@@ -741,7 +829,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def _join_timeout(self, spec: state.RendezvousSpec) -> int:
         """This node's join deadline in seconds: its own ``--rdzv-conf join_timeout`` if
         given (a local deadline, as in torch's c10d), else the spec's."""
-        return self._configured_timeouts.get("join_timeout", spec.join_timeout_seconds)
+        return self._configured_timeouts.get("joinTimeoutSeconds", spec.join_timeout_seconds)
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         status = self._watcher.status or state.NodeView(self._node)

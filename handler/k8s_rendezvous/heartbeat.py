@@ -18,10 +18,15 @@ class Heartbeat:
     keep-alive timer; failures are logged and retried on the next beat. The first beat
     comes one period after the join, which wrote the Lease itself."""
 
-    def __init__(self, client: api.LeaseWriter, node: str, instance: str) -> None:
+    def __init__(
+        self, client: api.LeaseWriter, node: str, instance: str, budget_seconds: float
+    ) -> None:
         self._client = client
         self._node = node
         self._instance = instance
+        self._budget = budget_seconds
+        """Of one renewal, retries included (c10d's ``heartbeat_timeout``): a renewal
+        that cannot be made in time gives way to the next, one period later."""
         self._period = 10.0
         self._timeout = state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
         self._owner_uid = ""
@@ -44,6 +49,12 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stopped.wait(self._period):
             try:
-                self._client.write_lease(self._node, self._instance, self._timeout, self._owner_uid)
+                self._client.write_lease(
+                    self._node,
+                    self._instance,
+                    self._timeout,
+                    self._owner_uid,
+                    budget_seconds=self._budget,
+                )
             except RendezvousError as error:
                 log.warning("node %s could not renew its heartbeat: %s", self._node, error)

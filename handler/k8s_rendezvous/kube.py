@@ -175,8 +175,10 @@ class RendezvousClient:
         duration_seconds: int,
         owner_uid: str,
         entry: state.NodeEntry | None = None,
+        budget_seconds: float | None = None,
     ) -> None:
-        """Renew this node's Lease and, if given, replace its entry (the join request).
+        """Renew this node's Lease and, if given, replace its entry (the join request),
+        retrying transient failures for ``budget_seconds`` (default: ``retry_seconds``).
 
         The Lease is the node's own object: joins and heartbeats never write the Rendezvous,
         so N nodes joining at once are N independent writes instead of N retries of one
@@ -251,7 +253,7 @@ class RendezvousClient:
                     raise
                 self._lease_owners[name] = owner_uid
 
-        self._call(f"write the Lease {name} of node {node!r} for", write)
+        self._call(f"write the Lease {name} of node {node!r} for", write, budget_seconds)
 
     def watch_unless(
         self,
@@ -305,10 +307,13 @@ class RendezvousClient:
             selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
         return selector
 
-    def _call(self, what: str, request: Callable[[], _T]) -> _T:
+    def _call(
+        self, what: str, request: Callable[[], _T], budget_seconds: float | None = None
+    ) -> _T:
+        budget = self.retry_seconds if budget_seconds is None else budget_seconds
         started = time.monotonic()
-        deadline = started + self.retry_seconds
-        refusal_deadline = started + min(self.retry_seconds, _REFUSAL_GRACE_SECONDS)
+        deadline = started + budget
+        refusal_deadline = started + min(budget, _REFUSAL_GRACE_SECONDS)
         delay = 0.05
         while True:
             try:
@@ -319,12 +324,12 @@ class RendezvousClient:
                     error.status in (401, 403) and now < refusal_deadline
                 )
                 if not transient or now >= deadline:
-                    raise self._error(what, error) from error
+                    raise self._error(what, error, budget) from error
                 failure: Exception = error
                 asked = _retry_after(error)
             except (urllib3.exceptions.HTTPError, OSError) as error:
                 if time.monotonic() >= deadline:
-                    raise self._error(what, error) from error
+                    raise self._error(what, error, budget) from error
                 failure, asked = error, None
             log.debug("retrying to %s %s after %r", what, self.reference, failure)
             # Spread below the backoff, or above the server's Retry-After (API Priority and
@@ -336,8 +341,9 @@ class RendezvousClient:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
-    def _error(self, what: str, error: Exception) -> Exception:
+    def _error(self, what: str, error: Exception, budget: float | None = None) -> Exception:
         target = f"{what} {self.reference}"
+        budget = self.retry_seconds if budget is None else budget
         if isinstance(error, ApiException):
             status, reason = error.status, _reason(error)
             if status == 404:
@@ -361,12 +367,12 @@ class RendezvousClient:
                     "the CRD installed matches this k8s-rendezvous version."
                 )
             return KubernetesRendezvousConnectionError(
-                f"could not {target} within {self.retry_seconds:.0f} s: the API server "
+                f"could not {target} within {budget:.0f} s: the API server "
                 f"answered {status} ({reason})."
             )
         return KubernetesRendezvousConnectionError(
             f"could not {target}: the API server at {self._rest.server} was unreachable for "
-            f"{self.retry_seconds:.0f} s ({error}). Check the pod's network and that the API "
+            f"{budget:.0f} s ({error}). Check the pod's network and that the API "
             "server is up."
         )
 

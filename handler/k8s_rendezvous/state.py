@@ -76,9 +76,11 @@ class SpecTimeout:
     """The :class:`RendezvousSpec` attribute."""
     field: str
     """The spec's field in the CRD."""
-    conf_key: str
-    """torchrun's ``--rdzv-conf`` key (the annotation is ``k8s-rendezvous.dev/`` and this
-    key with dashes)."""
+    annotation: str
+    """A Job's annotation, after ``k8s-rendezvous.dev/``."""
+    conf_key: str | None
+    """torchrun's ``--rdzv-conf`` key that means the same as in torch's c10d, if one does
+    (the liveness window is c10d's ``keep_alive_interval`` x ``keep_alive_max_attempt``)."""
     default: int
     minimum: int
     meaning: str
@@ -87,15 +89,12 @@ class SpecTimeout:
     """Each node's own deadline, as in torch's c10d: a node's ``--rdzv-conf`` value holds
     for that node whatever the spec says (the spec's is the default)."""
 
-    @property
-    def annotation_suffix(self) -> str:
-        return self.conf_key.replace("_", "-")
-
 
 SPEC_TIMEOUTS: Final = (
     SpecTimeout(
         "join_timeout_seconds",
         "joinTimeoutSeconds",
+        "join-timeout",
         "join_timeout",
         DEFAULT_JOIN_TIMEOUT_SECONDS,
         1,
@@ -107,6 +106,7 @@ SPEC_TIMEOUTS: Final = (
     SpecTimeout(
         "last_call_timeout_seconds",
         "lastCallTimeoutSeconds",
+        "last-call-timeout",
         "last_call_timeout",
         DEFAULT_LAST_CALL_TIMEOUT_SECONDS,
         0,
@@ -116,20 +116,25 @@ SPEC_TIMEOUTS: Final = (
     SpecTimeout(
         "close_timeout_seconds",
         "closeTimeoutSeconds",
+        "close-timeout",
         "close_timeout",
         DEFAULT_CLOSE_TIMEOUT_SECONDS,
         1,
         "how long set_closed() and shutdown() try to record themselves; c10d's default",
+        node_local=True,
     ),
     SpecTimeout(
         "heartbeat_timeout_seconds",
         "heartbeatTimeoutSeconds",
-        "heartbeat_timeout",
+        "heartbeat-timeout",
+        None,
         DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         MIN_HEARTBEAT_TIMEOUT_SECONDS,
         "a node whose agent has not renewed its Lease for this long is dropped, member or "
-        "waiter; nodes renew three times per period (at 1,000 nodes and 30 s, 100 Lease "
-        "writes a second), and pod deletion and failure are noticed at once",
+        "waiter (c10d's keep_alive_interval x keep_alive_max_attempt); nodes renew three "
+        "times per period (at 1,000 nodes and 30 s, 100 Lease writes a second, which the "
+        "API server's default flow control admits), and pod deletion and failure are "
+        "noticed at once",
     ),
 )
 """Every timeout of the spec, in the CRD's order."""

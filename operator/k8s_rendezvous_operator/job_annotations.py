@@ -17,7 +17,7 @@ from k8s_rendezvous import state
 
 PREFIX: Final = f"{state.GROUP}/"
 NODES: Final = f"{PREFIX}nodes"
-TIMEOUTS: Final = {f"{PREFIX}{t.annotation_suffix}": t for t in state.SPEC_TIMEOUTS}
+TIMEOUTS: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TIMEOUTS}
 """The annotation of each spec timeout."""
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"

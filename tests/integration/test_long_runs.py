@@ -38,7 +38,7 @@ from k8s_rendezvous.handler import KubernetesRendezvousHandler
 pytestmark = pytest.mark.usefixtures("operator_process")
 
 JOIN_TIMEOUT = 2
-SPARE_TIMEOUTS = {"join_timeout": JOIN_TIMEOUT}
+SPARE_TIMEOUTS = {"joinTimeoutSeconds": JOIN_TIMEOUT}
 """The spare's own ``--rdzv-conf``: a local deadline, as in c10d (the spec's is 600 s)."""
 HEARTBEAT_TIMEOUT = 3  # the CRD's minimum: nodes renew every second
 

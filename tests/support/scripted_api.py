@@ -59,6 +59,7 @@ class ScriptedRendezvousClient:
         duration_seconds: int,
         owner_uid: str,
         entry: state.NodeEntry | None = None,
+        budget_seconds: float | None = None,
     ) -> None:
         if entry is None or entry.intent is not state.NodeIntent.JOIN:
             return  # heartbeats, and the leave at shutdown

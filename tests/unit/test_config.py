@@ -12,6 +12,9 @@ import logging
 
 import pytest
 from tests.support.scripted_api import ScriptedRendezvousClient
+from torch.distributed.elastic import events
+from torch.distributed.elastic.events import handlers as event_handlers
+from torch.distributed.elastic.events.api import NodeState, RdzvEvent
 
 from k8s_rendezvous import config, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
@@ -28,7 +31,9 @@ SPEC = state.RendezvousSpec(
 
 
 def test_a_created_rendezvous_takes_the_configured_timeouts_and_defaults_for_the_rest() -> None:
-    spec = config.spec_to_create(1, 3, "run-7", {"join_timeout": 60, "heartbeat_timeout": 9})
+    spec = config.spec_to_create(
+        1, 3, "run-7", {"joinTimeoutSeconds": 60, "heartbeatTimeoutSeconds": 9}
+    )
     assert spec == state.RendezvousSpec(
         1,
         3,
@@ -52,10 +57,16 @@ def test_a_created_rendezvous_takes_the_configured_timeouts_and_defaults_for_the
         ),
         pytest.param(
             (2, 4),
-            {"join_timeout": 600, "close_timeout": 5, "heartbeat_timeout": 12},
+            {
+                "joinTimeoutSeconds": 600,
+                "lastCallTimeoutSeconds": 5,
+                "closeTimeoutSeconds": 5,
+                "heartbeatTimeoutSeconds": 12,
+            },
             [
-                "sets close_timeout=30 but --rdzv-conf gave close_timeout=5",
-                "sets heartbeat_timeout=30 but --rdzv-conf gave heartbeat_timeout=12",
+                "sets last_call_timeout=30 but --rdzv-conf gave last_call_timeout=5",
+                "sets keep_alive_interval x keep_alive_max_attempt=30 but --rdzv-conf gave "
+                "keep_alive_interval x keep_alive_max_attempt=12",
             ],
             id="each other timeout is named, the heartbeat's too",
         ),
@@ -87,7 +98,7 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
         addr="127.0.0.1",
         min_nodes=1,
         max_nodes=1,
-        configured_timeouts=dict.fromkeys(config.SPEC_TIMEOUT_KEYS, 45),
+        configured_timeouts={timeout.field: 45 for timeout in state.SPEC_TIMEOUTS},
     )
     try:
         with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
@@ -96,7 +107,52 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
         handler.shutdown()
     wins = sorted(r.getMessage() for r in caplog.records if "the resource wins" in r.getMessage())
     assert [message.split()[3] for message in wins] == [
-        "close_timeout=30",
-        "heartbeat_timeout=30",
+        "keep_alive_interval",
         "last_call_timeout=30",
-    ], "join_timeout is the node's own deadline, as in c10d: nothing to overrule"
+    ], "join and close timeouts are the node's own deadlines, as in c10d: nothing to overrule"
+
+
+def test_a_join_records_torchelastics_rendezvous_events_as_c10d_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's ``dynamic_rendezvous`` event handler (a deployment's, replacing its
+    default NullHandler) sees each join, as it sees c10d's."""
+    seen: list[RdzvEvent] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(RdzvEvent.deserialize(record.getMessage()))
+
+    monkeypatch.setitem(event_handlers._log_handlers, "dynamic_rendezvous", Collect())
+    monkeypatch.delitem(events._events_loggers, "dynamic_rendezvous", raising=False)
+    handler = KubernetesRendezvousHandler(
+        SealsAlone(state.RendezvousSpec(1, 1, "run")),
+        run_id="run",
+        node="pod-0",
+        addr="127.0.0.1",
+        min_nodes=1,
+        max_nodes=1,
+    )
+    try:
+        handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+        logger = events._events_loggers.pop("dynamic_rendezvous", None)
+        if logger is not None:
+            for attached in list(logger.handlers):
+                logger.removeHandler(attached)
+    assert [(e.name.rpartition(":")[2], e.message, e.node_state, e.rank) for e in seen] == [
+        (
+            "KubernetesRendezvousHandler.next_rendezvous",
+            "node pod-0 attempts to join the next round of run",
+            NodeState.RUNNING,
+            None,
+        ),
+        (
+            "KubernetesRendezvousHandler.next_rendezvous",
+            "node pod-0 joined round 1 of run as rank 0 in a world of 1",
+            NodeState.RUNNING,
+            0,
+        ),
+        ("KubernetesRendezvousHandler.shutdown", "node pod-0 left run", NodeState.SUCCEEDED, None),
+    ]

@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousStateError,
     rendezvous_handler_registry,
 )
 
@@ -122,6 +123,20 @@ def test_a_local_addr_that_does_not_resolve_is_refused_at_creation(pod_env: None
         )
 
 
+def test_a_second_agent_in_the_same_pod_fails_at_once_naming_why(
+    pod_env: None, built: list[RendezvousHandler]
+) -> None:
+    """Both would write one Lease under one node name; neither would be admitted."""
+    first = KubernetesRendezvousHandler.from_parameters(params())
+    built.append(first)
+    with pytest.raises(RendezvousStateError, match="another torchrun agent of pod trainer-0"):
+        KubernetesRendezvousHandler.from_parameters(params())
+    other_rendezvous = KubernetesRendezvousHandler.from_parameters(params("job-b"))
+    built.append(other_rendezvous)
+    first.shutdown()
+    built.append(KubernetesRendezvousHandler.from_parameters(params()))  # freed with it
+
+
 def test_broken_credentials_are_a_connection_error_that_says_where(
     pod_env: None, tmp_path: Path
 ) -> None:
@@ -144,7 +159,6 @@ def test_unknown_rdzv_conf_key_names_the_valid_ones(pod_env: None) -> None:
         ("join_timeout", "0", "1"),
         ("last_call_timeout", "-1", "0"),
         ("close_timeout", "0", "1"),
-        ("heartbeat_timeout", "2", "3"),
     ],
 )
 def test_a_timeout_below_its_least_value_is_refused_at_creation_naming_it(
@@ -181,8 +195,6 @@ def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
         "is_host": "true",
         "store_type": "tcp",
         "use_libuv": "1",
-        "keep_alive_interval": "5",
-        "keep_alive_max_attempt": "3",
         "cas_backoff_max_seconds": "2",
     }
     with caplog.at_level(logging.INFO, logger="k8s_rendezvous.config"):
@@ -191,6 +203,25 @@ def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
     unused = [r.getMessage() for r in caplog.records if "is not used by" in r.getMessage()]
     assert sorted(m.split()[1] for m in unused) == sorted(c10d)
     assert any("is_host is not used" in m and "rank 0 serves" in m for m in unused)
+
+
+def test_c10d_keep_alive_keys_make_the_liveness_window_and_heartbeat_timeout_one_renewal(
+    pod_env: None,
+) -> None:
+    """As in c10d: a node is dropped after keep_alive_interval x keep_alive_max_attempt
+    without a renewal, and heartbeat_timeout bounds one renewal (not the window)."""
+    settings = config.Settings.from_parameters(
+        params(keep_alive_interval="5", keep_alive_max_attempt="3", heartbeat_timeout="2"),
+        "team-a",
+    )
+    assert settings.configured_timeouts == {"heartbeatTimeoutSeconds": 15}
+    assert settings.heartbeat_timeout == 2
+    with pytest.raises(ValueError, match="keep_alive_interval x keep_alive_max_attempt=2 is below"):
+        config.Settings.from_parameters(
+            params(keep_alive_interval="1", keep_alive_max_attempt="2"), "team-a"
+        )
+    with pytest.raises(ValueError, match="heartbeat_timeout must be a positive number"):
+        config.Settings.from_parameters(params(heartbeat_timeout="0"), "team-a")
 
 
 def test_warm_start_starts_the_zygote_and_points_the_workers_at_it(
