@@ -265,6 +265,16 @@ class LocalPod:
         assert code is not None
         return code
 
+    def still_running_after(self, seconds: float) -> bool:
+        """Whether torchrun is still running ``seconds`` from now (answers as soon as it
+        exits)."""
+        assert self._process is not None, f"{self.name} was never started"
+        try:
+            self._process.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return True
+        return False
+
     def kill(self) -> None:
         """Node failure: SIGKILL the agent and its workers, then delete the Pod (grace 0)."""
         self.stop()

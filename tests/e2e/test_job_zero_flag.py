@@ -6,7 +6,9 @@ the pod IP is a loopback address, so reachable), and when the Job controller del
 a pod, it kills that pod's processes.
 
 Aspects: the world forms from the Job's pods alone; lowering parallelism shrinks it and
-raising it grows it again, and the job trains on through both.
+raising it grows it again, and the job trains on through both; a pod beyond the
+annotation's MAX waits as a spare past three join timeouts without failing (the Job's
+backoffLimit untouched), and takes the place of a member whose pod is deleted.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class JobPods:
         api: kubernetes.client.ApiClient,
         namespace: str,
         workdir: Path,
+        job: str = JOB,
     ) -> None:
+        self.job = job
         self.control_plane = control_plane
         self.api = api
         self.namespace = namespace
@@ -49,7 +53,7 @@ class JobPods:
         found = read_object(
             kubernetes.client.CoreV1Api(self.api).list_namespaced_pod,
             self.namespace,
-            label_selector=f"batch.kubernetes.io/job-name={JOB}",
+            label_selector=f"batch.kubernetes.io/job-name={self.job}",
         )
         return [
             p
@@ -60,7 +64,9 @@ class JobPods:
     def sync(self, count: int) -> list[LocalPod]:
         """Wait for ``count`` running pods; start new ones, kill the deleted ones' processes."""
         pods = wait_for(
-            lambda: p if len(p := self.pods()) == count else None, 60, f"{count} pods of {JOB}"
+            lambda: p if len(p := self.pods()) == count else None,
+            60,
+            f"{count} pods of {self.job}",
         )
         live = {p["metadata"]["name"] for p in pods}
         for name, node in self.nodes.items():
@@ -166,3 +172,76 @@ def test_plain_torchrun_in_a_job_survives_scale_down_and_up(
     timing("Job parallelism 2 -> 3 -> first step in world 6", grown.first_step_at - raised)
     assert grown.ranks == list(range(6))
     assert all(node.running() for node in grown_nodes), describe(grown_nodes)
+
+
+def test_a_spare_pod_outwaits_its_join_timeout_and_steps_in_without_failing_the_job(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    tmp_path: Path,
+) -> None:
+    join_timeout = 10
+    job = "spare"
+    pods = JobPods(control_plane, admin_api, workers_namespace, tmp_path / "pods", job=job)
+    try:
+        wait_for(
+            lambda: (
+                workers_namespace
+                in control_plane.kubectl("get", "mutatingwebhookconfigurations", "-o", "name").stdout
+            ),
+            30,
+            "webhook registered",
+        )
+        batch = kubernetes.client.BatchV1Api(admin_api)
+        batch.create_namespaced_job(
+            workers_namespace,
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {
+                    "name": job,
+                    "annotations": {
+                        "k8s-rendezvous.dev/nodes": "2",
+                        "k8s-rendezvous.dev/join-timeout": str(join_timeout),
+                    },
+                },
+                "spec": {
+                    "parallelism": 3,  # one beyond the world: a spare
+                    "backoffLimit": 1,
+                    "template": {
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "containers": [
+                                {
+                                    "name": "trainer",
+                                    "image": "example.invalid/trainer",
+                                    "command": ["torchrun", "train.py"],
+                                }
+                            ],
+                        }
+                    },
+                },
+            },
+        )
+        started = time.time()
+        nodes = pods.sync(3)
+
+        def members() -> list[LocalPod] | None:
+            training = [node for node in nodes if node.progress()]
+            return training if len(training) == 2 else None
+
+        wait_for(members, FORM_TIMEOUT, "two of the three pods train")
+        world = wait_world(members() or [], 4, after=started, timeout=FORM_TIMEOUT, min_step=1)
+        (spare,) = [node for node in nodes if node.name not in world.group_ranks]
+        assert spare.still_running_after(3 * join_timeout), describe(nodes)
+        status = batch.read_namespaced_job(job, workers_namespace).status
+        assert not status.failed and status.active == 3, status
+
+        lost = next(node for node in nodes if node is not spare)
+        survivor = next(node for node in nodes if node not in (spare, lost))
+        deleted = time.time()
+        lost.kill()
+        back = wait_world([survivor, spare], 4, after=deleted, timeout=FORM_TIMEOUT, min_step=1)
+        timing("member pod deleted -> first step with the spare in", back.first_step_at - deleted)
+    finally:
+        pods.stop_all()
