@@ -21,6 +21,7 @@ from typing import Any
 import kubernetes.client
 import pytest
 from tests.e2e.harness import LocalPod, describe, timing, wait_world
+from tests.support.jobs import wait_webhook_registered
 
 from devkit.cluster.controlplane import ControlPlane, read_object
 from devkit.waiting import wait_for
@@ -184,14 +185,7 @@ def test_a_spare_pod_outwaits_its_join_timeout_and_steps_in_without_failing_the_
     job = "spare"
     pods = JobPods(control_plane, admin_api, workers_namespace, tmp_path / "pods", job=job)
     try:
-        wait_for(
-            lambda: (
-                workers_namespace
-                in control_plane.kubectl("get", "mutatingwebhookconfigurations", "-o", "name").stdout
-            ),
-            30,
-            "webhook registered",
-        )
+        wait_webhook_registered(control_plane, workers_namespace)
         batch = kubernetes.client.BatchV1Api(admin_api)
         batch.create_namespaced_job(
             workers_namespace,
