@@ -1,11 +1,11 @@
 """Where Events go: the poster the reconciler is given (kopf's, in :mod:`.handlers`), and
-the budget that keeps a misbehaving pod from turning into as many Warnings."""
+the budgets that keep a misbehaving pod from turning into as many Warnings."""
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from k8s_rendezvous_operator import metrics
 
@@ -44,25 +44,48 @@ def rendezvous_targets(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     ]
 
 
-WARNING_BUDGET = 10
-"""Warning Events about bad node input per rendezvous and WARNING_WINDOW: a pod writing
-request after request must not turn into as many Events."""
 WARNING_WINDOW = datetime.timedelta(minutes=1)
+WARNING_BUDGETS: Final = {"rendezvous": 10, "pod": 10, "namespace": 30, "operator": 100}
+"""Warning Events about bad input per WARNING_WINDOW, for each rendezvous, each pod that
+caused them, each namespace and the operator as a whole. A pod picks the names it writes
+under, so a budget per rendezvous alone is one it can multiply (300 made-up rendezvous
+names gave 300 Warnings); its namespace's and the operator's bound it whatever it does."""
+BUDGETS_KEPT: Final = 1024
+"""Budgets kept before those with nothing in their window are dropped: memory a pod's
+made-up names cost is bounded by what it sent in one window."""
 
 
-class WarningBudget:
-    """At most :data:`WARNING_BUDGET` Events per rendezvous in any :data:`WARNING_WINDOW`;
-    the rest are counted (``k8s_rendezvous_events_suppressed_total``) and logged."""
+class WarningBudgets:
+    """Whether a Warning may be posted: only if every budget it falls under has room, and
+    then it counts in each. The rest are counted by level
+    (``k8s_rendezvous_events_suppressed_total``) and logged."""
 
     def __init__(self) -> None:
-        self._sent: list[datetime.datetime] = []
+        self._sent: dict[tuple[str, ...], list[datetime.datetime]] = {}
 
-    def allow(self, now: datetime.datetime) -> bool:
-        recent = [moment for moment in self._sent if now - moment < WARNING_WINDOW]
-        allowed = len(recent) < WARNING_BUDGET
-        if allowed:
-            recent.append(now)
-        else:
-            metrics.EVENTS_SUPPRESSED.inc()
-        self._sent = recent
-        return allowed
+    def allow(
+        self, now: datetime.datetime, namespace: str, rendezvous: str, pod: str | None = None
+    ) -> bool:
+        keys = [
+            ("operator",),
+            ("namespace", namespace),
+            ("rendezvous", namespace, rendezvous),
+            *([("pod", namespace, pod)] if pod is not None else []),
+        ]
+        recent = {key: self._recent(key, now) for key in keys}
+        full = next((key for key in keys if len(recent[key]) >= WARNING_BUDGETS[key[0]]), None)
+        if full is not None:
+            metrics.EVENTS_SUPPRESSED.labels(full[0]).inc()
+            return False
+        for key in keys:
+            self._sent[key] = [*recent[key], now]
+        if len(self._sent) > BUDGETS_KEPT:
+            self._sent = {k: v for k, v in self._sent.items() if self._recent(k, now)}
+        return True
+
+    def __len__(self) -> int:
+        """How many budgets are kept (each a few timestamps)."""
+        return len(self._sent)
+
+    def _recent(self, key: tuple[str, ...], now: datetime.datetime) -> list[datetime.datetime]:
+        return [moment for moment in self._sent.get(key, ()) if now - moment < WARNING_WINDOW]

@@ -96,14 +96,15 @@ class Jobs:
         memory.job = job
         self._jobs[key] = memory
         if job.spec is None:
-            if previous is None or previous.errors != job.errors:
+            if job.errors and (previous is None or previous.errors != job.errors):
                 for error in job.errors:
-                    self._post(
-                        [body],
-                        warning=True,
-                        reason=reasons.INVALID_ANNOTATION,
-                        message=error.message,
-                    )
+                    log.warning("Job %s/%s: %s", *key, error.message)
+                self._post(
+                    [body],
+                    warning=True,
+                    reason=reasons.INVALID_ANNOTATION,
+                    message=reasons.invalid_annotations([e.message for e in job.errors]),
+                )
             return
         if previous is None or previous.spec != job.spec:
             await self._ensure_rendezvous(key, body, job.spec)

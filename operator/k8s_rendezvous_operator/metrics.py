@@ -44,7 +44,9 @@ PODS_UNINJECTED: Final = Counter(
 )
 EVENTS_SUPPRESSED: Final = Counter(
     "k8s_rendezvous_events_suppressed_total",
-    "Warning Events about bad node input left out because a rendezvous exceeded its budget.",
+    "Warning Events about bad input left out, by the budget that was spent (rendezvous, "
+    "pod, namespace, operator).",
+    ["budget"],
 )
 QUEUE_DEPTH: Final = Gauge(
     "k8s_rendezvous_reconcile_queue_depth", "Rendezvous being reconciled or waiting to be."

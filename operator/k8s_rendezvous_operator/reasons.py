@@ -81,6 +81,17 @@ def waiter_expired(pod: str, timeout_seconds: int) -> str:
     )
 
 
+INVALID_ANNOTATIONS_NAMED: Final = 3
+"""How many of a Job's annotation errors its one Warning names (a Job may carry thousands
+of keys: one Event each would be as many)."""
+
+
+def invalid_annotations(errors: Sequence[str]) -> str:
+    named = "; ".join(errors[:INVALID_ANNOTATIONS_NAMED])
+    more = len(errors) - INVALID_ANNOTATIONS_NAMED
+    return named + (f"; and {more} more (the operator's log names each)" if more > 0 else "")
+
+
 def round_sealed(
     round_: int, members: Sequence[str], master: str, forming_seconds: float | None
 ) -> str:

@@ -83,7 +83,6 @@ class RendezvousMemory:
     """What its slices were last brought in step with."""
     node_labels: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """The labels of the Kubernetes nodes its pods run on (for its rank order)."""
-    warnings: events.WarningBudget = dataclasses.field(default_factory=events.WarningBudget)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -119,6 +118,7 @@ class Reconciler:
         self._again: set[Key] = set()
         self._starting = True
         self._unposted: list[tuple[Key, str, str]] = []
+        self._warnings = events.WarningBudgets()
         self._started_at = clock()
 
     def _memory(self, key: Key) -> RendezvousMemory:
@@ -215,6 +215,7 @@ class Reconciler:
                 self.known_body(key) or body,
                 reasons.INVALID_ENTRY,
                 reasons.invalid_entry(lease.node, problem),
+                pod=lease.node,
             )
         node.lease_problem = problem
         writer = None if deleted else lease.pod_uid
@@ -231,11 +232,18 @@ class Reconciler:
             entries[lease.node] = entry
         self.request(key)
 
-    def _warn(self, key: Key, body: Mapping[str, Any], reason: str, message: str) -> None:
+    def _warn(
+        self,
+        key: Key,
+        body: Mapping[str, Any],
+        reason: str,
+        message: str,
+        pod: str | None = None,
+    ) -> None:
         """A Warning on the Rendezvous (on ``body`` if it is not known), within budget;
         while starting, kept until the Rendezvous' first event."""
         log.warning("Rendezvous %s/%s: %s: %s", *key, reason, message)
-        if not self._memory(key).warnings.allow(self._clock()):
+        if not self._warnings.allow(self._clock(), *key, pod):
             return
         if self._starting:  # kopf posts no Events from startup, and knows no Rendezvous yet
             self._unposted.append((key, reason, message))
@@ -272,6 +280,7 @@ class Reconciler:
                     body,
                     reasons.WAITER_EXPIRED,
                     reasons.waiter_expired(pod, spec.heartbeat_timeout_seconds),
+                    pod=pod,
                 )
 
     def _report_refusals(
@@ -282,7 +291,7 @@ class Reconciler:
         for pod, refusal in refused.items():
             if memory.refused.get(pod) != refusal.reason:
                 metrics.NODES_REFUSED.labels(refusal.reason).inc()
-                self._warn(key, body, reasons.NODE_REFUSED, refusal.message)
+                self._warn(key, body, reasons.NODE_REFUSED, refusal.message, pod=pod)
         memory.refused = {pod: refusal.reason for pod, refusal in refused.items()}
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
@@ -711,7 +720,7 @@ class Reconciler:
             if (known := self.known_body(key)) is not None:
                 lease = state.lease_name(rendezvous, pod[1])
                 message = reasons.node_without_pod(pod[1], pod[0], lease)
-                self._warn(key, known, reasons.NODE_WITHOUT_POD, message)
+                self._warn(key, known, reasons.NODE_WITHOUT_POD, message, pod=pod[1])
         except Exception:
             log.exception("labelling pod %s/%s failed; it is retried on the next change", *pod)
         finally:

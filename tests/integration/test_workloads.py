@@ -99,6 +99,27 @@ def _get(rdzv: Rendezvous) -> dict[str, Any] | None:
         raise
 
 
+def test_a_job_with_thousands_of_bad_annotations_gets_one_warning(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    unknown = {f"k8s-rendezvous.dev/key-{index}": "x" for index in range(2000)}
+    make_job(admin_api, workers_namespace, "noisy", 2, {"k8s-rendezvous.dev/nodes": "2", **unknown})
+
+    def warnings() -> list[str]:
+        return [
+            m
+            for _, r, m in job_events(admin_api, workers_namespace, "noisy")
+            if r == "InvalidAnnotation"
+        ]
+
+    (warning,) = wait_for(lambda: w if (w := warnings()) else None, 30, "InvalidAnnotation")
+    assert "key-0='x': unknown key" in warning and warning.endswith(
+        "and 1997 more (the operator's log names each)"
+    ), warning
+    assert _get(Rendezvous(admin_api, workers_namespace, "noisy")) is None
+    assert len(warnings()) == 1
+
+
 @pytest.mark.parametrize(
     ("annotations", "named"),
     [

@@ -233,6 +233,58 @@ def test_bad_requests_from_many_pods_make_a_bounded_number_of_events(
     assert operator_metric(operator_process, SUPPRESSED) == 5
 
 
+@pytest.mark.metrics
+def test_pods_writing_under_made_up_rendezvous_names_get_their_namespaces_budget_of_events(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: MakeRendezvous,
+    operator_process: OperatorProcess,
+) -> None:
+    """The budget per rendezvous alone was one that pods multiply by naming rendezvous:
+    40 pods, each under a name of its own, get the namespace's 30 Warnings, 10 counted."""
+    # Once the operator runs: what it finds while starting waits for its Rendezvous.
+    ready = make_rendezvous(1, 1)
+    wait_for(lambda: "state" in (ready.body().get("status") or {}), 30, "operator running")
+    names = [f"flood-{index}" for index in range(40)]
+    for pod in create_pods(admin_api, workers_namespace, names):
+        flooder = Attacker(control_plane, workers_namespace, pod)
+        made_up = f"made-up-{flooder.name}"
+        kubernetes.client.CustomObjectsApi(flooder.api).create_namespaced_custom_object(
+            "coordination.k8s.io",
+            "v1",
+            workers_namespace,
+            "leases",
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": state.lease_name(made_up, flooder.name),
+                    "labels": {state.NODE_LABEL: made_up},
+                    "annotations": {state.ENTRY_ANNOTATION: "{not json"},
+                },
+                "spec": {"holderIdentity": flooder.name, "leaseDurationSeconds": 30},
+            },
+        )
+    wait_for(
+        lambda: (operator_metric(operator_process, SUPPRESSED) or 0) >= 10,
+        60,
+        "the Warnings past the namespace's budget counted",
+    )
+    core = kubernetes.client.CoreV1Api(admin_api)
+
+    def posted() -> list[str]:
+        return [
+            e.message
+            for e in core.list_namespaced_event(workers_namespace).items
+            if e.type == "Warning" and e.reason == "InvalidEntry"
+        ]
+
+    warnings = wait_for(lambda: w if len(w := posted()) >= 30 else None, 30, "30 Warnings")
+    assert len(warnings) == 30, warnings
+    assert operator_metric(operator_process, SUPPRESSED) == 10
+
+
 def operator_metric(operator: OperatorProcess, name: str) -> float | None:
     """The value of a counter, ``None`` while the endpoint is not serving yet."""
     port = next(
@@ -244,7 +296,9 @@ def operator_metric(operator: OperatorProcess, name: str) -> float | None:
     except urllib.error.URLError:
         return None
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))
     )
 
 
