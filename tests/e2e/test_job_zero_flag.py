@@ -21,7 +21,7 @@ from typing import Any
 import kubernetes.client
 import pytest
 from tests.e2e.harness import LocalPod, describe, timing, wait_world
-from tests.support.jobs import wait_webhook_registered
+from tests.support.jobs import make_job, wait_webhook_registered
 
 from devkit.cluster.controlplane import ControlPlane, read_object
 from devkit.waiting import wait_for
@@ -108,44 +108,16 @@ def test_plain_torchrun_in_a_job_survives_scale_down_and_up(
     workers_namespace: str,
     control_plane: ControlPlane,
 ) -> None:
-    wait_for(
-        lambda: (
-            workers_namespace
-            in control_plane.kubectl("get", "mutatingwebhookconfigurations", "-o", "name").stdout
-        ),
-        30,
-        "webhook registered",
-    )
+    wait_webhook_registered(control_plane, workers_namespace)
     batch = kubernetes.client.BatchV1Api(admin_api)
-    batch.create_namespaced_job(
+    make_job(
+        admin_api,
         workers_namespace,
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {
-                "name": JOB,
-                "annotations": {
-                    "k8s-rendezvous.dev/nodes": "2:3",
-                    "k8s-rendezvous.dev/last-call-timeout": "5",
-                },
-            },
-            "spec": {
-                "parallelism": 3,
-                "backoffLimit": 10,
-                "template": {
-                    "spec": {
-                        "restartPolicy": "Never",
-                        "containers": [
-                            {
-                                "name": "trainer",
-                                "image": "example.invalid/trainer",
-                                "command": ["torchrun", "train.py"],
-                            }
-                        ],
-                    }
-                },
-            },
-        },
+        JOB,
+        3,
+        {"k8s-rendezvous.dev/nodes": "2:3", "k8s-rendezvous.dev/last-call-timeout": "5"},
+        command=["torchrun", "train.py"],
+        backoffLimit=10,
     )
     started = time.time()
     nodes = job_pods.sync(3)
@@ -186,37 +158,19 @@ def test_a_spare_pod_outwaits_its_join_timeout_and_steps_in_without_failing_the_
     pods = JobPods(control_plane, admin_api, workers_namespace, tmp_path / "pods", job=job)
     try:
         wait_webhook_registered(control_plane, workers_namespace)
-        batch = kubernetes.client.BatchV1Api(admin_api)
-        batch.create_namespaced_job(
+        make_job(
+            admin_api,
             workers_namespace,
+            job,
+            3,  # one beyond the world: a spare
             {
-                "apiVersion": "batch/v1",
-                "kind": "Job",
-                "metadata": {
-                    "name": job,
-                    "annotations": {
-                        "k8s-rendezvous.dev/nodes": "2",
-                        "k8s-rendezvous.dev/join-timeout": str(join_timeout),
-                    },
-                },
-                "spec": {
-                    "parallelism": 3,  # one beyond the world: a spare
-                    "backoffLimit": 1,
-                    "template": {
-                        "spec": {
-                            "restartPolicy": "Never",
-                            "containers": [
-                                {
-                                    "name": "trainer",
-                                    "image": "example.invalid/trainer",
-                                    "command": ["torchrun", "train.py"],
-                                }
-                            ],
-                        }
-                    },
-                },
+                "k8s-rendezvous.dev/nodes": "2",
+                "k8s-rendezvous.dev/join-timeout": str(join_timeout),
             },
+            command=["torchrun", "train.py"],
+            backoffLimit=1,
         )
+        batch = kubernetes.client.BatchV1Api(admin_api)
         started = time.time()
         nodes = pods.sync(3)
 

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import kubernetes.client
 import pytest
-from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod, join_all
+from tests.support.fixtures import (
+    Joining,
+    Node,
+    Rendezvous,
+    create_pods,
+    delete_pod,
+    join_all,
+)
 from tests.support.node_process import NodeProcess
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -43,17 +50,25 @@ SPARE_TIMEOUTS = {"joinTimeoutSeconds": JOIN_TIMEOUT}
 HEARTBEAT_TIMEOUT = 3  # the CRD's minimum: nodes renew every second
 
 
+def full_round_and_a_spare(
+    make_rendezvous: Callable[..., Rendezvous], make_nodes: Callable[..., list[Node]], size: int
+) -> tuple[Rendezvous, list[Node], Node, Joining]:
+    """A round sealed with ``size`` members (its max), and a node waiting beyond it."""
+    rdzv = make_rendezvous(size, size)
+    members = make_nodes(rdzv, size)
+    join_all(members)
+    (spare,) = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)
+    waiting = spare.join_in_background()
+    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    return rdzv, members, spare, waiting
+
+
 def test_a_spare_outwaits_its_join_timeout_and_steps_in_when_a_member_is_lost(
     make_rendezvous: Callable[..., Rendezvous],
     make_nodes: Callable[..., list[Node]],
     admin_api: kubernetes.client.ApiClient,
 ) -> None:
-    rdzv = make_rendezvous(2, 2)
-    members = make_nodes(rdzv, 2)
-    join_all(members)
-    spare = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)[0]
-    waiting = spare.join_in_background()
-    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    rdzv, members, _, waiting = full_round_and_a_spare(make_rendezvous, make_nodes, 2)
     # Three join timeouts: c10d's redundancy list has no deadline, nor has ours.
     assert waiting.still_blocked_after(3 * JOIN_TIMEOUT), f"the spare gave up: {waiting.error!r}"
     assert rdzv.status().round == 1, "a spare does not disturb the full round"
@@ -69,12 +84,7 @@ def test_a_spare_no_longer_spare_gets_the_whole_join_timeout_afresh_then_times_o
     make_nodes: Callable[..., list[Node]],
     admin_api: kubernetes.client.ApiClient,
 ) -> None:
-    rdzv = make_rendezvous(2, 2)
-    members = make_nodes(rdzv, 2)
-    join_all(members)
-    spare = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)[0]
-    waiting = spare.join_in_background()
-    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    rdzv, members, spare, waiting = full_round_and_a_spare(make_rendezvous, make_nodes, 2)
     assert waiting.still_blocked_after(2 * JOIN_TIMEOUT), f"the spare gave up: {waiting.error!r}"
     # Both members lost and none rejoins: the round re-forms, and the spare alone cannot
     # make minNodes. It is no longer a spare, so its deadline runs again, from now.
@@ -90,12 +100,7 @@ def test_a_spare_ends_gracefully_when_the_rendezvous_closes(
     make_rendezvous: Callable[..., Rendezvous],
     make_nodes: Callable[..., list[Node]],
 ) -> None:
-    rdzv = make_rendezvous(1, 1)
-    (member,) = make_nodes(rdzv, 1)
-    join_all([member])
-    spare = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)[0]
-    waiting = spare.join_in_background()
-    rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    _, (member,), _, waiting = full_round_and_a_spare(make_rendezvous, make_nodes, 1)
     member.handler.set_closed()
     with pytest.raises(RendezvousGracefulExitError, match="waited as a spare"):
         waiting.wait(30)

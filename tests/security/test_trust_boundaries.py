@@ -42,6 +42,25 @@ class Attacker:
         self.api = control_plane.client_for_token(token)
         self._custom = kubernetes.client.CustomObjectsApi(self.api)
 
+    def write_unreadable_request(self, rendezvous: str) -> None:
+        """Create its Lease in ``rendezvous`` with a request no operator can read."""
+        self._custom.create_namespaced_custom_object(
+            "coordination.k8s.io",
+            "v1",
+            self.namespace,
+            "leases",
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": state.lease_name(rendezvous, self.name),
+                    "labels": {state.NODE_LABEL: rendezvous},
+                    "annotations": {state.ENTRY_ANNOTATION: "{not json"},
+                },
+                "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 30},
+            },
+        )
+
     def request(self, rendezvous: str, intent: state.NodeIntent, addr: str | None = None) -> None:
         """Write its Lease in ``rendezvous`` asking ``intent``, with ``addr`` (its own IP)."""
         entry = state.NodeEntry("attacker-1", 1, addr or self.ip, 29500, intent)
@@ -201,23 +220,7 @@ def test_bad_requests_from_many_pods_make_a_bounded_number_of_events(
     rdzv = make_rendezvous(1, 1)
     names = [f"noisy-{index}" for index in range(15)]
     for pod in create_pods(admin_api, workers_namespace, names):
-        noisy = Attacker(control_plane, workers_namespace, pod)
-        kubernetes.client.CustomObjectsApi(noisy.api).create_namespaced_custom_object(
-            "coordination.k8s.io",
-            "v1",
-            workers_namespace,
-            "leases",
-            {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {
-                    "name": state.lease_name(rdzv.name, noisy.name),
-                    "labels": {state.NODE_LABEL: rdzv.name},
-                    "annotations": {state.ENTRY_ANNOTATION: "{not json"},
-                },
-                "spec": {"holderIdentity": noisy.name, "leaseDurationSeconds": 30},
-            },
-        )
+        Attacker(control_plane, workers_namespace, pod).write_unreadable_request(rdzv.name)
     wait_for(
         lambda: (operator_metric(operator_process, SUPPRESSED) or 0) >= 5,
         30,
@@ -249,23 +252,7 @@ def test_pods_writing_under_made_up_rendezvous_names_get_their_namespaces_budget
     names = [f"flood-{index}" for index in range(40)]
     for pod in create_pods(admin_api, workers_namespace, names):
         flooder = Attacker(control_plane, workers_namespace, pod)
-        made_up = f"made-up-{flooder.name}"
-        kubernetes.client.CustomObjectsApi(flooder.api).create_namespaced_custom_object(
-            "coordination.k8s.io",
-            "v1",
-            workers_namespace,
-            "leases",
-            {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {
-                    "name": state.lease_name(made_up, flooder.name),
-                    "labels": {state.NODE_LABEL: made_up},
-                    "annotations": {state.ENTRY_ANNOTATION: "{not json"},
-                },
-                "spec": {"holderIdentity": flooder.name, "leaseDurationSeconds": 30},
-            },
-        )
+        flooder.write_unreadable_request(f"made-up-{flooder.name}")
     wait_for(
         lambda: (operator_metric(operator_process, SUPPRESSED) or 0) >= 10,
         60,

@@ -17,8 +17,12 @@ def make_job(
     name: str,
     parallelism: int,
     annotations: dict[str, str],
+    command: list[str] | None = None,
     **spec: Any,
 ) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "trainer", "image": "example.invalid/trainer"}
+    if command is not None:
+        container["command"] = command
     body = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -29,7 +33,7 @@ def make_job(
             "backoffLimit": spec.pop("backoffLimit", 6),
             "template": {
                 "spec": {
-                    "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
+                    "containers": [container],
                     "restartPolicy": "Never",
                 }
             },
