@@ -25,8 +25,10 @@ import dataclasses
 import datetime
 import enum
 import hashlib
+import ipaddress
 import json
 import math
+import re
 import zlib
 from collections.abc import Mapping
 from typing import Any, Final
@@ -56,6 +58,9 @@ close), never another node's join."""
 MAX_ROUND: Final = 10**12
 """The CRD's bound on ``status.round``: a round a second for 30,000 years, and far below
 the API server's integer limit, so that sealing the next round can always be written."""
+MAX_ATTEMPT: Final = 2**31 - 1
+"""The CRD's bound on a join request's ``attempt``: far more joins than an agent makes, and
+within the API server's integers, so that a pod cannot write one that no status can hold."""
 MAX_SLICES: Final = 1000
 """The CRD's bound on ``status.slices``: 100000 nodes (maxNodes' bound) in slices of 100."""
 
@@ -306,9 +311,28 @@ def _str(
     value = data.get(key, default)
     if not isinstance(value, str):
         raise DecodeError(f"{field}.{key}: expected a string, got {value!r}")
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # JSON's "\ud800": stored otherwise than it was read
+        raise DecodeError(f"{field}.{key}: not valid UTF-8 (a lone surrogate)") from None
     if max_length is not None and not 0 < len(value) <= max_length:
         raise DecodeError(f"{field}.{key}: must be 1 to {max_length} characters, got {len(value)}")
     return value
+
+
+_PRINTABLE: Final = re.compile(r"^[!-~]+\Z")
+
+
+def _canonical_ip(text: str, field: str) -> str:
+    """``text`` if it is an IP address as the API server writes pod IPs, so that one
+    address is stored, and compared with a pod's, in one form only."""
+    try:
+        canonical = str(ipaddress.ip_address(text))
+    except ValueError:
+        raise DecodeError(f"{field}: not an IP address: {text!r}") from None
+    if canonical != text:
+        raise DecodeError(f"{field}: {text!r} is not in canonical form; write {canonical!r}")
+    return canonical
 
 
 def _int(
@@ -554,10 +578,13 @@ class NodeEntry:
     def from_dict(cls, value: object, field: str) -> NodeEntry:
         # Bounded like every string the operator may copy into the status (members).
         data = _mapping(value, field)
+        instance = _str(data, "instance", field, max_length=64)
+        if not _PRINTABLE.match(instance):
+            raise DecodeError(f"{field}.instance: must be printable ASCII, got {instance!r}")
         return cls(
-            instance=_str(data, "instance", field, max_length=64),
-            attempt=_int(data, "attempt", field, minimum=1),
-            addr=_str(data, "addr", field, max_length=253),
+            instance=instance,
+            attempt=_int(data, "attempt", field, minimum=1, maximum=MAX_ATTEMPT),
+            addr=_canonical_ip(_str(data, "addr", field, max_length=253), f"{field}.addr"),
             store_port=_int(data, "storePort", field, minimum=1, maximum=65535),
             intent=_enum(NodeIntent, data, "intent", field),
         )

@@ -3,6 +3,7 @@ operator: it may speak only for itself and only in its own workload's rendezvous
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import Any
 
 import kubernetes.client
 import pytest
+from tests.support import fixtures
 from tests.support.fixtures import (
     Node,
     Rendezvous,
@@ -43,29 +45,18 @@ class Attacker:
         self._custom = kubernetes.client.CustomObjectsApi(self.api)
 
     def write_unreadable_request(self, rendezvous: str) -> None:
-        """Create its Lease in ``rendezvous`` with a request no operator can read."""
-        self._custom.create_namespaced_custom_object(
-            "coordination.k8s.io",
-            "v1",
-            self.namespace,
-            "leases",
-            {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {
-                    "name": state.lease_name(rendezvous, self.name),
-                    "labels": {state.NODE_LABEL: rendezvous},
-                    "annotations": {state.ENTRY_ANNOTATION: "{not json"},
-                },
-                "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 30},
-            },
-        )
+        """Write its Lease in ``rendezvous`` with a request no operator can read."""
+        self.write_entry(rendezvous, "{not json")
 
     def request(self, rendezvous: str, intent: state.NodeIntent, addr: str | None = None) -> None:
         """Write its Lease in ``rendezvous`` asking ``intent``, with ``addr`` (its own IP)."""
         entry = state.NodeEntry("attacker-1", 1, addr or self.ip, 29500, intent)
+        self.write_entry(rendezvous, entry.to_annotation())
+
+    def write_entry(self, rendezvous: str, text: str) -> None:
+        """Write ``text`` as the entry of its Lease in ``rendezvous`` (made if missing)."""
         name = state.lease_name(rendezvous, self.name)
-        annotations = {state.ENTRY_ANNOTATION: entry.to_annotation()}
+        annotations = {state.ENTRY_ANNOTATION: text}
         try:
             self._custom.patch_namespaced_custom_object(
                 "coordination.k8s.io",
@@ -204,6 +195,49 @@ def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_how_to
     message = wait_refused(rdzv, "has no controller owner and no spec.podSelector")
     assert "Set spec.podSelector to the labels of the job's pods." in message
     assert rdzv.status().state is state.RoundState.FORMING
+
+
+@pytest.mark.parametrize(
+    ("entry", "named"),
+    [
+        ('"attempt":18446744073709551616', "at most 2147483647"),
+        ('"instance":"\\ud800"', "not valid UTF-8"),
+        ('"addr":"[{ip}]"', "not an IP address"),
+    ],
+    ids=["attempt-2^64", "lone-surrogate", "bracketed-address"],
+)
+def test_a_members_poisoned_entry_drops_only_that_member(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: MakeRendezvous,
+    attach_nodes: Callable[..., list[Node]],
+    entry: str,
+    named: str,
+) -> None:
+    """Stored as written, each stalled every status write of the rendezvous (a number the
+    API server cannot hold) or made every round stale at once (a string stored otherwise
+    than read): now refused when read, so the others re-form without that member."""
+    rdzv = make_rendezvous(1, 2)
+    honest_pod, member_pod = create_pods(admin_api, workers_namespace, ["honest", "poisoner"])
+    honest, member = attach_nodes(rdzv, [honest_pod, member_pod], min_nodes=1, max_nodes=2)
+    join_all([honest, member])
+    poisoner = Attacker(control_plane, workers_namespace, member_pod)
+    fields = {"instance": "i", "attempt": 2, "addr": poisoner.ip, "storePort": 1}
+    text = ",".join(
+        f'"{key}":{json.dumps(value)}' for key, value in fields.items() if f'"{key}"' not in entry
+    )
+    poisoner.write_entry(rdzv.name, "{" + text + "," + entry.format(ip=poisoner.ip) + "}")
+    warning = wait_for(
+        lambda: next((m for _, r, m in rdzv.events() if r == "InvalidEntry"), None),
+        30,
+        "the poisoned entry named",
+    )
+    assert named in warning, warning
+    fixtures.wait_told_to_rejoin([honest], "the others are told to re-form")
+    (info,) = join_all([honest])
+    assert info.world_size == 1
+    assert [m.node for m in rdzv.status().members] == ["honest"]
 
 
 @pytest.mark.metrics

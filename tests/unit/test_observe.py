@@ -56,7 +56,14 @@ def test_an_unreadable_entry_is_a_named_problem() -> None:
         ('{"instance": "i"}', "attempt"),
         (state.NodeEntry("i" * 65, 1, "a", 1).to_annotation(), "1 to 64 characters"),
         (state.NodeEntry("i", 1, "a" * 254, 1).to_annotation(), "1 to 253 characters"),
-        (state.NodeEntry("i", 1, "a", 70000).to_annotation(), "at most 65535"),
+        (state.NodeEntry("i", 1, "a", 1).to_annotation(), "not an IP address"),
+        (state.NodeEntry("i", 1, "10.0.0.1", 70000).to_annotation(), "at most 65535"),
+        # Each would stall every status write, or make every round stale at once.
+        (state.NodeEntry("i", 2**64, "10.0.0.1", 1).to_annotation(), "at most 2147483647"),
+        ('{"instance": "\\ud800", "attempt": 1, "addr": "10.0.0.1", "storePort": 1}', "UTF-8"),
+        (state.NodeEntry("i", 1, "[fd00::1]", 1).to_annotation(), "not an IP address"),
+        (state.NodeEntry("i", 1, "FD00::1", 1).to_annotation(), "write 'fd00::1'"),
+        (state.NodeEntry("a b", 1, "10.0.0.1", 1).to_annotation(), "printable ASCII"),
     ]:
         seen = observe.observe_lease(lease(**{state.ENTRY_ANNOTATION: raw}))
         assert seen is not None and seen.entry is None

@@ -370,6 +370,10 @@ def test_the_crd_holds_each_spec_timeout_as_the_table_describes_it() -> None:
         if name.endswith("TimeoutSeconds")
     }
     assert in_crd == {t.field: (t.default, t.minimum) for t in state.SPEC_TIMEOUTS}
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for listed in ("members", "leftBehind"):
+        attempt = status["properties"][listed]["items"]["properties"]["attempt"]
+        assert attempt["maximum"] == state.MAX_ATTEMPT, "a request no status can hold is refused"
     for timeout in state.SPEC_TIMEOUTS:
         with pytest.raises(state.DecodeError, match=f"{timeout.field}: must be at least"):
             state.RendezvousSpec.from_dict(
