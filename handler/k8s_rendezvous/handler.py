@@ -388,12 +388,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         # nothing: a join request now would overwrite its Close, or join a round nobody
         # serves.
         if self._closed_locally or self._shut_down:
+            called = "shutdown()" if self._shut_down else "set_closed()"
             raise KubernetesRendezvousClosedError(
-                f"node {self._node} "
-                + ("shut down" if self._shut_down else "closed")
-                + f" {self._client.reference} (its "
-                + ("shutdown()" if self._shut_down else "set_closed()")
-                + "): it joins no further round. Start a new torchrun to join again."
+                f"node {self._node} called {called} on {self._client.reference}: it joins "
+                "no further round. Start a new torchrun to join again."
             )
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh socket, served on only if this node becomes rank 0.
