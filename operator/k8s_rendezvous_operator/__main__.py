@@ -83,6 +83,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "the environment (default: %(default)s)",
     )
     admission.add_argument(
+        "--webhook-max-connections",
+        type=int,
+        choices=range(1, 4097),
+        metavar="1..4096",
+        default=64,
+        help="connections the webhook serves at once (TLS handshakes included); more wait "
+        "in the kernel's queue, unanswered, until one ends (default: %(default)s)",
+    )
+    admission.add_argument(
         "--webhook-config-name",
         default="torchrun-env.k8s-rendezvous.dev",
         help="name of the MutatingWebhookConfiguration the operator keeps its webhook in "
@@ -166,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "cert_dir": args.webhook_cert_dir,
                 "config_name": args.webhook_config_name,
                 "timeout_seconds": args.webhook_timeout_seconds,
+                "max_connections": args.webhook_max_connections,
             },
         ),
     )

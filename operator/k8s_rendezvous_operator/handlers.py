@@ -17,7 +17,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import injection, kube, observe, webhook
+from k8s_rendezvous_operator import injection, jobs, kube, observe, webhook
 from k8s_rendezvous_operator.reconciler import Reconciler
 
 
@@ -157,13 +157,24 @@ def register_webhook() -> None:
 async def _configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.admission.server = webhook.server(memo["webhook"], memo.get("namespaces") or ())
     settings.admission.managed = None
+    # How long a pod whose Job the watch has not shown yet waits for its event. With a Job
+    # label selector the watch never shows the other Jobs, whose pods the webhook is sent
+    # all the same (a pod carries no Job label): none waits, and a selected Job's pod that
+    # outruns its Job's event is admitted without the env and reported (PodNotInjected).
+    memo["webhook_wait"] = (
+        0.0
+        if memo.get("job_label_selector")
+        else min(jobs.WATCH_WAIT_SECONDS, memo["webhook"]["timeout_seconds"] / 2)
+    )
 
 
 async def _inject_torchrun_env(
     body: kopf.Body, patch: kopf.Patch, namespace: str | None, memo: kopf.Memo, **_: Any
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
-    found = await reconciler.rendezvous_for_pod(namespace or body.metadata.namespace or "", body)
+    found = await reconciler.jobs.rendezvous_for_pod(
+        namespace or body.metadata.namespace or "", body, wait=memo["webhook_wait"]
+    )
     if found is not None:
         name, spec = found
         for key, value in injection.inject(body, name, spec).items():

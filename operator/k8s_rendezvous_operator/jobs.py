@@ -5,6 +5,7 @@ from here how many nodes a Job runs and when it finished."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -19,6 +20,12 @@ log = logging.getLogger(__name__)
 INJECTION_CHECK_DELAY_SECONDS = 1.0
 """How long after a Job's status change its pods are looked at: a burst of pod starts
 costs one request."""
+
+WATCH_WAIT_SECONDS = 1.0
+"""How long the webhook waits for the watch event of a pod's Job it has not seen yet
+(:meth:`Jobs.rendezvous_for_pod`): the Job controller makes a Job's pods only after it sees
+the Job, so the operator's event usually comes first and at worst trails by kopf's queue.
+Well below the webhook's timeout (5 s by default), after which the API server gives up."""
 
 
 @dataclasses.dataclass
@@ -52,6 +59,12 @@ class Jobs:
         self._known_rendezvous = known_rendezvous
         self._worker_role = worker_role
         self._jobs: dict[Key, JobMemory] = {}
+        self._watched: dict[Key, tuple[str, state.RendezvousSpec | None]] = {}
+        """Every Job the watch showed, annotated or not: its uid and its rendezvous spec
+        (``None``: none, or annotations that are refused). What the webhook answers from;
+        one small entry per Job in the watched namespaces."""
+        self._arrived = asyncio.Condition()
+        """Notified at each Job event: the webhook's requests waiting for their Job."""
         self._controllers: dict[Key, tuple[str, ...]] = {}
         """Per Job (namespace, uid) whose pods asked to join: the uids of its controllers,
         as :meth:`with_ancestors` read them."""
@@ -72,9 +85,11 @@ class Jobs:
         """An annotated Job changed: make or update its Rendezvous, report bad annotations,
         and let its parallelism and completion inform the rounds. Unannotated Jobs cost a
         scan of their annotations and nothing else."""
+        uid = (body.get("metadata") or {}).get("uid", "")
         if deleted:
-            self._controllers.pop((key[0], (body.get("metadata") or {}).get("uid", "")), None)
+            self._controllers.pop((key[0], uid), None)
         job = None if deleted else observe.observe_job(body)
+        await self._remember_for_webhook(key, uid, None if job is None else job.spec, deleted)
         if job is None:
             if (gone := self._jobs.pop(key, None)) and gone.injection_check:
                 gone.injection_check.cancel()
@@ -109,6 +124,16 @@ class Jobs:
         if previous is None or previous.spec != job.spec:
             await self._ensure_rendezvous(key, body, job.spec)
         self._request(key)
+
+    async def _remember_for_webhook(
+        self, key: Key, uid: str, spec: state.RendezvousSpec | None, deleted: bool
+    ) -> None:
+        if deleted:
+            self._watched.pop(key, None)
+            return
+        self._watched[key] = (uid, spec)
+        async with self._arrived:
+            self._arrived.notify_all()
 
     def _look_for_uninjected_pods(self, key: Key, memory: JobMemory, job_uid: str) -> None:
         """Soon, once for however many of the Job's status changes come meanwhile: its pods
@@ -249,10 +274,20 @@ class Jobs:
         await self._ensure_rendezvous(key, body, current.spec, again=True)
 
     async def rendezvous_for_pod(
-        self, namespace: str, pod: Mapping[str, Any]
+        self, namespace: str, pod: Mapping[str, Any], wait: float = WATCH_WAIT_SECONDS
     ) -> tuple[str, state.RendezvousSpec] | None:
-        """The rendezvous of the annotated Job that owns ``pod``, if any (for the webhook;
-        reads the Job when its watch event has not arrived yet)."""
+        """The rendezvous of the annotated Job that owns ``pod``, if any (for the webhook).
+
+        Answered from what the watches showed, never by a request to the API: anyone who
+        reaches the webhook's port can ask, as often as its connections allow. A Job the
+        watch has not shown is waited for, ``wait`` seconds at most (see
+        :data:`WATCH_WAIT_SECONDS`); then the pod gets no env. That is safe: the pod is
+        admitted as it would be with no webhook serving (failure policy Ignore), the
+        operator reports a pod of an annotated Job made so (PodNotInjected), and the Job
+        makes the env'd pod anew when that one is deleted. A request for a made-up Job
+        costs a waiter here for ``wait`` seconds (no more of them than the webhook's
+        connection limit) and nothing else.
+        """
         owner = next(
             (
                 o
@@ -261,25 +296,39 @@ class Jobs:
             ),
             None,
         )
-        if owner is None:
+        if owner is None or not isinstance(owner.get("name"), str):
             return None
         key = (namespace, owner["name"])
-        job = self.get(key)
-        if job is None or job.uid != owner.get("uid"):
-            body = await asyncio.to_thread(self._api.get_job, namespace, owner["name"])
-            job = observe.observe_job(body) if body is not None else None
-        if job is None or job.spec is None or job.uid != owner.get("uid"):
+        spec = await self._watched_spec(key, owner.get("uid"), wait)
+        if spec is None:
             return None
         rendezvous = self._known_rendezvous(key)
-        if rendezvous is None:
-            try:
-                rendezvous = await asyncio.to_thread(self._api.get_rendezvous, *key)
-            except kube.NotFound:
-                return owner["name"], job.spec  # not made yet: it will be, owned by the Job
-        owners = (rendezvous.get("metadata") or {}).get("ownerReferences") or []
-        if not any(o.get("uid") == job.uid for o in owners):
-            return None  # someone else's: its pods must not be sent there (RendezvousNotOwned)
-        return owner["name"], job.spec
+        if rendezvous is not None:
+            owners = (rendezvous.get("metadata") or {}).get("ownerReferences") or []
+            if not any(o.get("uid") == owner["uid"] for o in owners):
+                return None  # someone else's: its pods must not be sent there (RendezvousNotOwned)
+        # Unknown: the watch shows no Rendezvous of that name, so the operator makes it for
+        # this Job (and if another made it first, the pods are refused at their join).
+        return owner["name"], spec
+
+    async def _watched_spec(
+        self, key: Key, uid: object, wait: float
+    ) -> state.RendezvousSpec | None:
+        """The rendezvous spec of Job ``key`` if the watch showed it with ``uid``, waiting
+        up to ``wait`` seconds for its event."""
+
+        def watched() -> tuple[str, state.RendezvousSpec | None] | None:
+            found = self._watched.get(key)
+            return found if found is not None and found[0] == uid else None
+
+        if not isinstance(uid, str) or not uid:
+            return None
+        if (found := watched()) is None and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait), self._arrived:
+                    await self._arrived.wait_for(lambda: watched() is not None)
+            found = watched()
+        return None if found is None else found[1]
 
     async def with_ancestors(
         self,

@@ -19,6 +19,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import rest, state
+from k8s_rendezvous_operator import metrics
 
 ApiClient = client.ApiClient
 """The authenticated client the operator's API doors are made from."""
@@ -83,13 +84,25 @@ def _mapped(error: ApiException) -> ApiError:
     return kind(api_message(error), status)
 
 
+def resource_of(path: str) -> str:
+    """The resource an API ``path`` names (``/apis/batch/v1/namespaces/a/jobs/b`` ->
+    ``jobs``): a label of few values, unlike the path."""
+    parts = path.partition("?")[0].strip("/").split("/")
+    below = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if below[:1] == ["namespaces"] and len(below) > 2:
+        below = below[2:]
+    return below[0] if below else ""
+
+
 def _requester(api_client: client.ApiClient) -> Callable[..., dict[str, Any]]:
-    """``rest.Rest.request`` that raises only :class:`ApiError` and its kinds."""
+    """``rest.Rest.request`` that raises only :class:`ApiError` and its kinds, and counts
+    each request (``metrics.API_REQUESTS``)."""
     send = rest.Rest(api_client).request
 
     def request(
         method: str, path: str, body: object | None = None, **options: Any
     ) -> dict[str, Any]:
+        metrics.API_REQUESTS.labels(method, resource_of(path)).inc()
         try:
             return send(method, path, body, **options)
         except ApiException as error:

@@ -28,6 +28,12 @@ NODES_WAITING: Final = Gauge(
 API_ERRORS: Final = Counter(
     "k8s_rendezvous_api_errors_total", "Failed API calls of the operator.", ["kind"]
 )
+API_REQUESTS: Final = Counter(
+    "k8s_rendezvous_api_requests_total",
+    "Requests the operator sent the API server, besides kopf's watches and Events, by verb "
+    "and resource (the webhook sends none: it answers from the watches).",
+    ["verb", "resource"],
+)
 WRITE_CONFLICTS: Final = Counter(
     "k8s_rendezvous_write_conflicts_total",
     "Status writes refused because the object changed since it was read (then retried).",

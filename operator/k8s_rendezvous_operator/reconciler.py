@@ -162,12 +162,6 @@ class Reconciler:
     async def job_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         await self.jobs.seen(key, body, deleted)
 
-    async def rendezvous_for_pod(
-        self, namespace: str, pod: Mapping[str, Any]
-    ) -> tuple[str, state.RendezvousSpec] | None:
-        """The rendezvous of the annotated Job that owns ``pod``, if any (the webhook's)."""
-        return await self.jobs.rendezvous_for_pod(namespace, pod)
-
     def pod_seen(
         self,
         key: Key,

@@ -7,17 +7,31 @@ the timeout at 30 s and sends pods of every namespace): only pods with the
 ``batch.kubernetes.io/job-name`` label, only in the namespaces it watches, failure policy
 ``Ignore`` and a timeout of a few seconds, so that a down or hung operator never blocks a
 pod, and delays one by that much at most.
+
+It is served by :class:`BoundedServer`, not kopf's server: anyone who reaches the port can
+send it requests, so what one client can hold there is bounded (:class:`Limits`), and only
+the webhook's own path is served (anything else is a 404, before any parsing). What one
+request can cost the operator is bounded by :meth:`.jobs.Jobs.rendezvous_for_pod`, which
+answers from the Jobs the operator watches and never calls the API.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
 import logging
+import socket
+import ssl
 import tempfile
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import kopf
 
 from k8s_rendezvous_operator import kube
@@ -78,7 +92,8 @@ class RegisteringWebhookServer:
     MutatingWebhookConfiguration before kopf gets it.
 
     Args:
-        server: kopf's server (TLS, the listening socket, the routing to handlers).
+        server: The server (TLS, the listening socket, the routing to kopf):
+            :class:`BoundedServer`.
         service: ``NAMESPACE/NAME`` of the Service in front of the webhook, to register by
             Service reference (kube-apiserver reaches Services through its own service
             resolution, but usually cannot resolve their DNS names in a URL); ``""`` to
@@ -88,7 +103,7 @@ class RegisteringWebhookServer:
 
     def __init__(
         self,
-        server: kopf.WebhookServer,
+        server: kopf.WebhookServerProtocol,
         api: kube.OperatorApi,
         configuration: str,
         *,
@@ -144,6 +159,264 @@ class RegisteringWebhookServer:
             delay = min(delay * 2, 30.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the clients of the webhook port can hold of the operator, all of them
+    together: the port is reachable from wherever the cluster's network lets in (the
+    chart's NetworkPolicy narrows that where the cluster can express it)."""
+
+    max_connections: int = 64
+    """Connections served at once, TLS handshakes included. More wait in the kernel's
+    listen queue (as many again), unanswered until a served one ends; beyond that the
+    kernel drops them. The API server opens one per admission request in flight and
+    keeps it for the next, so a few per API server serve a burst of pod creations. A
+    client that holds them all only delays the webhook: its failure policy (Ignore) then
+    admits a pod without the env, which the operator reports (PodNotInjected)."""
+
+    idle_seconds: float = 5.0
+    """A connection that sends nothing for this long is closed: before its TLS handshake
+    is done, before its first request is complete, or between requests (the API server
+    opens a new one when it needs one). Also how long a TLS shutdown may wait for the
+    client, so a closed connection gives its slot back within twice this."""
+
+    request_seconds: float = 5.0
+    """The most one request may take from its headers to its answer, its body included:
+    the webhook's timeout (``--webhook-timeout-seconds``), after which the API server has
+    given up on it anyway."""
+
+    max_body_bytes: int = 3 * 1024 * 1024
+    """A larger body is refused (413) unread: the API server's own bound on a request's
+    body is 3 MiB, and a pod's AdmissionReview holds one pod."""
+
+
+class _Slot(asyncio.Protocol):
+    """aiohttp's protocol for one connection, giving the connection's slot back when the
+    connection ends (aiohttp's own server has no bound on its connections)."""
+
+    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
+        self._inner = inner
+        self._release = release
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            self._release()
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def _is_pod_creation(review: object) -> bool:
+    """Whether ``review`` is what the API server sends this webhook: an AdmissionReview of
+    a pod's creation (the only one it is registered for). Anything else is refused before
+    kopf sees it: kopf keeps a memo per object uid for any other operation."""
+    if not isinstance(review, dict) or not isinstance(request := review.get("request"), dict):
+        return False
+    return (
+        request.get("operation") == "CREATE"
+        and request.get("resource") == {"group": "", "version": "v1", "resource": "pods"}
+        and isinstance(request.get("uid"), str)
+        and isinstance(request.get("object"), dict)
+        and isinstance(request.get("userInfo"), dict)
+    )
+
+
+def _url(host: str, port: int) -> str:
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
+class BoundedServer:
+    """The webhook's HTTPS server (what kopf calls a webhook server): only the path
+    ``/torchrun-env``, within :class:`Limits`. It serves ``certfile`` and ``pkeyfile``,
+    registers ``cafile``, and starts anew when they change (a renewal).
+
+    Connections are accepted here, not by asyncio's server, so that one still in its TLS
+    handshake holds a slot too: asyncio tells nobody about a handshake that never ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        addr: str | None,
+        port: int,
+        host: str,
+        cafile: Path,
+        certfile: Path,
+        pkeyfile: Path,
+        limits: Limits,
+        file_check_interval: float = 60.0,
+    ) -> None:
+        self._addr = addr
+        self._port = port
+        self._host = host
+        self._files = (cafile, certfile, pkeyfile)
+        self._limits = limits
+        self._file_check_interval = file_check_interval
+
+    async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
+        async def serve(request: aiohttp.web.Request) -> aiohttp.web.Response:
+            return await self._serve(fn, request)
+
+        cafile, certfile, pkeyfile = self._files
+        while True:
+            digest = self._digest()
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(certfile, pkeyfile)
+            app = aiohttp.web.Application(client_max_size=self._limits.max_body_bytes)
+            app.add_routes([aiohttp.web.post(f"/{HANDLER_ID}", serve)])
+            runner = aiohttp.web.AppRunner(
+                app,
+                handle_signals=False,
+                access_log=None,
+                keepalive_timeout=self._limits.idle_seconds,
+                handler_cancellation=True,
+            )
+            await runner.setup()
+            listening = self._listen()
+            accepting = asyncio.create_task(self._accept(listening, runner, context))
+            try:
+                yield kopf.WebhookClientConfig(
+                    url=_url(self._host, self._port),
+                    caBundle=base64.b64encode(cafile.read_bytes()).decode("ascii"),
+                )
+                while self._digest() == digest:
+                    await asyncio.sleep(self._file_check_interval)
+                log.info("the webhook's certificate changed: serving the new one")
+            finally:
+                accepting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await accepting
+                listening.close()
+                await runner.cleanup()
+
+    def _digest(self) -> str:
+        hasher = hashlib.sha256()
+        for path in self._files:
+            hasher.update(path.read_bytes())
+        return hasher.hexdigest()
+
+    def _listen(self) -> socket.socket:
+        """The listening socket: ``addr``, or every address of both families (IPv4 alone
+        where the kernel has no IPv6). Its queue is as long as the connection limit."""
+        backlog = self._limits.max_connections
+        if self._addr:
+            family = socket.AF_INET6 if ":" in self._addr else socket.AF_INET
+            listening = socket.create_server(
+                (self._addr, self._port), family=family, backlog=backlog
+            )
+        else:
+            try:
+                listening = socket.create_server(
+                    ("", self._port), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=True
+                )
+            except (OSError, ValueError):
+                listening = socket.create_server(("", self._port), backlog=backlog)
+        listening.setblocking(False)
+        return listening
+
+    async def _accept(
+        self, listening: socket.socket, runner: aiohttp.web.AppRunner, context: ssl.SSLContext
+    ) -> None:
+        """Accept a connection only while a slot is free (a semaphore of
+        ``max_connections``); each gives its slot back when it ends, or when its TLS
+        handshake fails or outlasts ``idle_seconds``."""
+        loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(self._limits.max_connections)
+        starting: set[asyncio.Task[None]] = set()
+        assert runner.server is not None, "set up"
+        protocol = runner.server
+        try:
+            while True:
+                await slots.acquire()
+                try:
+                    connection, _ = await loop.sock_accept(listening)
+                except OSError as error:  # e.g. out of descriptors: the queue keeps them
+                    slots.release()
+                    log.warning("the webhook could not accept a connection: %s", error)
+                    await asyncio.sleep(self._limits.idle_seconds)
+                    continue
+                except BaseException:
+                    slots.release()
+                    raise
+                task = loop.create_task(self._start(connection, protocol, context, slots.release))
+                starting.add(task)
+                task.add_done_callback(starting.discard)
+        finally:
+            for task in starting:
+                task.cancel()
+
+    async def _start(
+        self,
+        connection: socket.socket,
+        protocol: Callable[[], asyncio.BaseProtocol],
+        context: ssl.SSLContext,
+        release: Callable[[], None],
+    ) -> None:
+        released = False
+
+        def release_once() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                release()
+
+        def slot() -> _Slot:
+            return _Slot(protocol(), release_once)  # type: ignore[arg-type]
+
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                slot,
+                connection,
+                ssl=context,
+                ssl_handshake_timeout=self._limits.idle_seconds,
+                ssl_shutdown_timeout=self._limits.idle_seconds,
+            )
+        except Exception as error:  # a failed or timed-out handshake: the client's doing
+            connection.close()
+            release_once()
+            log.debug("a webhook connection ended before its TLS handshake: %r", error)
+        except BaseException:  # the server stopping
+            connection.close()
+            release_once()
+            raise
+
+    async def _serve(
+        self, fn: kopf.WebhookFn, request: aiohttp.web.Request
+    ) -> aiohttp.web.Response:
+        try:
+            async with asyncio.timeout(self._limits.request_seconds):
+                review = json.loads(await request.read())
+                if not _is_pod_creation(review):
+                    raise aiohttp.web.HTTPBadRequest(
+                        reason="not an AdmissionReview of a pod's creation"
+                    )
+                transport = request.transport
+                answer = await fn(
+                    review,
+                    webhook=kopf.HandlerId(HANDLER_ID),
+                    headers=dict(request.headers),
+                    sslpeer=transport.get_extra_info("peercert") if transport else None,
+                )
+        except TimeoutError:
+            raise aiohttp.web.HTTPServiceUnavailable(reason="the request took too long") from None
+        except ValueError:  # not JSON, or not UTF-8
+            raise aiohttp.web.HTTPBadRequest(reason="not JSON") from None
+        return aiohttp.web.json_response(answer)
+
+
 def server(options: Mapping[str, Any], namespaces: Sequence[str]) -> RegisteringWebhookServer:
     """The webhook server the operator's ``--webhook-*`` ``options`` describe: its
     certificate from ``cert_dir``, or self-signed for ``host`` (and ``addr``)."""
@@ -158,13 +431,17 @@ def server(options: Mapping[str, Any], namespaces: Sequence[str]) -> Registering
         ca, cert, key = certificates.write_self_signed(
             directory, [options["host"], *([options["addr"]] if options["addr"] else [])]
         )
-    listening = kopf.WebhookServer(
+    listening = BoundedServer(
         addr=options["addr"] or None,
         port=options["port"],
         host=options["host"],
-        cafile=str(ca),
-        certfile=str(cert),
-        pkeyfile=str(key),
+        cafile=ca,
+        certfile=cert,
+        pkeyfile=key,
+        limits=Limits(
+            max_connections=options["max_connections"],
+            request_seconds=options["timeout_seconds"],
+        ),
     )
     return RegisteringWebhookServer(
         listening,

@@ -67,20 +67,22 @@ def operator_process(
     """The operator, running as its own process, watching the test's namespace.
 
     ``@pytest.mark.webhook`` also serves the admission webhook on 127.0.0.1 (a
-    MutatingWebhookConfiguration named after the namespace, removed afterwards);
+    MutatingWebhookConfiguration named after the namespace, removed afterwards), with the
+    marker's arguments as more ``--webhook-*`` flags;
     ``@pytest.mark.metrics`` serves Prometheus metrics on a free port.
     """
     extra: tuple[str, ...] = ()
     webhook_config = f"torchrun-env.{workers_namespace}.k8s-rendezvous.dev"
     if request.node.get_closest_marker("metrics"):
         extra += (f"--metrics-port={free_port()}",)
-    if request.node.get_closest_marker("webhook"):
+    if webhook_marker := request.node.get_closest_marker("webhook"):
         extra += (
             "--webhook",
             "--webhook-host=127.0.0.1",
             "--webhook-addr=127.0.0.1",
             f"--webhook-port={free_port()}",
             f"--webhook-config-name={webhook_config}",
+            *webhook_marker.args,
         )
     process = OperatorProcess(
         control_plane.kubeconfig,

@@ -10,8 +10,6 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-import kopf
-
 from k8s_rendezvous_operator import certificates, webhook
 
 
@@ -50,13 +48,14 @@ def test_a_service_reference_with_its_ca_bundle_is_registered_before_kopf_gets_i
     port = free_port()
     api = RecordingApi()
     server = webhook.RegisteringWebhookServer(
-        kopf.WebhookServer(
+        webhook.BoundedServer(
             addr="127.0.0.1",
             port=port,
             host="op-webhook.system.svc",
-            cafile=str(ca),
-            certfile=str(cert),
-            pkeyfile=str(key),
+            cafile=ca,
+            certfile=cert,
+            pkeyfile=key,
+            limits=webhook.Limits(),
         ),
         api,  # type: ignore[arg-type]
         "op.k8s-rendezvous.dev",
