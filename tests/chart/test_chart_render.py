@@ -301,6 +301,50 @@ def test_metrics_service_and_service_monitor_are_opt_in(helm: Helm) -> None:
     assert not [o for o in only_service if o["kind"] == "ServiceMonitor"]
 
 
+def test_the_network_policy_is_off_by_default_and_admits_to_the_webhook_only_the_sources_named(
+    helm: Helm,
+) -> None:
+    """On, the webhook port admits only networkPolicy.webhookFrom (what the cluster can say
+    of the API server's source), the metrics port every source, and nothing else is listed
+    (the kubelet's probes come from the pod's node, which NetworkPolicy always admits)."""
+    assert not [o for o in helm.template_objects() if o["kind"] == "NetworkPolicy"]
+    api_server = {"ipBlock": {"cidr": "10.0.0.0/24"}}
+    agents = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+        "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}},
+    }
+    objects = helm.template_objects(
+        "--set",
+        "networkPolicy.enabled=true",
+        "--set-json",
+        f"networkPolicy.webhookFrom={json.dumps([api_server, agents])}",
+        "--set",
+        "webhook.port=9555",
+    )
+    policy = find(objects, "NetworkPolicy", OPERATOR)
+    pod_labels = find(objects, "Deployment", OPERATOR)["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {"from": [api_server, agents], "ports": [{"port": 9555, "protocol": "TCP"}]},
+        {"ports": [{"port": 8081, "protocol": "TCP"}]},
+    ]
+    no_webhook = helm.template_objects(
+        *sets({"networkPolicy.enabled": "true", "webhook.enabled": "false"})
+    )
+    assert find(no_webhook, "NetworkPolicy", OPERATOR)["spec"]["ingress"] == [
+        {"ports": [{"port": 8081, "protocol": "TCP"}]}
+    ]
+
+
+def test_a_network_policy_that_names_no_source_for_the_webhook_is_refused(helm: Helm) -> None:
+    refused = helm.run(
+        "template", "x", str(CHART), "--set", "networkPolicy.enabled=true", check=False
+    )
+    assert refused.returncode != 0
+    assert "networkPolicy.enabled needs networkPolicy.webhookFrom" in refused.stderr
+
+
 def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
     objects = helm.template_objects("--namespace", "ops", "--set", "serviceAccount.name=rdzv")
     policy = find(objects, "ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases")
