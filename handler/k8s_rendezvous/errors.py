@@ -19,6 +19,7 @@ __all__ = [
     "KubernetesRendezvousStateError",
     "KubernetesRendezvousTimeoutError",
     "NodeNotAPodError",
+    "NodeRefusedError",
     "RendezvousNotFoundError",
 ]
 
@@ -53,3 +54,9 @@ class NodeNotAPodError(RendezvousError):
     """This node is not the pod it names (``POD_NAME``, else its token's pod or the
     hostname): the operator admits only pods of the rendezvous' workload, so no round can
     include it."""
+
+
+class NodeRefusedError(RendezvousError):
+    """The operator refused this node's join request (its pod is not of the rendezvous'
+    workload, or offers an address that is not its pod's): no round can include it. The
+    message is the operator's, naming the fix."""

@@ -69,6 +69,7 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousStateError,
     KubernetesRendezvousTimeoutError,
     NodeNotAPodError,
+    NodeRefusedError,
     RendezvousNotFoundError,
 )
 
@@ -83,7 +84,15 @@ annotated Job's) or its own pod's creator role to make it anew, before it gives 
 _NODE_CHECK_SECONDS: Final = 5.0
 """How long a node waits unadmitted before it checks, once, that it is the pod it names:
 a node no Pod stands for is never admitted, and would otherwise wait out its join
-timeout. Joins admitted sooner (the usual) pay no request for it."""
+timeout. Joins admitted sooner (the usual) pay no request for it. It is also when it
+first reads the Rendezvous for a refusal of its request (see
+:data:`_REFUSAL_CHECK_MAX_SECONDS`)."""
+_REFUSAL_CHECK_MAX_SECONDS: Final = 60.0
+"""A node that waits unadmitted reads the Rendezvous for a refusal of its request
+(``status.refused``) after :data:`_NODE_CHECK_SECONDS`, then twice as long each time up
+to this: its watch shows only round changes, not a refusal written within a round. So a
+refused node ends within seconds of the refusal it asked for, a spare waiting for hours
+costs one read a minute, and a join admitted within 5 s none."""
 _EXIT_BARRIER_KEY: Final = "torchelastic/agent/terminal_state/num_members"
 """The counter torch's elastic agent adds to, in its round's store, as it enters its exit
 barrier (``_TERMINAL_STATE_SYNC_ID`` with ``store_util.barrier``'s ``/num_members``): it
@@ -94,6 +103,11 @@ on a live peer's (a dead one refuses at once); only a partitioned rank 0 takes t
 _AGENT_FRAMES: Final = 4
 """How far up its callers ``next_rendezvous()`` looks for torch's agent on the in-place
 path (the agent's ``_rendezvous``, under its profiling wrapper)."""
+
+
+def _until(deadline: Callable[[], float], moment: float) -> Callable[[], float]:
+    """``deadline``, or ``moment`` if that comes first."""
+    return lambda: min(deadline(), moment)
 
 
 def _calling_agent(frame: FrameType | None) -> ElasticAgent | None:
@@ -463,7 +477,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             # has something to say about.
             deadline.follow(request, spec.max_nodes)
             try:
-                status = self._wait(deadline.judge, deadline, since, owner_uid)
+                status = self._wait(deadline.judge, deadline, since, owner_uid, request)
             except watch.RendezvousReplaced as replaced:
                 obj = self._made_anew(replaced.uid, deadline())
                 spec, owner_uid = self._check_spec(obj), self._owner_uid(obj)
@@ -480,6 +494,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 if deadline.spare:
                     raise self._spare_released(decision)
                 raise self._closed_error(decision)
+            if isinstance(decision, join.Refused):
+                self._withdraw()
+                raise NodeRefusedError(
+                    f"the operator refused node {self._node}'s request to join "
+                    f"{self._client.reference} ({decision.reason}): {decision.message}"
+                )
             if isinstance(decision, join.Admitted):
                 log.info(
                     "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
@@ -528,21 +548,38 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         deadline: Callable[[], float],
         since: int,
         uid: str,
+        request: state.NodeEntry,
     ) -> state.NodeView | None:
-        """The watcher's wait, with the one check that this node is a pod once it has
-        waited ``_NODE_CHECK_SECONDS`` unadmitted."""
-        if not self._node_checked:
-            check_at = time.monotonic() + _NODE_CHECK_SECONDS
-            status = self._watcher.wait(decided, lambda: min(deadline(), check_at), since, uid)
+        """The watcher's wait, with the checks of a node that waits unadmitted: once, after
+        :data:`_NODE_CHECK_SECONDS`, that it is a pod; then and later (see
+        :data:`_REFUSAL_CHECK_MAX_SECONDS`) a read of the status, returned if it refuses
+        ``request``."""
+        interval = _NODE_CHECK_SECONDS
+        while True:
+            check_at = time.monotonic() + interval
+            status = self._watcher.wait(decided, _until(deadline, check_at), since, uid)
             if status is not None or time.monotonic() >= deadline():
                 return status
             # Judged up to about now: on from the latest (judging it again changes nothing).
             since = self._watcher.mark()
-            self._node_checked = True
-            if (problem := self._not_this_pod()) is not None:
-                self._withdraw()
-                raise NodeNotAPodError(problem)
-        return self._watcher.wait(decided, deadline, since, uid)
+            if not self._node_checked:
+                self._node_checked = True
+                if (problem := self._not_this_pod()) is not None:
+                    self._withdraw()
+                    raise NodeNotAPodError(problem)
+            if (refusing := self._read_refusal(request)) is not None:
+                return refusing
+            interval = min(interval * 2, _REFUSAL_CHECK_MAX_SECONDS)
+
+    def _read_refusal(self, request: state.NodeEntry) -> state.NodeView | None:
+        """The stored status, if it refuses ``request`` (one read; a failed one says
+        nothing: the next check reads again)."""
+        try:
+            view = state.NodeView.from_dict(self._client.get().get("status"), self._node)
+        except (RendezvousError, state.DecodeError) as error:
+            log.debug("node %s could not read %s: %s", self._node, self._client.reference, error)
+            return None
+        return view if view.refusal_of(request) is not None else None
 
     def _not_this_pod(self) -> str | None:
         """Why this node is not the pod it names, if it can tell."""

@@ -7,6 +7,8 @@ it waits on the watched status (sync), asks :func:`decide` (decide), and serves 
 the round's store, writes a new request, or raises (apply). The rules, in order:
 
 1. The rendezvous is closed: :class:`Closed`, whatever else the status says.
+   Then, the operator refused the request (the pod is not of the workload, its address not
+   the pod's...): :class:`Refused`, with the operator's reason; no round can include it.
 2. The request holds a rank in the round shown: :class:`Admitted`, to that rank, even in a
    round gone stale since (seen late, e.g. after the watch lost track): rank 0 serves its
    store, a member gives up on a rank 0 that does not answer while the round is stale
@@ -55,6 +57,14 @@ class Closed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Refused:
+    """The operator does not count the request: its reason and message."""
+
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Rejoin:
     """The request is spent without a round to show for it: ask again (a new attempt)."""
 
@@ -67,7 +77,7 @@ class Wait:
     """Nothing to do yet: wait for the next status."""
 
 
-Decision: TypeAlias = Admitted | Closed | Rejoin | Wait
+Decision: TypeAlias = Admitted | Closed | Refused | Rejoin | Wait
 
 
 def decide(view: state.NodeView, request: state.NodeEntry) -> Decision:
@@ -75,6 +85,8 @@ def decide(view: state.NodeView, request: state.NodeEntry) -> Decision:
     status as this node reads it): the rules of this module's docstring, in order."""
     if view.state is state.RoundState.CLOSED:
         return Closed(view.closed_reason, view.closed_message)
+    if (refusal := view.refusal_of(request)) is not None:
+        return Refused(refusal.reason, refusal.message)
     rank = view.rank_of(request)
     if rank is not None:
         if view.master is None:  # a status edited by hand: a member list without a master

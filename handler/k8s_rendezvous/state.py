@@ -61,6 +61,13 @@ the API server's integer limit, so that sealing the next round can always be wri
 MAX_ATTEMPT: Final = 2**31 - 1
 """The CRD's bound on a join request's ``attempt``: far more joins than an agent makes, and
 within the API server's integers, so that a pod cannot write one that no status can hold."""
+MAX_REFUSED: Final = 16
+"""The most refused requests a status names (``status.refused``): enough for every pod of
+a misconfigured workload to learn why at once in a small job, and in a large one for the
+ones that read first; each refused pod also has its Warning. Bounded, as any pod of the
+namespace may write a request to be refused."""
+MAX_REFUSAL_MESSAGE: Final = 1024
+"""The CRD's bound on a refusal's message (longer ones are cut)."""
 MAX_SLICES: Final = 1000
 """The CRD's bound on ``status.slices``: 100000 nodes (maxNodes' bound) in slices of 100."""
 
@@ -680,6 +687,42 @@ class Master:
 
 
 @dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A join request the operator will not count, and why: written in the status so that
+    the refused node ends with the reason instead of waiting out its join timeout."""
+
+    node: str
+    instance: str
+    attempt: int
+    reason: str
+    message: str
+
+    def refuses(self, entry: NodeEntry) -> bool:
+        """Whether ``entry`` is the very request refused (a later one is judged anew)."""
+        return entry.instance == self.instance and entry.attempt == self.attempt
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "instance": self.instance,
+            "attempt": self.attempt,
+            "reason": self.reason,
+            "message": self.message[:MAX_REFUSAL_MESSAGE],
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> Refusal:
+        data = _mapping(value, field)
+        return cls(
+            node=_str(data, "node", field),
+            instance=_str(data, "instance", field),
+            attempt=_int(data, "attempt", field, minimum=1, maximum=MAX_ATTEMPT),
+            reason=_str(data, "reason", field),
+            message=_str(data, "message", field),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Condition:
     """A ``metav1.Condition``."""
 
@@ -751,6 +794,9 @@ class RendezvousStatus:
     """How many RendezvousSlices publish the round to the nodes (0: none, the nodes watch
     the Rendezvous). Fixed by the operator's first write (:func:`slice_count` of maxNodes
     then), so that a node's slice never moves under it."""
+    refused: tuple[Refusal, ...] = ()
+    """Requests not counted, with the reason (at most :data:`MAX_REFUSED`, by pod name):
+    the refused nodes read it and end (``NodeRefusedError``)."""
 
     @property
     def world_size(self) -> int:
@@ -796,6 +842,7 @@ class RendezvousStatus:
             "conditions": [condition.to_dict() for condition in self.conditions],
             "leftBehind": [member.to_dict(rank=None) for member in self.left_behind],
             "slices": self.slices,
+            "refused": [refusal.to_dict() for refusal in self.refused],
         }
 
     def slice_fields(self) -> list[dict[str, Any]]:
@@ -819,7 +866,7 @@ class RendezvousStatus:
             "slices": self.slices,
         }
         pieces: list[dict[str, Any]] = [
-            round_fields | {"slice": index, "members": [], "leftBehind": []}
+            round_fields | {"slice": index, "members": [], "leftBehind": [], "refused": []}
             for index in range(self.slices)
         ]
         for rank, member in enumerate(self.members):
@@ -828,6 +875,8 @@ class RendezvousStatus:
             pieces[slice_index(member.node, self.slices)]["leftBehind"].append(
                 member.to_dict(rank=None)
             )
+        for refusal in self.refused:
+            pieces[slice_index(refusal.node, self.slices)]["refused"].append(refusal.to_dict())
         return pieces
 
     def to_dict(self) -> dict[str, Any]:
@@ -864,6 +913,10 @@ class RendezvousStatus:
                 for index, item in enumerate(_list(data, "leftBehind", field))
             ),
             slices=_int(data, "slices", field, default=0, maximum=MAX_SLICES),
+            refused=tuple(
+                Refusal.from_dict(item, f"{field}.refused[{index}]")
+                for index, item in enumerate(_list(data, "refused", field))
+            ),
         )
 
 
@@ -896,6 +949,8 @@ class NodeView:
     closed_message: str | None = None
     slices: int = 0
     """See :attr:`RendezvousStatus.slices`: more than 0 tells the node to watch its slice."""
+    own_refusals: tuple[Refusal, ...] = ()
+    """This pod's entries in ``refused``."""
 
     @property
     def round_key(self) -> str:
@@ -908,6 +963,10 @@ class NodeView:
     def left_behind_with(self, entry: NodeEntry) -> bool:
         """See :meth:`RendezvousStatus.left_behind_with`."""
         return any(member.admits(entry) for member in self.own_left_behind)
+
+    def refusal_of(self, entry: NodeEntry) -> Refusal | None:
+        """Why the operator does not count ``entry``, if it said so."""
+        return next((refusal for refusal in self.own_refusals if refusal.refuses(entry)), None)
 
     @classmethod
     def from_dict(cls, value: object, node: str, field: str = "status") -> NodeView:
@@ -948,6 +1007,11 @@ class NodeView:
                 if type(item) is not dict or item.get("node") == node
             ),
             slices=_int(data, "slices", field, default=0, maximum=MAX_SLICES),
+            own_refusals=tuple(
+                Refusal.from_dict(item, f"{field}.refused[{index}]")
+                for index, item in enumerate(_list(data, "refused", field))
+                if type(item) is not dict or item.get("node") == node
+            ),
         )
 
 

@@ -226,7 +226,7 @@ def refusal(
             f"({workload.selector}): only the pods it selects may join it.",
         )
     if canonical_address(entry.addr) not in identity.addresses:
-        ips = ", ".join(sorted(identity.addresses)) or "none yet"
+        ips = ", ".join(sorted(identity.addresses))
         return Refusal(
             REFUSED_ADDRESS,
             f"pod {pod} offers address {entry.addr!r}, which is not one of its pod's IPs "
@@ -242,6 +242,16 @@ class Admission:
     """The requests the round decisions see."""
     refused: dict[str, Refusal]
     """Pods whose request is never counted, and why."""
+
+    def published(self, requests: Mapping[str, state.NodeEntry]) -> tuple[state.Refusal, ...]:
+        """The refusals the status names for the refused nodes to read, by pod name and at
+        most :data:`~k8s_rendezvous.state.MAX_REFUSED` of them."""
+        return tuple(
+            state.Refusal(
+                pod, requests[pod].instance, requests[pod].attempt, refusal.reason, refusal.message
+            )
+            for pod, refusal in sorted(self.refused.items())[: state.MAX_REFUSED]
+        )
 
 
 def admit(
@@ -273,6 +283,8 @@ def admit(
             continue
         if (writer := (writers or {}).get(pod)) is not None and writer != identity.uid:
             continue
+        if not identity.addresses:
+            continue  # the kubelet has not reported its IPs yet: nothing to check the address by
         problem = refusal(workload, pod, identity, entry)
         if problem is None:
             counted[pod] = entry

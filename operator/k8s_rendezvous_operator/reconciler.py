@@ -375,7 +375,7 @@ class Reconciler:
             memory.adopted = body["metadata"].get("uid", "")
             if await self._adopt(key, body, creator):
                 return False
-        requests, pods = await self._gather(key, body, spec, current)
+        requests, pods, refused = await self._gather(key, body, spec, current)
         job = self.jobs.owning(key, body)
         now = self._clock()
         decision = rounds.decide(
@@ -397,6 +397,7 @@ class Reconciler:
             generation=int(body["metadata"].get("generation", 0)),
             forming_since=memory.forming_since,
             first_write="state" not in (body.get("status") or {}),
+            refused=refused,
         )
         if looking := self._looking_at(namespace, decision.awaiting):
             await asyncio.wait(looking, timeout=10)
@@ -417,9 +418,11 @@ class Reconciler:
         body: Mapping[str, Any],
         spec: state.RendezvousSpec,
         current: state.RendezvousStatus,
-    ) -> tuple[dict[str, state.NodeEntry], dict[str, rounds.PodObservation]]:
-        """The requests that count (of pods of the workload), and what is known of their
-        pods; refusals reported, unknown pods looked up."""
+    ) -> tuple[
+        dict[str, state.NodeEntry], dict[str, rounds.PodObservation], tuple[state.Refusal, ...]
+    ]:
+        """The requests that count (of pods of the workload), what is known of their pods,
+        and the refusals for the status; refusals reported, unknown pods looked up."""
         namespace, name = key
         requests = dict(self._memory(key).entries)
         self._label_pods(namespace, name, requests)
@@ -446,11 +449,12 @@ class Reconciler:
             },
         )
         self._report_refusals(key, body, admission.refused)
+        refused = admission.published(requests)
         requests = admission.counted
         pods = {node: observation for node, observation in pods.items() if node in requests}
         if spec.rank_order_node_label:
             pods = await self._with_topology(key, spec.rank_order_node_label, requests, pods)
-        return requests, pods
+        return requests, pods, refused
 
     def _looking_at(self, namespace: str, nodes: tuple[str, ...]) -> list[asyncio.Task[None]]:
         """The labelling still under way of these pods, if they are still not observed:

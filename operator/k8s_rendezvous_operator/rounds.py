@@ -64,6 +64,7 @@ from k8s_rendezvous.state import (
     Member,
     NodeEntry,
     NodeIntent,
+    Refusal,
     RendezvousSpec,
     RendezvousStatus,
     RoundState,
@@ -680,6 +681,7 @@ def decide(
     generation: int = 0,
     forming_since: datetime.datetime | None = None,
     first_write: bool = False,
+    refused: tuple[Refusal, ...] = (),
 ) -> Decision:
     """Decide the next status of a rendezvous: apply :data:`RULES` in order.
 
@@ -700,6 +702,8 @@ def decide(
             was not written (rule 10).
         first_write: Nothing was written to the status yet: the write is due, and it fixes
             the slice count (``status.slices``) for good, so a node's slice never moves.
+        refused: The requests not counted, with why, for the refused nodes to read
+            (``status.refused``).
 
     Returns:
         The new status (unchanged fields included), whether to write it, what to look at
@@ -721,6 +725,7 @@ def decide(
         generation,
         first_write,
     )
+    status = dataclasses.replace(status, refused=refused)  # after ctx: a change is a write
     for rule in RULES:
         settled = rule(ctx, status)
         if isinstance(settled, Verdict):

@@ -24,6 +24,7 @@ from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import state
+from k8s_rendezvous.errors import NodeRefusedError
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -149,6 +150,31 @@ def test_a_pod_of_another_job_is_never_counted_or_ranked(
     assert sorted(m.node for m in sealed.members) == sorted(n.pod for n in victims)
     assert sealed.master is not None and sealed.master.addr in {n.addr for n in victims}
     assert len(refusals(rdzv)) == 1, "said once per pod"
+
+
+def test_a_node_of_another_job_ends_with_the_operators_reason(
+    two_jobs: tuple[Rendezvous, list[Node], Attacker],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: Callable[..., list[Node]],
+) -> None:
+    """Its own torchrun handler, with its pod's token: refused within seconds, not at its
+    join timeout (600 s), and the victims' round forms without it."""
+    rdzv, victims, attacker = two_jobs
+    (attacker_pod,) = running_pods(admin_api, workers_namespace, "attacker", 1)
+    (intruder,) = attach_nodes(rdzv, [attacker_pod], min_nodes=2, max_nodes=2)
+    joining = intruder.join_in_background()
+    infos = join_all(victims)
+    with pytest.raises(NodeRefusedError) as refused:
+        joining.wait(60)
+    assert str(refused.value) == (
+        f"the operator refused node {attacker.name}'s request to join Rendezvous "
+        f"{workers_namespace}/victim "
+        f"(OtherWorkload): pod {attacker.name} is controlled by Job/attacker, not by "
+        "Job/victim, which owns Rendezvous victim: only that workload's pods may join it."
+    )
+    assert sorted(info.rank for info in infos) == [0, 1]
+    assert [refusal.node for refusal in rdzv.status().refused] == [attacker.name]
 
 
 def test_a_pod_of_another_job_cannot_close_its_rendezvous(

@@ -1,7 +1,8 @@
 """The join step (k8s_rendezvous.join), table-driven and without any I/O: statuses as the
 operator writes them, read as a node reads them.
 
-Aspects: what a join does next for each status (admitted, closed, asked again, wait);
+Aspects: what a join does next for each status (admitted, closed, refused, asked again,
+wait);
 which requests a round admits (this very attempt of this very agent, nothing older); what
 num_nodes_waiting() answers after a join; when a joined round is stale.
 """
@@ -252,3 +253,33 @@ def test_a_node_is_a_spare_only_while_a_full_round_is_sealed_without_it(
 ) -> None:
     assert join.is_spare(status, REQUEST, max_nodes=1) is spare
     assert join.is_spare(status, REQUEST, max_nodes=2) is False or status.world_size >= 2
+
+
+def test_a_refused_request_ends_the_join_with_the_operators_reason() -> None:
+    refusal = state.Refusal(NODE, REQUEST.instance, REQUEST.attempt, "OtherWorkload", "why")
+    assert join.decide(view(refused=(refusal,)), REQUEST) == join.Refused("OtherWorkload", "why")
+    closed = view(state=CLOSED, closed_reason="Done", closed_message="m", refused=(refusal,))
+    assert isinstance(join.decide(closed, REQUEST), join.Closed), "a close says more"
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        state.Refusal(NODE, REQUEST.instance, REQUEST.attempt - 1, "OtherWorkload", "older"),
+        state.Refusal(NODE, "agent-before-restart", REQUEST.attempt, "OtherWorkload", "older"),
+        state.Refusal("pod-9", REQUEST.instance, REQUEST.attempt, "OtherWorkload", "another"),
+    ],
+    ids=["an-earlier-attempt", "an-earlier-agent", "another-pod"],
+)
+def test_a_refusal_of_another_request_is_not_this_ones(refused: state.Refusal) -> None:
+    assert join.decide(view(refused=(refused,)), REQUEST) == join.Wait()
+
+
+def test_a_sliced_round_carries_each_refusal_in_the_refused_nodes_slice() -> None:
+    refusal = state.Refusal(NODE, REQUEST.instance, REQUEST.attempt, "OtherWorkload", "why")
+    status = state.RendezvousStatus(slices=3, refused=(refusal,))
+    pieces = status.slice_fields()
+    own = state.slice_index(NODE, 3)
+    for index, piece in enumerate(pieces):
+        found = state.NodeView.from_dict(piece, NODE).refusal_of(REQUEST)
+        assert (found is not None) == (index == own)

@@ -333,3 +333,35 @@ def test_a_job_owned_rendezvous_needs_no_read_of_its_pods_job() -> None:
     assert membership.job_to_resolve_for(unowned, identity) is None, "nothing to reach"
     bare = membership.identify_pod(pod(controller_uid=None))
     assert membership.job_to_resolve_for(membership.workload_of(*jobset_rendezvous()), bare) is None
+
+
+def test_a_pod_whose_ips_are_not_reported_yet_is_held_back_not_refused() -> None:
+    body, spec = rendezvous()
+    admission = membership.admit(
+        membership.workload_of(body, spec),
+        {"train-0": entry()},
+        {"train-0": membership.identify_pod(pod(ips=()))},
+        frozenset(),
+    )
+    assert (admission.counted, admission.refused) == ({}, {})
+
+
+def test_the_status_names_a_bounded_number_of_refusals_by_pod_name() -> None:
+    body, spec = rendezvous()
+    names = [f"stranger-{index:02}" for index in range(state.MAX_REFUSED + 4)]
+    requests = {name: state.NodeEntry(f"i-{name}", 3, "10.1.0.5", 29500) for name in names}
+    admission = membership.admit(
+        membership.workload_of(body, spec),
+        requests,
+        {name: membership.identify_pod(pod(name, controller_uid="job-uid-2")) for name in names},
+        frozenset(),
+    )
+    published = admission.published(requests)
+    assert [refusal.node for refusal in published] == names[: state.MAX_REFUSED]
+    first = published[0]
+    assert (first.instance, first.attempt, first.reason) == (
+        "i-stranger-00",
+        3,
+        membership.REFUSED_OTHER_WORKLOAD,
+    )
+    assert first.message == admission.refused["stranger-00"].message

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from k8s_rendezvous.state import (
     NodeEntry,
     NodeIntent,
+    Refusal,
     RendezvousSpec,
     RendezvousStatus,
     RoundState,
@@ -662,3 +663,15 @@ def test_a_seal_awaits_the_members_whose_pods_were_never_observed() -> None:
     assert decision.sealed
     assert decision.awaiting == ("b",)
     assert world.decide().awaiting == (), "nothing sealed: nothing to await"
+
+
+def test_the_refusals_are_written_with_the_status_and_a_change_of_them_is_a_write() -> None:
+    spec = RendezvousSpec(2, 2, "run")
+    refusal = Refusal("stranger", "i9", 1, "OtherWorkload", "not of the workload")
+    first = rounds.decide(spec, RendezvousStatus(), {}, {}, T0, first_write=True)
+    assert first.status.refused == ()
+    refused = rounds.decide(spec, first.status, {}, {}, T0, refused=(refusal,))
+    assert (refused.write, refused.status.refused) == (True, (refusal,))
+    again = rounds.decide(spec, refused.status, {}, {}, T0, refused=(refusal,))
+    assert not again.write
+    assert rounds.decide(spec, refused.status, {}, {}, T0).write, "a refusal gone is a write"
