@@ -27,6 +27,7 @@ from tests.support.fixtures import (
     wait_told_to_rejoin,
 )
 from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from devkit.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from devkit.operator import OperatorProcess
@@ -381,78 +382,71 @@ def test_a_hung_operator_never_blocks_the_pods_its_webhook_is_sent(
     assert not pod["spec"]["containers"][0].get("env"), "admitted without the environment"
 
 
-def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
-    admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
-) -> None:
-    bind_creator_role(control_plane, workers_namespace)
-    apps = kubernetes.client.AppsV1Api(admin_api)
-    created = apps.create_namespaced_stateful_set(
-        workers_namespace,
+def statefulset_pods(
+    admin_api: kubernetes.client.ApiClient, namespace: str, name: str, replicas: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """StatefulSet ``name``'s uid and its ``replicas`` pods, once each has an IP."""
+    created = kubernetes.client.AppsV1Api(admin_api).create_namespaced_stateful_set(
+        namespace,
         {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": {"name": "sts"},
+            "metadata": {"name": name},
             "spec": {
-                "replicas": 2,
-                "serviceName": "sts",
+                "replicas": replicas,
+                "serviceName": name,
                 "podManagementPolicy": "Parallel",
-                "selector": {"matchLabels": {"app": "sts"}},
+                "selector": {"matchLabels": {"app": name}},
                 "template": {
-                    "metadata": {"labels": {"app": "sts"}},
+                    "metadata": {"labels": {"app": name}},
                     "spec": {"containers": [{"name": "t", "image": "example.invalid/t"}]},
                 },
             },
         },
     )
     core = kubernetes.client.CoreV1Api(admin_api)
-    pods = wait_for(
-        lambda: (
-            p
-            if len(
-                p := [
-                    x
-                    for x in read_object(
-                        core.list_namespaced_pod, workers_namespace, label_selector="app=sts"
-                    )["items"]
-                    if x["status"].get("podIP")
-                ]
-            )
-            == 2
-            else None
-        ),
-        60,
-        "2 StatefulSet pods running",
+
+    def running() -> list[dict[str, Any]] | None:
+        listed = read_object(core.list_namespaced_pod, namespace, label_selector=f"app={name}")
+        pods = [pod for pod in listed["items"] if pod["status"].get("podIP")]
+        return pods if len(pods) == replicas else None
+
+    return created.metadata.uid, wait_for(running, 60, f"{replicas} StatefulSet pods running")
+
+
+def pod_node(
+    control_plane: ControlPlane, namespace: str, pod: dict[str, Any], rendezvous: str, nodes: int
+) -> Node:
+    """A handler in ``pod``, with its own token, for ``rendezvous`` of ``nodes`` nodes."""
+    token = control_plane.token_for(
+        namespace, "default", pod_name=pod["metadata"]["name"], pod_uid=pod["metadata"]["uid"]
     )
-    nodes = []
-    for pod in pods:
-        token = control_plane.token_for(
-            workers_namespace,
-            "default",
-            pod_name=pod["metadata"]["name"],
-            pod_uid=pod["metadata"]["uid"],
-        )
-        api = control_plane.client_for_token(token)
-        client = kube.RendezvousClient(api, workers_namespace, "sts-train", retry_seconds=20)
-        handler = KubernetesRendezvousHandler(
-            client,
-            run_id="sts-train",
-            node=pod["metadata"]["name"],
-            addr=pod["status"]["podIP"],
-            min_nodes=2,
-            max_nodes=2,
-        )
-        nodes.append(Node(handler.node, handler.addr, handler, api))
+    api = control_plane.client_for_token(token)
+    client = kube.RendezvousClient(api, namespace, rendezvous, retry_seconds=20)
+    handler = KubernetesRendezvousHandler(
+        client,
+        run_id=rendezvous,
+        node=pod["metadata"]["name"],
+        addr=pod["status"]["podIP"],
+        min_nodes=nodes,
+        max_nodes=nodes,
+    )
+    return Node(handler.node, handler.addr, handler, api)
+
+
+def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
+) -> None:
+    bind_creator_role(control_plane, workers_namespace)
+    sts_uid, pods = statefulset_pods(admin_api, workers_namespace, "sts", 2)
+    nodes = [pod_node(control_plane, workers_namespace, pod, "sts-train", 2) for pod in pods]
     try:
         infos = join_all(nodes)
         assert sorted(i.rank for i in infos) == [0, 1]
         rdzv = Rendezvous(admin_api, workers_namespace, "sts-train")
         body = rdzv.body()
         (owner,) = body["metadata"]["ownerReferences"]
-        assert (owner["kind"], owner["name"], owner["uid"]) == (
-            "StatefulSet",
-            "sts",
-            created.metadata.uid,
-        )
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("StatefulSet", "sts", sts_uid)
         assert (body["spec"]["minNodes"], body["spec"]["maxNodes"], body["spec"]["runId"]) == (
             2,
             2,
@@ -460,6 +454,30 @@ def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
         )
     finally:
         for node in nodes:
+            node.handler.shutdown()
+            node.api.close()
+
+
+def test_set_closed_before_the_rendezvous_exists_makes_it_closed_as_with_c10d(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
+) -> None:
+    """c10d's set_closed() writes a closed state where there was none: a node that closes
+    first makes the Rendezvous (its creator role), the operator closes it, and the other
+    node's next_rendezvous() raises RendezvousClosedError instead of waiting to join."""
+    bind_creator_role(control_plane, workers_namespace)
+    _, pods = statefulset_pods(admin_api, workers_namespace, "early", 2)
+    closing, late = (pod_node(control_plane, workers_namespace, pod, "early", 2) for pod in pods)
+    try:
+        closing.handler.set_closed()
+        assert closing.handler.is_closed()
+        rdzv = Rendezvous(admin_api, workers_namespace, "early")
+        closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed by the operator")
+        assert closed.closed_reason is not None
+        with pytest.raises(RendezvousClosedError):
+            late.handler.next_rendezvous()
+        assert late.handler.is_closed()
+    finally:
+        for node in (closing, late):
             node.handler.shutdown()
             node.api.close()
 
