@@ -9,6 +9,7 @@ exits, and holds for both backends unless a test says why not.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,51 @@ def test_double_agent_elasticity(job: Job, tmp_path: Path) -> None:
     assert sorted(shrunk) == [0, 1], result
     assert all(v["value"] == {"world_size": 2, "steps": 3} for v in shrunk.values()), result
     assert result["group_world_size"] == 1 and result["group_rank"] == 0, result
+
+
+SPARE_JOIN_TIMEOUT = 10
+"""Short, so that a spare outwaits it three times over within the test."""
+
+
+@pytest.mark.parametrize("job", ["kubernetes"], indirect=True)
+def test_a_spare_outwaits_its_join_timeout_and_takes_a_lost_members_place(
+    job: Job, tmp_path: Path
+) -> None:
+    # A third node of a 2:2 job waits as a spare (torch 2.3+'s c10d: its redundancy list)
+    # with no deadline while the world trains, undisturbed by it; a member's agent is
+    # killed (SIGKILL, and its pod deleted) and the spare takes its place.
+    #
+    # No c10d control: c10d's spare also outwaits its join timeout undisturbed, but once
+    # promoted it never completes the round (2 of 2 runs): the survivor's agent waits 60 s
+    # for the round's role infos and fails with DistStoreError, and the spare, waiting for
+    # MASTER_ADDR in the survivor's store, with DistNetworkError when that store goes.
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    spec = Agent("train_until_replaced", 1, (str(marks), 3))
+    first, victim = job.start(
+        [spec, spec], min_nodes=2, max_nodes=2, max_restarts=1, join_timeout=SPARE_JOIN_TIMEOUT
+    )
+
+    def training() -> set[str]:
+        return {mark.name for mark in marks.iterdir() if mark.name.startswith("2-")}
+
+    wait_for(lambda: len(training()) == 2, 180, "a world of 2 training")
+    (spare,) = job.start(
+        [spec], min_nodes=2, max_nodes=2, max_restarts=1, join_timeout=SPARE_JOIN_TIMEOUT
+    )
+    started = training()
+    waited_until = time.monotonic() + 3 * SPARE_JOIN_TIMEOUT
+    while time.monotonic() < waited_until:  # the spare's wait is the scenario, not a sync
+        assert spare.container.returncode is None, job.describe()
+        assert training() == started, "the spare disturbed the world"
+        time.sleep(1)
+    (marks / "replaced").touch()
+    victim.container.kill()
+    results = job.wait([first, spare])
+    replaced = returned(results)
+    assert sorted(replaced) == [0, 1], results
+    assert all(v["world_size"] == 2 and v["steps"] == 3 for v in replaced.values()), results
+    assert victim.container.returncode == -9
 
 
 def test_exit_barrier_waits_for_a_slower_agent(job: Job) -> None:

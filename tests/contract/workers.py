@@ -113,6 +113,27 @@ def train_until_shrunk(marks: str, full_world: int, steps: int) -> dict[str, int
     return {"world_size": world, "steps": done}
 
 
+def train_until_replaced(marks: str, steps: int) -> dict[str, int]:
+    """A world started before the file ``replaced`` exists all_reduces forever (only a
+    lost peer ends it, with an error); one started after it, ``steps`` all_reduces and
+    return. Each worker first leaves a mark (``<world>-<rank>-<pid>``) so the test knows
+    which world trains."""
+    replaced = (Path(marks) / "replaced").exists()
+    dist.init_process_group(backend="gloo")
+    world = dist.get_world_size()
+    (Path(marks) / f"{world}-{_rank()}-{os.getpid()}").touch()
+    done = 0
+    while not replaced or done < steps:
+        total = torch.tensor(1)
+        dist.all_reduce(total)
+        if int(total.item()) != world:
+            raise RuntimeError(f"all_reduce of ones gave {total.item()} in a world of {world}")
+        done += 1
+        time.sleep(0.2)  # simulated work per step
+    dist.destroy_process_group()
+    return {"world_size": world, "steps": done, "pid": os.getpid()}
+
+
 def sleep_then_rank(seconds: float) -> int:
     time.sleep(seconds)  # simulated work
     return _rank()
