@@ -21,6 +21,10 @@ from devkit.cluster.controlplane import ControlPlane, build_binaries, to_model
 
 ATTACH_ENV = "K8S_RDZV_KUBECONFIG_DIR"
 
+pytest_plugins = ("tests.support.fixtures",)
+"""The rendezvous fixtures (operator, namespace, Rendezvous, nodes) for every test folder;
+a folder's conftest adds its own or overrides one."""
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the binaries before any test runs (outside pytest-timeout's per-test budget:

@@ -6,7 +6,6 @@ own of, only when every watcher held its own rank in it."""
 from __future__ import annotations
 
 import kubernetes
-from tests.support.fixtures import rendezvous_crd  # noqa: F401  (fixture)
 
 from bench import fanout
 
@@ -14,7 +13,7 @@ from bench import fanout
 def test_every_watcher_holds_its_rank_in_the_delivered_round(
     admin_api: kubernetes.client.ApiClient,
     namespace: str,
-    rendezvous_crd: None,  # noqa: F811
+    rendezvous_crd: None,
 ) -> None:
     chosen = ((1, 1, 0), (2, 3, 0), (2, 3, 2))
     found = fanout.measure(admin_api, namespace, layouts=chosen, repeats=1, members=8)

@@ -8,10 +8,6 @@ from collections.abc import Iterator
 import kubernetes.client
 import pytest
 
-# The rendezvous fixtures (make_rendezvous, make_nodes and whatever they need) and helm;
-# workers_namespace is overridden below.
-from tests.support.fixtures import *  # noqa: F403
-
 from devkit import chart
 from devkit.cluster.controlplane import ControlPlane
 

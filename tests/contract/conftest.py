@@ -13,13 +13,6 @@ from tests.contract.job import (
     Place,
     backend_param,
 )
-from tests.support.fixtures import (  # noqa: F401  (fixtures)
-    make_rendezvous,
-    operator_process,
-    recorded,
-    rendezvous_crd,
-    workers_namespace,
-)
 
 
 @pytest.fixture(params=[backend_param(backend) for backend in BACKENDS])

@@ -15,12 +15,6 @@ from tests.controllers import fixtures as fixtures_of_controllers
 from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
 from tests.controllers.kubelet import Kubelet
 from tests.support import fixtures
-from tests.support.fixtures import (  # noqa: F401  (fixtures)
-    operator_process,
-    recorded,
-    rendezvous_crd,
-    workers_namespace,
-)
 
 from devkit.cluster.controlplane import ControlPlane
 

@@ -6,13 +6,6 @@ from pathlib import Path
 import kubernetes.client
 import pytest
 from tests.e2e.harness import LocalPods, describe
-from tests.support.fixtures import (  # noqa: F401  (fixtures)
-    make_rendezvous,
-    operator_process,
-    recorded,
-    rendezvous_crd,
-    workers_namespace,
-)
 
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
@@ -22,8 +15,8 @@ from devkit.operator import OperatorProcess
 def pods(
     control_plane: ControlPlane,
     admin_api: kubernetes.client.ApiClient,
-    workers_namespace: str,  # noqa: F811
-    operator_process: OperatorProcess,  # noqa: F811
+    workers_namespace: str,
+    operator_process: OperatorProcess,
     tmp_path: Path,
 ) -> Iterator[LocalPods]:
     """Local torchrun "pods" in the test's namespace, stopped by PID at teardown, with each

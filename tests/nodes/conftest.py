@@ -17,7 +17,6 @@ import kubernetes.client
 import pytest
 from tests.controllers import fixtures as fixtures_of_controllers
 from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
-from tests.support.fixtures import cluster_helm, helm  # noqa: F401  (fixtures)
 
 from devkit import chart
 from devkit.cluster import images
@@ -52,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 def node_pool(
     pytestconfig: pytest.Config,
     control_plane: ControlPlane,
-    cluster_helm: chart.Helm,  # noqa: F811
+    cluster_helm: chart.Helm,
     admin_api: kubernetes.client.ApiClient,
     node_images: dict[str, images.ImageArchive],
     tmp_path_factory: pytest.TempPathFactory,
