@@ -267,8 +267,9 @@ class RendezvousClient:
 
         Without ``resource_version`` the API server starts from the current state: the
         object comes first as ADDED (if it exists and passes the filter), so no separate
-        read is needed. Raises ``ApiException`` (410 when ``resource_version`` is too old)
-        and transport errors unmapped: the caller's loop retries from the current state.
+        read is needed. Raises the pod side's errors, as every call here does (an expired
+        ``resource_version``'s 410 is a ``KubernetesRendezvousConnectionError``): the
+        caller's loop watches again from the current state.
 
         Each event is decoded once, from its bytes. (The kubernetes client's ``Watch``
         decodes it three times: loads, dumps, loads; a sealed round of 1000 members is
@@ -283,17 +284,23 @@ class RendezvousClient:
         ]
         if resource_version is not None:
             query.append(("resourceVersion", resource_version))
-        response = self._rest.stream(path, query, timeout=(10, timeout_seconds + 10))
+        try:
+            response = self._rest.stream(path, query, timeout=(10, timeout_seconds + 10))
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._error("watch", error, budget=0) from error
         try:
             for line in _lines(response.stream(amt=None, decode_content=False)):
                 event = json.loads(line)
                 kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":  # a metav1.Status, e.g. 410 Gone: resourceVersion too old
-                    raise ApiException(
+                    ended = ApiException(
                         status=obj.get("code"),
                         reason=f"{obj.get('reason')}: {obj.get('message')}",
                     )
+                    raise self._error("watch", ended, budget=0)
                 yield kind, obj
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._error("watch", error, budget=0) from error
         finally:
             # A stream read to its end has already gone back to the pool; one left early
             # has not been read to its end, so its connection cannot be used again.
@@ -366,14 +373,14 @@ class RendezvousClient:
                     f"could not {target}: the API server rejected it ({reason}). Check that "
                     "the CRD installed matches this k8s-rendezvous version."
                 )
+            within = f" within {budget:.0f} s" if budget else ""
             return KubernetesRendezvousConnectionError(
-                f"could not {target} within {budget:.0f} s: the API server "
-                f"answered {status} ({reason})."
+                f"could not {target}{within}: the API server answered {status} ({reason})."
             )
+        unreachable = f"unreachable for {budget:.0f} s" if budget else "unreachable"
         return KubernetesRendezvousConnectionError(
-            f"could not {target}: the API server at {self._rest.server} was unreachable for "
-            f"{budget:.0f} s ({error}). Check the pod's network and that the API "
-            "server is up."
+            f"could not {target}: the API server at {self._rest.server} was {unreachable} "
+            f"({error}). Check the pod's network and that the API server is up."
         )
 
 

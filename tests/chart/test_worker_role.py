@@ -10,6 +10,7 @@ import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
 from tests.support.fixtures import Rendezvous, create_pods
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from devkit.cluster.controlplane import ControlPlane
 from k8s_rendezvous import kube, state
@@ -92,14 +93,15 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
             state.GROUP, state.VERSION, elsewhere, state.PLURAL
         )
     )
+    # The pod side's watch says so in its own error, naming the role to bind.
     stranger = kube.RendezvousClient(api, elsewhere, "train", retry_seconds=5)
-    assert "cannot watch resource" in forbidden(
-        lambda: next(stranger.watch_unless(None, None, timeout_seconds=10))
-    )
+    with pytest.raises(RendezvousConnectionError, match="answered 403") as refused:
+        next(stranger.watch_unless(None, None, timeout_seconds=10))
+    assert 'cannot watch resource "rendezvous"' in str(refused.value)
+    assert "bind the ClusterRole k8s-rendezvous-worker" in str(refused.value)
     sliced = state.slice_name("train", 0)
-    assert 'cannot watch resource "rendezvousslices"' in forbidden(
-        lambda: next(stranger.watch_unless(None, None, timeout_seconds=10, slice_name=sliced))
-    )
+    with pytest.raises(RendezvousConnectionError, match="rendezvousslices"):
+        next(stranger.watch_unless(None, None, timeout_seconds=10, slice_name=sliced))
     forbidden(
         lambda: custom.create_namespaced_custom_object(
             "coordination.k8s.io",

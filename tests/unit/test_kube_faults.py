@@ -8,7 +8,8 @@ restarted API server refuses until its authorizer is ready), then name the role 
 404 names the ways to make the Rendezvous; 422 is a state error; a join creates the node's
 Lease once (a refused create is retried as a create), then merge-patches it without a
 resourceVersion (joins never conflict), and re-creates it if it was deleted, with the node's
-request even when a heartbeat finds it gone.
+request even when a heartbeat finds it gone; a watch that cannot start, or ends with an
+expired version, raises the pod side's own error, never the client library's.
 """
 
 from __future__ import annotations
@@ -234,3 +235,45 @@ def test_a_refusal_that_asks_to_wait_is_retried_no_sooner(server: tuple[str, Scr
     assert rendezvous_client(host).get()["metadata"]["name"] == "r"
     refused, served = script.arrivals
     assert served - refused >= 1.0
+
+
+class ExpiredWatch(QuietHandler):
+    """A watch that ends at once with the API server's 410: the version asked for is older
+    than its watch cache keeps."""
+
+    def do_GET(self) -> None:
+        line = {
+            "type": "ERROR",
+            "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"},
+        }
+        data = (json.dumps(line) + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_an_expired_watch_is_the_pod_sides_connection_error() -> None:
+    with serving(ExpiredWatch) as host:
+        events = rendezvous_client(host).watch_unless(None, "7", timeout_seconds=5)
+        with pytest.raises(RendezvousConnectionError, match=r"answered 410 \(Expired: too old\)"):
+            next(events)
+
+
+def test_a_watch_refused_at_its_start_is_the_pod_sides_error(server: tuple[str, Script]) -> None:
+    host, script = server
+    script.statuses = [403]
+    events = rendezvous_client(host).watch_unless(None, None, timeout_seconds=5)
+    with pytest.raises(RendezvousConnectionError, match="ClusterRole k8s-rendezvous-worker"):
+        next(events)
+    assert len(script.requests) == 1, "the watcher's loop retries, not the client"
+
+
+def test_a_watch_of_an_unreachable_api_server_says_so() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    events = rendezvous_client(f"http://127.0.0.1:{port}").watch_unless(None, None, 5)
+    with pytest.raises(RendezvousConnectionError, match="was unreachable \\("):
+        next(events)
