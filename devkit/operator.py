@@ -47,7 +47,16 @@ class OperatorProcess:
 
     def start(self) -> None:
         assert self._process is None or self._process.poll() is not None, "already running"
-        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
+        # Its temporary files (the webhook's self-signed certificate) beside its log, not
+        # in /tmp: a process stopped with SIGKILL cannot remove them itself.
+        temporary = self.log_path.with_name(f"{self.log_path.name}.tmp")
+        temporary.mkdir(exist_ok=True)
+        env = {
+            **os.environ,
+            **self.env,
+            "KUBECONFIG": str(self.kubeconfig),
+            "TMPDIR": str(temporary),
+        }
         env.pop("KUBERNETES_SERVICE_HOST", None)
         args = [sys.executable, "-m", "k8s_rendezvous_operator", "--liveness="]
         if self.verbose:

@@ -18,12 +18,14 @@ answers from the Jobs the operator watches and never calls the API.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import socket
 import ssl
 import tempfile
@@ -428,6 +430,7 @@ def server(options: Mapping[str, Any], namespaces: Sequence[str]) -> Registering
         ca, cert, key = directory / "ca.crt", directory / "tls.crt", directory / "tls.key"
     else:
         directory = Path(tempfile.mkdtemp(prefix="k8s-rendezvous-webhook-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
         ca, cert, key = certificates.write_self_signed(
             directory, [options["host"], *([options["addr"]] if options["addr"] else [])]
         )
