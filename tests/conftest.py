@@ -67,6 +67,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     os._exit(int(session.exitstatus))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """torch's processes (agents, workers) make their inductor cache in /tmp, where it
+    would outlive the session: it goes under the session's own directory instead."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("torchinductor")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def control_plane(pytestconfig: pytest.Config) -> Iterator[ControlPlane]:
     attach_dir = os.environ.get(ATTACH_ENV)

@@ -204,9 +204,14 @@ class Job:
                 "result": str(node.result_path),
                 "rdzv_conf": {"join_timeout": join_timeout},
             }
+            # torch's spawned workers leave an error file in TMPDIR when they fail: the
+            # node's own directory, not /tmp.
+            temporary = self.workdir / f"tmp-{node.index}"
+            temporary.mkdir()
             node.container.spawn(
                 [sys.executable, "-m", "tests.contract.agent", json.dumps(config)],
-                {"LOGLEVEL": "INFO"},  # torch's agent logs its rounds and restarts
+                # torch's agent logs its rounds and restarts
+                {"LOGLEVEL": "INFO", "TMPDIR": str(temporary)},
             )
         return nodes
 
