@@ -42,7 +42,11 @@ class PodClient:
             "metadata": {
                 "name": name,
                 "labels": labels,
-                "annotations": {state.ENTRY_ANNOTATION: ENTRY.to_annotation()},
+                "annotations": {
+                    state.ENTRY_ANNOTATION: ENTRY.to_annotation(),
+                    # As the handler marks every write, with the pod-bound token's pod uid.
+                    **({state.POD_UID_ANNOTATION: self.uid} if self.uid else {}),
+                },
             },
             "spec": {"holderIdentity": holder, "leaseDurationSeconds": 30},
         }
@@ -135,10 +139,15 @@ def test_a_pod_marks_its_lease_only_with_its_own_uid(
     assert pod_a.patch_lease(own, mark(pod_a.uid))
     message = denied(lambda: pod_a.patch_lease(own, mark("the-uid-of-a-pod-before")))
     assert (
-        f"pod pod-a may mark its rendezvous Lease only with its own uid ({pod_a.uid}), not "
+        f"pod pod-a must mark its rendezvous Lease with its own uid ({pod_a.uid}), not "
         "k8s-rendezvous.dev/pod-uid: the-uid-of-a-pod-before: the operator counts a Lease only"
         " for the pod that wrote it"
     ) in message
+    # Nor unmark it: the mark is what tells the operator which pod of that name wrote it.
+    unmarked = {"metadata": {"annotations": {state.POD_UID_ANNOTATION: None}}}
+    message = denied(lambda: pod_a.patch_lease(own, unmarked))
+    assert f"must mark its rendezvous Lease with its own uid ({pod_a.uid}), not" in message
+    assert "k8s-rendezvous.dev/pod-uid: (none)" in message
 
 
 def test_a_pod_cannot_speak_for_another_node(pod_a: PodClient, rendezvous: Rendezvous) -> None:
@@ -199,7 +208,9 @@ def test_the_long_form_of_a_lease_name_is_the_pods_own_only(
     token = control_plane.token_for(
         workers_namespace, "default", pod_name=long_pod, pod_uid=pod["metadata"]["uid"]
     )
-    client = PodClient(control_plane.client_for_token(token), workers_namespace)
+    client = PodClient(
+        control_plane.client_for_token(token), workers_namespace, pod["metadata"]["uid"]
+    )
     own = state.lease_name("train", long_pod)
     assert own != f"train.{long_pod}", "shortened"
     assert client.create_lease(own, long_pod, "train")["metadata"]["name"] == own
@@ -312,7 +323,7 @@ def test_leases_without_the_rendezvous_label_are_not_concerned(
     token = control_plane.token_for(
         namespace, "elector", pod_name="controller", pod_uid=pod["metadata"]["uid"]
     )
-    client = PodClient(control_plane.client_for_token(token), namespace)
+    client = PodClient(control_plane.client_for_token(token), namespace, pod["metadata"]["uid"])
     assert client.create_lease("some-controller-lock", "someone-else", rendezvous=None)
     # Also when that controller's pods may use the rendezvous too: it updates Leases.
     control_plane.kubectl(
