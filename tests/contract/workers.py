@@ -101,15 +101,7 @@ def train_until_shrunk(marks: str, full_world: int, steps: int) -> dict[str, int
     world = dist.get_world_size()
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
     (Path(marks) / f"{world}-{_rank()}-{restart}").touch()
-    done = 0
-    while world >= full_world or done < steps:
-        total = torch.tensor(1)
-        dist.all_reduce(total)
-        if int(total.item()) != world:
-            raise RuntimeError(f"all_reduce of ones gave {total.item()} in a world of {world}")
-        done += 1
-        time.sleep(0.2)  # simulated work per step
-    dist.destroy_process_group()
+    done = _train(world, None if world >= full_world else steps)
     return {"world_size": world, "steps": done}
 
 
@@ -122,8 +114,15 @@ def train_until_replaced(marks: str, steps: int) -> dict[str, int]:
     dist.init_process_group(backend="gloo")
     world = dist.get_world_size()
     (Path(marks) / f"{world}-{_rank()}-{os.getpid()}").touch()
+    done = _train(world, steps if replaced else None)
+    return {"world_size": world, "steps": done, "pid": os.getpid()}
+
+
+def _train(world: int, steps: int | None) -> int:
+    """All-reduce ones ``steps`` times (forever if ``None``: only a lost peer ends it, with
+    an error), checking each sum; then leave the group. Returns the steps done."""
     done = 0
-    while not replaced or done < steps:
+    while steps is None or done < steps:
         total = torch.tensor(1)
         dist.all_reduce(total)
         if int(total.item()) != world:
@@ -131,7 +130,7 @@ def train_until_replaced(marks: str, steps: int) -> dict[str, int]:
         done += 1
         time.sleep(0.2)  # simulated work per step
     dist.destroy_process_group()
-    return {"world_size": world, "steps": done, "pid": os.getpid()}
+    return done
 
 
 def sleep_then_rank(seconds: float) -> int:

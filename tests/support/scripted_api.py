@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from k8s_rendezvous import state
+from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 
 class ScriptedRendezvousClient:
@@ -21,6 +22,19 @@ class ScriptedRendezvousClient:
         self.joins: list[state.NodeEntry] = []
         self._changed = threading.Condition()
         self._object = self._versioned(1, None)
+
+    def handler(self, node: str, **options: Any) -> KubernetesRendezvousHandler:
+        """The handler of pod ``node`` on 127.0.0.1 over this client, for the spec's
+        nodes and run id (``options``: more of the handler's arguments)."""
+        return KubernetesRendezvousHandler(
+            self,  # type: ignore[arg-type]
+            run_id=self.spec.run_id,
+            node=node,
+            addr="127.0.0.1",
+            min_nodes=self.spec.min_nodes,
+            max_nodes=self.spec.max_nodes,
+            **options,
+        )
 
     def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
         """The status the operator writes after ``entry``'s join (``None``: no change)."""

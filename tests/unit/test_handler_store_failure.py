@@ -17,7 +17,6 @@ from tests.support.scripted_api import ScriptedRendezvousClient
 
 from k8s_rendezvous import state
 from k8s_rendezvous.errors import KubernetesRendezvousConnectionError
-from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=30)
 
@@ -53,15 +52,7 @@ class SealedWithUnreachableRank0(ScriptedRendezvousClient):
 def connection_error_of_rank_1(master_port: int) -> KubernetesRendezvousConnectionError:
     """What ``next_rendezvous()`` of pod-1 raises when sealed as rank 1 of a round whose
     rank 0's store is at ``master_port``."""
-    handler = KubernetesRendezvousHandler(
-        SealedWithUnreachableRank0(master_port),
-        run_id="run",
-        node="pod-1",
-        addr="127.0.0.1",
-        min_nodes=2,
-        max_nodes=2,
-        read_timeout=1,
-    )
+    handler = SealedWithUnreachableRank0(master_port).handler("pod-1", read_timeout=1)
     try:
         with pytest.raises(KubernetesRendezvousConnectionError) as error:
             handler.next_rendezvous()

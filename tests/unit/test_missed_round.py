@@ -11,7 +11,6 @@ from __future__ import annotations
 from tests.support.scripted_api import ScriptedRendezvousClient
 
 from k8s_rendezvous import state
-from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=20)
 OTHER = state.Member("pod-0", "other", 1, "10.0.0.1")
@@ -41,15 +40,7 @@ class MissedRound(ScriptedRendezvousClient):
 
 def test_a_node_left_behind_by_a_round_it_missed_joins_again() -> None:
     client = MissedRound(SPEC)
-    handler = KubernetesRendezvousHandler(
-        client,  # type: ignore[arg-type]
-        run_id="run",
-        node="pod-1",
-        addr="127.0.0.1",
-        min_nodes=2,
-        max_nodes=2,
-        read_timeout=5,
-    )
+    handler = client.handler("pod-1", read_timeout=5)
     try:
         info = handler.next_rendezvous()
     finally:

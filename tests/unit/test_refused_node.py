@@ -14,7 +14,6 @@ from tests.support.scripted_api import ScriptedRendezvousClient
 
 from k8s_rendezvous import state
 from k8s_rendezvous.errors import NodeRefusedError
-from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=60)
 MESSAGE = "pod pod-1 is controlled by Job/other, not by Job/run: only that workload's pods"
@@ -53,15 +52,7 @@ class RefusedUnseen(ScriptedRendezvousClient):
 
 def test_a_refused_node_ends_with_the_operators_reason_its_watch_never_showed() -> None:
     client = RefusedUnseen(SPEC)
-    handler = KubernetesRendezvousHandler(
-        client,  # type: ignore[arg-type]
-        run_id="run",
-        node="pod-1",
-        addr="127.0.0.1",
-        min_nodes=2,
-        max_nodes=2,
-        read_timeout=5,
-    )
+    handler = client.handler("pod-1", read_timeout=5)
     try:
         with pytest.raises(NodeRefusedError) as refused:
             handler.next_rendezvous()
