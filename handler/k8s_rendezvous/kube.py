@@ -352,7 +352,7 @@ class RendezvousClient:
         target = f"{what} {self.reference}"
         budget = self.retry_seconds if budget is None else budget
         if isinstance(error, ApiException):
-            status, reason = error.status, _reason(error)
+            status, reason = error.status, rest.api_message(error)
             if status == 404:
                 return RendezvousNotFoundError(
                     f"{self.reference} does not exist. Annotate the Job with "
@@ -416,8 +416,3 @@ def _retry_after(error: ApiException) -> float | None:
         return None
 
 
-def _reason(error: ApiException) -> str:
-    try:
-        return str(json.loads(error.body or "{}").get("message") or error.reason)
-    except (ValueError, AttributeError):
-        return str(error.reason)

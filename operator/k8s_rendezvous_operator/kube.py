@@ -9,7 +9,6 @@ Every error of the client and its transport is mapped here, in :func:`_mapped`, 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -61,13 +60,6 @@ class Taken(Conflict):
     """Someone else wrote the leader-election Lease first."""
 
 
-def api_message(error: ApiException) -> str:
-    try:
-        return str(json.loads(error.body or "{}").get("message") or error.reason)
-    except ValueError:
-        return str(error.reason)
-
-
 def _mapped(error: ApiException) -> ApiError:
     status = error.status
     kind: type[ApiError] = ApiError
@@ -81,7 +73,7 @@ def _mapped(error: ApiException) -> ApiError:
         kind = Refused
     elif status == 429 or (status is not None and status >= 500):
         kind = Unavailable
-    return kind(api_message(error), status)
+    return kind(rest.api_message(error), status)
 
 
 def resource_of(path: str) -> str:
