@@ -79,7 +79,6 @@ C10D_KEYS_NOT_USED: Final = {
 }
 """Keys torch's c10d backend accepts: taken, so that switching only ``--rdzv-backend``
 works, and each logged once as having no use here, with the reason."""
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _RUN_ID = re.compile(r"^[!-~]{1,253}\Z")
 """As the CRD holds ``spec.runId``: printable ASCII without spaces."""
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -217,10 +216,11 @@ def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, s
     """
     namespace, _, name = endpoint.strip().rpartition("/")
     namespace = namespace or default_namespace or ""
-    if not _NAME.match(name) or not _NAME.match(namespace):
+    if state.rendezvous_name_problem(name) or state.rendezvous_name_problem(namespace):
         raise ValueError(
             f"--rdzv-endpoint={endpoint!r} does not name a Rendezvous: use NAME or "
-            "NAMESPACE/NAME (lowercase DNS names; the namespace defaults to the pod's own"
+            "NAMESPACE/NAME (DNS labels: at most 63 lowercase letters, digits and '-', no "
+            "dots; the namespace defaults to the pod's own"
             + ("" if default_namespace else ", which is unknown here: set POD_NAMESPACE")
             + ")."
         )

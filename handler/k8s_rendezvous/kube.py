@@ -414,5 +414,3 @@ def _retry_after(error: ApiException) -> float | None:
         return None if value is None else min(10.0, max(0.0, float(value)))
     except ValueError:  # an HTTP date; the API server sends seconds
         return None
-
-

@@ -167,9 +167,27 @@ policy holds it to the token's, so the operator can tell the pod that wrote a Le
 later pod of the same name (a StatefulSet's, a PyTorchJob's) that has not written yet."""
 
 
+_RENDEZVOUS_NAME: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+
+
+def rendezvous_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a Rendezvous, else ``None``. It must be a DNS label (at
+    most 63 lowercase letters, digits and '-', no dots; the CRD holds the same): it is a
+    label value, and a node's Lease ``<rendezvous>.<pod>`` must read one way, while pod
+    names may have dots."""
+    if _RENDEZVOUS_NAME.match(name):
+        return None
+    return (
+        f"{name!r} cannot name a Rendezvous: it must be a DNS label (at most 63 lowercase "
+        "letters, digits and '-', no dots), as a node's Lease <rendezvous>.<pod> must name "
+        "one rendezvous and one pod"
+    )
+
+
 def lease_name(rendezvous: str, node: str) -> str:
     """The name of a node's heartbeat Lease: ``<rendezvous>.<pod>``, shortened with a hash
-    when that exceeds the 253 characters of a Kubernetes name."""
+    when that exceeds the 253 characters of a Kubernetes name. The rendezvous has no dot
+    (:func:`rendezvous_name_problem`), so the name reads one way."""
     name = f"{rendezvous}.{node}"
     if len(name) <= 253:
         return name

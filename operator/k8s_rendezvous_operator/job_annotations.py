@@ -120,6 +120,10 @@ def parse(
         lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
         "not a label key",
     )
+    if problem := state.rendezvous_name_problem(job_name):
+        errors.append(
+            AnnotationError(NODES, raw_nodes or "", f"the Job's name {problem}: rename the Job")
+        )
     if errors or bounds is None:
         return tuple(errors)
     return state.RendezvousSpec(

@@ -56,6 +56,7 @@ def observe_lease(body: Mapping[str, Any]) -> LeaseObservation | None:
     node = (body.get("spec") or {}).get("holderIdentity")
     if (
         not rendezvous
+        or state.rendezvous_name_problem(rendezvous)  # then the name reads two ways
         or not node
         or len(node) > 253  # not a pod's name: it could never be a member
         or metadata.get("name") != state.lease_name(rendezvous, node)

@@ -150,6 +150,16 @@ def test_a_pod_marks_its_lease_only_with_its_own_uid(
     assert "k8s-rendezvous.dev/pod-uid: (none)" in message
 
 
+def test_a_pod_writes_no_lease_for_a_rendezvous_name_with_a_dot(pod_a: PodClient) -> None:
+    """``team.train.pod-a`` would read as pod ``pod-a`` of ``team.train`` and as pod
+    ``train.pod-a`` of ``team``: no Rendezvous has a dot (the CRD), nor does a Lease's."""
+    message = denied(lambda: pod_a.create_lease("team.train.pod-a", "pod-a", "team.train"))
+    assert (
+        "pod pod-a may write no Lease for rendezvous team.train: a Rendezvous name has no "
+        "dots, so a Lease <rendezvous>.<pod> names one rendezvous and one pod"
+    ) in message
+
+
 def test_a_pod_cannot_speak_for_another_node(pod_a: PodClient, rendezvous: Rendezvous) -> None:
     other = f"{rendezvous.name}.pod-b"
     expected = (

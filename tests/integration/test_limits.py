@@ -106,6 +106,21 @@ def test_a_64_character_rendezvous_name_is_refused_with_the_rules_message(
     )
 
 
+def test_a_rendezvous_name_with_a_dot_is_refused_with_the_rules_message(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    """``team.train`` would make the Lease ``team.train.w-0`` of its pod ``w-0`` the one pod
+    ``train.w-0`` of rendezvous ``team`` writes."""
+    with pytest.raises(ApiException) as error:
+        kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body("team.train")
+        )
+    assert error.value.status == 422
+    message = json.loads(error.value.body)["message"]
+    assert "a Rendezvous name has no dots (a DNS label)" in message
+    assert "<rendezvous>.<pod>" in message
+
+
 @pytest.mark.parametrize("run_id", ["a\nb", "nul\u0000", "with space", "\u0663"])
 def test_a_run_id_that_is_not_printable_ascii_is_refused_with_the_accepted_form(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str, run_id: str

@@ -94,3 +94,12 @@ def test_bad_annotation_names_key_value_and_accepted_forms(
 def test_parser_never_raises(annotations: dict[str, str], parallelism: int | None) -> None:
     result = ann.parse(annotations, job_name="j", parallelism=parallelism)
     assert result is None or isinstance(result, (tuple, state.RendezvousSpec))
+
+
+def test_a_job_whose_name_has_a_dot_is_told_to_rename_it() -> None:
+    errors = ann.parse({ann.NODES: "2"}, job_name="team.train", parallelism=2)
+    assert isinstance(errors, tuple)
+    (error,) = errors
+    assert error.key == ann.NODES
+    assert "the Job's name 'team.train' cannot name a Rendezvous" in error.message
+    assert "no dots" in error.message and "rename the Job" in error.message

@@ -69,3 +69,15 @@ def test_an_unreadable_entry_is_a_named_problem() -> None:
         assert seen is not None and seen.entry is None
         assert seen.problem is not None and words in seen.problem, (raw, seen.problem)
         assert state.ENTRY_ANNOTATION in seen.problem
+
+
+def test_a_lease_for_a_rendezvous_name_with_a_dot_speaks_for_nobody() -> None:
+    """``team.train.w-0`` would be pod ``train.w-0`` of rendezvous ``team`` and pod ``w-0``
+    of ``team.train``: no Rendezvous has a dot, so only the first reading stands."""
+    dotted = lease(name="team.train.w-0", holder="w-0")
+    dotted["metadata"]["labels"][state.NODE_LABEL] = "team.train"
+    assert observe.observe_lease(dotted) is None
+    plain = lease(name="team.train.w-0", holder="train.w-0")
+    plain["metadata"]["labels"][state.NODE_LABEL] = "team"
+    seen = observe.observe_lease(plain)
+    assert seen is not None and (seen.rendezvous, seen.node) == ("team", "train.w-0")

@@ -255,7 +255,9 @@ def test_endpoint_forms(endpoint: str, expected: tuple[str, str]) -> None:
     assert config.parse_endpoint(endpoint, "own-ns") == expected
 
 
-@pytest.mark.parametrize("endpoint", ["", "Job_A", "host:29400", "a/b/c"])
+@pytest.mark.parametrize(
+    "endpoint", ["", "Job_A", "host:29400", "a/b/c", "team.train", "ns/team.train", "a" * 64]
+)
 def test_malformed_endpoint_says_which_forms_work(endpoint: str) -> None:
     with pytest.raises(ValueError, match="use NAME or NAMESPACE/NAME"):
         config.parse_endpoint(endpoint, "own-ns")
