@@ -65,6 +65,7 @@ from devkit.training import (  # noqa: E402
     agent_pid,
     create_job,
     job_manifest,
+    wait_webhook_served_by_leader_alone,
     worker_pid,
 )
 from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
@@ -379,6 +380,7 @@ class Run:
         if self.fault == "node":
             nodes.restore_network(node)
             nodes.start_kubelet(node)
+            wait_webhook_served_by_leader_alone(self.core.api_client)
         if self.fault == "drain":
             self.pool.control_plane.kubectl("uncordon", node)
         with contextlib.suppress(kubernetes.client.exceptions.ApiException):

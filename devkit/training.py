@@ -288,6 +288,33 @@ def operator_leader(api: kubernetes.client.ApiClient) -> str:
     return wait_for(holder, 60, "a leader among the operator's pods")
 
 
+def wait_webhook_served_by_leader_alone(api: kubernetes.client.ApiClient) -> None:
+    """Until the webhook Service's only ready endpoint is the leader's pod. The pod of a
+    leader whose node was lost stays Ready, and so an endpoint, until its kubelet is back
+    and probes it: meanwhile the API server sends it some admission requests, which fail,
+    and their pods are admitted without the env (the webhook's failure policy Ignore)."""
+    discovery = kubernetes.client.DiscoveryV1Api(api)
+
+    def ready_endpoints() -> set[str]:
+        slices = read_object(
+            discovery.list_namespaced_endpoint_slice,
+            chart.NAMESPACE,
+            label_selector=f"kubernetes.io/service-name={chart.WEBHOOK_SERVICE}",
+        )["items"]
+        return {
+            dig(endpoint, "targetRef", "name")
+            for found in slices
+            for endpoint in found.get("endpoints") or []
+            if dig(endpoint, "conditions", "ready")
+        }
+
+    wait_for(
+        lambda: ready_endpoints() == {operator_leader(api).partition("_")[0]},
+        120,
+        "the webhook Service to send admission requests to the operator's leader alone",
+    )
+
+
 def pod_processes(pod: dict[str, Any]) -> dict[int, str]:
     """PID -> command line of every process in the pod's containers, from its cgroup."""
     uid = pod["metadata"]["uid"]

@@ -25,6 +25,7 @@ from devkit.training import (
     TrainingJob,
     agent_pid,
     operator_leader,
+    wait_webhook_served_by_leader_alone,
     worker_pid,
 )
 from k8s_rendezvous import __version__
@@ -194,7 +195,7 @@ def test_a_drained_node_moves_its_training_pods(
 
 
 def test_a_lost_node_is_noticed_by_its_heartbeats_and_the_world_shrinks(
-    run_job: RunJob, real_nodes: RealNodes
+    run_job: RunJob, real_nodes: RealNodes, admin_api: kubernetes.client.ApiClient
 ) -> None:
     job: TrainingJob = run_job(
         parallelism=3, nodes="2:3", annotations={"k8s-rendezvous.dev/heartbeat-timeout": "10"}
@@ -212,6 +213,9 @@ def test_a_lost_node_is_noticed_by_its_heartbeats_and_the_world_shrinks(
     finally:
         real_nodes.restore_network(node)
         real_nodes.start_kubelet(node)
+        # The node may have run the operator's leader: the next test's pods must not be
+        # sent to its pod, still an endpoint, before its kubelet has seen it stand by.
+        wait_webhook_served_by_leader_alone(admin_api)
     assert victim["metadata"]["name"] not in after.pods.values()
     assert set(after.pods.values()) < set(before.pods.values())
 
