@@ -185,6 +185,10 @@ class LocalPod:
         environment (:func:`container_environment`) plus ``container_env``, output to
         :attr:`log_path`. :meth:`stop` and :meth:`kill` end it and everything it started."""
         assert self._process is None, f"{self.name} was started already"
+        # A container's /tmp is its own: torchrun's log directory and the in-place hand-off
+        # directory of a process killed by the test go with the test's directory.
+        temporary = self.directory / "tmp"
+        temporary.mkdir(exist_ok=True)
         env = {
             **container_environment(
                 self.control_plane,
@@ -194,6 +198,7 @@ class LocalPod:
                 self.addr,
                 self.service_account_dir,
             ),
+            "TMPDIR": str(temporary),
             **(container_env or {}),
         }
         with self.log_path.open("ab") as log:
