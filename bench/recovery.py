@@ -138,8 +138,13 @@ class Node:
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self, args: Sequence[str]) -> None:
+        # A container's /tmp is its own: torchrun's log directory, and the in-place
+        # hand-off directory of an agent the trial kills, go with the trial's logs.
+        temporary = self.directory / "tmp"
+        temporary.mkdir(exist_ok=True)
         env = {
             **self.env,
+            "TMPDIR": str(temporary),
             "LOGLEVEL": "INFO",
             "TRAIN_PROGRESS_FILE": str(self.progress_path),
             "RECOVERY_EVENTS": str(self.events_path),
