@@ -12,7 +12,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import events, injection, kube, membership, metrics, observe, reasons
+from k8s_rendezvous_operator import (
+    events,
+    injection,
+    kube,
+    membership,
+    metrics,
+    names,
+    observe,
+    reasons,
+)
 from k8s_rendezvous_operator.events import Key
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,9 @@ class JobMemory:
     """The look for its pods made without the env, if one is due."""
     uninjected: set[str] = dataclasses.field(default_factory=set)
     """The uids of its pods reported as made without the env."""
+    replaced: set[str] = dataclasses.field(default_factory=set)
+    """The pods whose Rendezvous of its name were replaced with its own, as reported: a
+    pod that makes it anew each time (and wins the race) is reported once."""
 
 
 class Jobs:
@@ -152,6 +164,11 @@ class Jobs:
             return
         finally:
             memory.injection_check = None
+        held = self._known_rendezvous(key)
+        if held is not None and names.holder(job_uid, held) is not names.Holder.JOB:
+            # Deleting a pod would not help while another holds the name (RendezvousNotOwned
+            # says how to free it); its pods are looked at again once the Job's is made.
+            return
         job = events.job_reference(key[0], key[1], job_uid)
         for pod in pods:
             metadata = pod.get("metadata") or {}
@@ -202,35 +219,70 @@ class Jobs:
         spec: state.RendezvousSpec,
         again: bool = False,
     ) -> None:
+        """Make the Job's Rendezvous, or keep it in step with the annotations; a pod-made
+        one under its name is replaced, any other is reported (:mod:`.names`)."""
         namespace, name = key
-        owner = kube.job_owner(name, job["metadata"]["uid"])
-        created = await asyncio.to_thread(self._api.create_rendezvous, namespace, name, spec, owner)
-        if created is not None:
-            if again:
-                self._post(
-                    [job],
-                    warning=True,
-                    reason=reasons.RENDEZVOUS_RECREATED,
-                    message=reasons.rendezvous_recreated(name, spec),
-                )
-            else:
-                self._post(
-                    [job],
-                    warning=False,
-                    reason=reasons.RENDEZVOUS_CREATED,
-                    message=reasons.rendezvous_created(name, spec),
-                )
+        if await self._create_rendezvous(key, job, spec, again):
             return
-        existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
-        owners = existing["metadata"].get("ownerReferences") or []
-        if not any(o.get("uid") == owner["uid"] for o in owners):
+        try:
+            existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
+        except kube.NotFound:
+            return  # deleted meanwhile: its deletion brings the Job back here
+        holder = names.holder(job["metadata"]["uid"], existing)
+        if holder is names.Holder.POD:
+            if self._runs(key):
+                await self._replace(key, job, spec, existing)
+            return
+        if holder is names.Holder.USER:
+            held = names.holding(existing)
             self._post(
                 [job],
                 warning=True,
                 reason=reasons.RENDEZVOUS_NOT_OWNED,
-                message=reasons.rendezvous_not_owned(name),
+                message=reasons.rendezvous_not_owned(
+                    name, namespace, held.owner_name, held.selects
+                ),
             )
             return
+        await self._follow_annotations(key, job, spec, existing)
+
+    async def _create_rendezvous(
+        self, key: Key, job: Mapping[str, Any], spec: state.RendezvousSpec, again: bool
+    ) -> bool:
+        """Create the Job's Rendezvous; ``False`` if the name is held."""
+        namespace, name = key
+        owner = kube.job_owner(name, job["metadata"]["uid"])
+        created = await asyncio.to_thread(self._api.create_rendezvous, namespace, name, spec, owner)
+        if created is None:
+            return False
+        if again:
+            self._post(
+                [job],
+                warning=True,
+                reason=reasons.RENDEZVOUS_RECREATED,
+                message=reasons.rendezvous_recreated(name, spec),
+            )
+        else:
+            self._post(
+                [job],
+                warning=False,
+                reason=reasons.RENDEZVOUS_CREATED,
+                message=reasons.rendezvous_created(name, spec),
+            )
+        if (memory := self._jobs.get(key)) is not None:
+            # Its pods made while another held the name were not reported (deleting them
+            # would not have helped then): now it does.
+            self._look_for_uninjected_pods(key, memory, owner["uid"])
+        return True
+
+    async def _follow_annotations(
+        self,
+        key: Key,
+        job: Mapping[str, Any],
+        spec: state.RendezvousSpec,
+        existing: Mapping[str, Any],
+    ) -> None:
+        namespace, name = key
         wanted = {k: v for k, v in spec.to_dict().items() if k != "runId"}
         current = existing.get("spec") or {}
         if any(current.get(k) != v for k, v in wanted.items()) or (
@@ -250,28 +302,148 @@ class Jobs:
                 message=reasons.run_id_immutable(name, current.get("runId"), spec.run_id),
             )
 
-    async def make_again(self, key: Key, deleted: Mapping[str, Any]) -> None:
-        """A running annotated Job's Rendezvous was deleted (by hand: garbage collection
-        takes it only with its Job): make it anew, as a Job makes a deleted pod anew. Its
-        nodes notice the new uid and join its first round. The Job is read first, as its
-        own deletion may not have reached us yet: a Rendezvous made for a Job that is gone
-        would only be collected again."""
+    def _runs(self, key: Key) -> bool:
+        """The annotated Job ``key`` is known, neither finished nor being deleted."""
         job = self.get(key)
-        owners = (deleted.get("metadata") or {}).get("ownerReferences") or []
-        if (
-            job is None
-            or job.spec is None
-            or job.finished is not None
-            or job.deleting
-            or not any(owner.get("uid") == job.uid for owner in owners)
-        ):
+        return job is not None and job.finished is None and not job.deleting
+
+    def replaces(self, key: Key, rendezvous: Mapping[str, Any]) -> bool:
+        """Whether ``rendezvous`` is a pod-made one that the annotated Job ``key``'s
+        replaces (:mod:`.names`): it is not reconciled (nor adopted) meanwhile, and the
+        Job's pods are given the env, for the Job's Rendezvous made in its place. Known
+        from the Job's watch event already while that event is still being handled."""
+        watched = self._watched.get(key)
+        if watched is None or watched[1] is None:
+            return False
+        job = self.get(key)
+        runs = job is None or (job.finished is None and not job.deleting)
+        return names.replaced_for_job(watched[0], runs, rendezvous)
+
+    async def replace(self, key: Key, rendezvous: Mapping[str, Any]) -> None:
+        """The watch showed a pod-made Rendezvous under the name of the annotated Job
+        ``key`` (made before the Job, or anew after it was replaced): replace it. A Job
+        whose event is still being handled does so itself, once remembered."""
+        job = self.get(key)
+        if job is None or job.spec is None or not self._runs(key):
             return
+        target = events.job_reference(key[0], key[1], job.uid)
+        await self._replace(key, target, job.spec, rendezvous)
+
+    async def _replace(
+        self,
+        key: Key,
+        job: Mapping[str, Any],
+        spec: state.RendezvousSpec,
+        existing: Mapping[str, Any],
+    ) -> None:
+        """Delete the pod-made Rendezvous ``existing`` that holds the Job's name, say so on
+        the Job and on the pod's workload, and make the Job's. Its pod's next create then
+        fails (the name exists), and its workload's pods are refused at their join.
+
+        One made by a pod of the Job itself (its creator role, before the operator made
+        the Job's) is the Job's: given the Job as its owner, not replaced."""
+        namespace, name = key
+        held = names.holding(existing)
+        assert held.creator is not None
+        job_uid = job["metadata"]["uid"]
+        if held.owner is None:
+            pod = await asyncio.to_thread(self._api.get_pod, namespace, held.creator)
+            if pod is not None and names.pod_of_job(job_uid, pod):
+                try:
+                    adopted = await asyncio.to_thread(
+                        self._api.adopt_rendezvous,
+                        namespace,
+                        name,
+                        held.uid,
+                        kube.job_owner(name, job_uid),
+                    )
+                except (kube.NotFound, kube.Conflict):
+                    return  # deleted or made anew meanwhile: its own event follows
+                await self._follow_annotations(key, job, spec, adopted)
+                return
+        try:
+            await asyncio.to_thread(self._api.delete_rendezvous, namespace, name, held.uid)
+        except (kube.NotFound, kube.Conflict):
+            return  # deleted, or made anew, meanwhile: that event brings the Job back here
+        except kube.Refused as error:  # RBAC or the admission policy of another release
+            self._post(
+                [job],
+                warning=True,
+                reason=reasons.RENDEZVOUS_NOT_OWNED,
+                message=reasons.rendezvous_not_replaced(
+                    name, namespace, held.creator, held.owner_name, error
+                ),
+            )
+            return
+        log.warning(
+            "Job %s/%s: replaced Rendezvous %s made by pod %s (%s)",
+            *key,
+            name,
+            held.creator,
+            held.owner_name or "no owner",
+        )
+        await self._report_replaced(key, job, held)
+        # If the pod makes it anew first, that one's watch event brings the Job back here.
+        await self._create_rendezvous(key, job, spec, again=False)
+
+    async def _report_replaced(self, key: Key, job: Mapping[str, Any], held: names.Holding) -> None:
+        """A Warning on the Job and on the workload whose pod made the replaced Rendezvous
+        (on that pod, if the Rendezvous had no owner): once per pod."""
+        namespace, name = key
+        assert held.creator is not None
+        memory = self._jobs.get(key)
+        if memory is not None:
+            if held.creator in memory.replaced:
+                return
+            memory.replaced.add(held.creator)
+        self._post(
+            [job],
+            warning=True,
+            reason=reasons.RENDEZVOUS_REPLACED,
+            message=reasons.rendezvous_replaced(name, held.creator, held.owner_name),
+        )
+        maker: Mapping[str, Any] | None
+        if held.owner is not None:
+            maker = {
+                "apiVersion": held.owner.get("apiVersion"),
+                "kind": held.owner.get("kind"),
+                "metadata": {
+                    "namespace": namespace,
+                    "name": held.owner.get("name"),
+                    "uid": held.owner.get("uid"),
+                },
+            }
+        else:
+            maker = await asyncio.to_thread(self._api.get_pod, namespace, held.creator)
+        if maker is not None:
+            self._post(
+                [maker],
+                warning=True,
+                reason=reasons.RENDEZVOUS_REPLACED,
+                message=reasons.rendezvous_replaced_for_workload(
+                    name, held.creator, held.owner_name, name
+                ),
+            )
+
+    async def make_again(self, key: Key, deleted: Mapping[str, Any]) -> None:
+        """A Rendezvous under the name of a running annotated Job was deleted: make the
+        Job's. Its own (deleted by hand: garbage collection takes it only with its Job) is
+        made anew, as a Job makes a deleted pod anew, and its nodes notice the new uid and
+        join its first round; another's (a user's, once freed as RendezvousNotOwned said,
+        or a pod-made one the operator replaced) frees the name for it. The Job is read
+        first, as its own deletion may not have reached us yet: a Rendezvous made for a
+        Job that is gone would only be collected again."""
+        job = self.get(key)
+        if job is None or job.spec is None or not self._runs(key):
+            return
+        owners = (deleted.get("metadata") or {}).get("ownerReferences") or []
+        its_own = any(owner.get("uid") == job.uid for owner in owners)
         body = await asyncio.to_thread(self._api.get_job, *key)
         current = observe.observe_job(body) if body is not None else None
         if current is None or current.uid != job.uid or current.deleting or current.finished:
             return
         assert body is not None and current.spec is not None
-        await self._ensure_rendezvous(key, body, current.spec, again=True)
+        await self._ensure_rendezvous(key, body, current.spec, again=its_own)
 
     async def rendezvous_for_pod(
         self, namespace: str, pod: Mapping[str, Any], wait: float = WATCH_WAIT_SECONDS

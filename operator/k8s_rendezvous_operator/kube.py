@@ -151,6 +151,8 @@ class ReconcilerApi(Protocol):
 
     def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None: ...
 
+    def delete_rendezvous(self, namespace: str, name: str, uid: str) -> None: ...
+
     def service_account_exists(self, namespace: str, name: str) -> bool: ...
 
     def bind_worker_role(
@@ -296,6 +298,15 @@ class OperatorApi:
             self._path(namespace, state.PLURAL, name),
             {"spec": spec},
             content_type=rest.MERGE_PATCH,
+        )
+
+    def delete_rendezvous(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the Rendezvous whose uid is ``uid``: the uid is a precondition, so one
+        made anew under the name meanwhile is never deleted in its place (a Conflict)."""
+        self._request(
+            "DELETE",
+            self._path(namespace, state.PLURAL, name),
+            {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}},
         )
 
     def service_account_exists(self, namespace: str, name: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from k8s_rendezvous import state
 from k8s_rendezvous.state import RendezvousSpec
 
 # On a Rendezvous: its rounds.
@@ -25,6 +26,8 @@ NO_OWNER: Final = "NoOwner"
 RENDEZVOUS_CREATED: Final = "RendezvousCreated"
 RENDEZVOUS_RECREATED: Final = "RendezvousRecreated"
 RENDEZVOUS_NOT_OWNED: Final = "RendezvousNotOwned"
+RENDEZVOUS_REPLACED: Final = "RendezvousReplaced"
+"""Also on the workload (or the pod) whose pod-made Rendezvous was replaced."""
 INVALID_ANNOTATION: Final = "InvalidAnnotation"
 RUN_ID_IMMUTABLE: Final = "RunIdImmutable"
 SERVICE_ACCOUNT_NOT_FOUND: Final = "ServiceAccountNotFound"
@@ -166,10 +169,63 @@ def rendezvous_recreated(rendezvous: str, spec: RendezvousSpec) -> str:
     )
 
 
-def rendezvous_not_owned(rendezvous: str) -> str:
+def rendezvous_not_owned(rendezvous: str, namespace: str, owner: str | None, selects: bool) -> str:
+    """A Rendezvous of the Job's name that no pod made (``owner``: ``Kind/name``, if any)."""
+    if owner is not None:
+        held = f"it is owned by {owner}"
+    elif selects:
+        held = "it admits the pods its spec.podSelector matches"
+    else:
+        held = "it has no owner"
     return (
-        f"Rendezvous {rendezvous} exists and is not owned by this Job; it is left as it is. "
-        "Delete it, or rename the Job."
+        f"Rendezvous {rendezvous} exists and is not this Job's: it was made by a user or "
+        f"another controller, not by a pod (no {state.CREATED_BY_ANNOTATION} annotation), and "
+        f"{held}. "
+        "The operator leaves it as it is, so this Job's pods get no env and join nothing; "
+        "it makes this Job's Rendezvous as soon as the name is free. Delete it if it is "
+        f"not in use (kubectl -n {namespace} delete rendezvous {rendezvous}), or rename "
+        "the Job."
+    )
+
+
+def _made_by(creator: str, owner: str | None) -> str:
+    return f"pod {creator}" + ("" if owner is None else f" (of {owner})")
+
+
+def rendezvous_replaced(rendezvous: str, creator: str, owner: str | None) -> str:
+    """On the Job: a pod-made Rendezvous of its name was deleted and the Job's made."""
+    who = owner or f"pod {creator}"
+    return (
+        f"Rendezvous {rendezvous} had been made by {_made_by(creator, owner)}, not for this "
+        "Job. The name of an annotated Job's Rendezvous is its Job's in its namespace, so "
+        "the operator deleted that one and makes this Job's in its place. If "
+        f"{who} uses rendezvous {rendezvous} on purpose, its pods are now refused at their "
+        "join: rename one of the two (this Job, or that workload's --rdzv-endpoint)."
+    )
+
+
+def rendezvous_replaced_for_workload(
+    rendezvous: str, creator: str, owner: str | None, job: str
+) -> str:
+    """On the workload (or the bare pod) whose pod made the replaced Rendezvous."""
+    return (
+        f"Rendezvous {rendezvous}, made by {_made_by(creator, owner)}, was deleted by the "
+        f"k8s-rendezvous operator: Job {job} in this namespace is annotated for a "
+        "rendezvous, and the name of an annotated Job's Rendezvous is its Job's. These pods "
+        f"are refused from Rendezvous {rendezvous} from now on: give their torchrun another "
+        f"--rdzv-endpoint, or rename Job {job}."
+    )
+
+
+def rendezvous_not_replaced(
+    rendezvous: str, namespace: str, creator: str, owner: str | None, error: object
+) -> str:
+    """A pod-made Rendezvous of the Job's name the operator could not delete."""
+    return (
+        f"Rendezvous {rendezvous} was made by {_made_by(creator, owner)}, not for this Job, "
+        f"and the operator could not delete it to make this Job's: {error}. Delete it "
+        f"(kubectl -n {namespace} delete rendezvous {rendezvous}): the operator makes this "
+        "Job's at once. Or rename the Job."
     )
 
 

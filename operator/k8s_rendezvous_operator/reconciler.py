@@ -86,6 +86,10 @@ class RendezvousMemory:
     timer: asyncio.TimerHandle | None = None
 
 
+def _uid(body: Mapping[str, Any]) -> object:
+    return (body.get("metadata") or {}).get("uid")
+
+
 class Written(enum.Enum):
     """How a status write ended."""
 
@@ -111,7 +115,9 @@ class Reconciler:
         self._api = api
         self._post = post
         self._clock = clock
-        self.jobs = jobs.Jobs(api, post, self.request, self.known_body, worker_role=worker_role)
+        self.jobs = jobs.Jobs(
+            api, post, self.request, self._as_jobs_see_it, worker_role=worker_role
+        )
         self._rendezvous: dict[Key, RendezvousMemory] = {}
         self._pods: dict[Key, PodMemory] = {}
         self._running: dict[Key, asyncio.Task[None]] = {}
@@ -132,6 +138,13 @@ class Reconciler:
         memory = self._rendezvous.get(key)
         return None if memory is None else memory.body
 
+    def _as_jobs_see_it(self, key: Key) -> dict[str, Any] | None:
+        """Rendezvous ``key`` as the annotated Job of its name is to see it: none while it
+        is a pod-made one that the Job's replaces (:meth:`.jobs.Jobs.replaces`), so the
+        Job's pods are given the env for the Job's Rendezvous, made in its place."""
+        body = self.known_body(key)
+        return None if body is None or self.jobs.replaces(key, body) else body
+
     def observed(self, pod: Key) -> rounds.PodObservation | None:
         """The pod as last observed (``None``: never)."""
         memory = self._pods.get(pod)
@@ -141,10 +154,17 @@ class Reconciler:
 
     async def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         if deleted:
-            self._forget_rendezvous(key)
+            known = self.known_body(key)
+            if known is None or _uid(known) == _uid(body):
+                # Not one made anew under the name, whose event came first: its own watch
+                # stream (kopf's are per object) need not follow this one's.
+                self._forget_rendezvous(key)
             await self.jobs.make_again(key, body)
             return
         self._remember(key, body)
+        if self.jobs.replaces(key, body):
+            await self.jobs.replace(key, body)
+            return
         if self._unposted:
             self._post_unposted(key, body)
         self.request(key)
@@ -370,6 +390,8 @@ class Reconciler:
                 await self._refuse(key, body, reasons.unreadable(error))
             return True
         memory.unreadable = None
+        if self.jobs.replaces(key, body):
+            return True  # an annotated Job's name: replaced with the Job's, not adopted
         creator = membership.creator_to_adopt(body, spec)
         if creator is not None and memory.adopted != body["metadata"].get("uid"):
             memory.adopted = body["metadata"].get("uid", "")

@@ -61,6 +61,8 @@ ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
     ("batch", "jobs", "get", ""),  # before its watch event; a node's pod's, for its JobSet
     ("k8s-rendezvous.dev", "rendezvous", "create", ""),
     ("k8s-rendezvous.dev", "rendezvous", "patch", ""),  # spec follows the annotations
+    # a pod-made one under the Job's name, replaced (only those: *-operator-writes)
+    ("k8s-rendezvous.dev", "rendezvous", "delete", ""),
     ("", "serviceaccounts", "get", ""),  # a Job's, before binding the worker role to it
     ("rbac.authorization.k8s.io", "rolebindings", "create", ""),
     ("rbac.authorization.k8s.io", "clusterroles", "bind", WORKER_ROLE),
@@ -185,7 +187,8 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("update", "pods", "-A", False),
         ("create", "pods:exec", "-A", False),
         ("update", "rendezvous.k8s-rendezvous.dev", "-A", False),
-        ("delete", "rendezvous.k8s-rendezvous.dev", "-A", False),
+        ("delete", "rendezvous.k8s-rendezvous.dev", "-A", True),  # only pod-made: the policy
+        ("deletecollection", "rendezvous.k8s-rendezvous.dev", "-A", False),
         ("update", "rendezvous.k8s-rendezvous.dev:status", "-A", False),
         ("get", "rendezvousslices.k8s-rendezvous.dev", "-A", False),  # it remembers them
         ("delete", "rendezvousslices.k8s-rendezvous.dev", "-A", False),  # GC does

@@ -102,6 +102,9 @@ class FakeApi:
     def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
         raise AssertionError("no annotated Job here")
 
+    def delete_rendezvous(self, namespace: str, name: str, uid: str) -> None:
+        raise AssertionError("no annotated Job here")
+
     def service_account_exists(self, namespace: str, name: str) -> bool:
         raise AssertionError("no annotated Job here")
 
