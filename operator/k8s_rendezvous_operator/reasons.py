@@ -178,13 +178,12 @@ def rendezvous_not_owned(rendezvous: str, namespace: str, owner: str | None, sel
     else:
         held = "it has no owner"
     return (
-        f"Rendezvous {rendezvous} exists and is not this Job's: it was made by a user or "
-        f"another controller, not by a pod (no {state.CREATED_BY_ANNOTATION} annotation), and "
-        f"{held}. "
-        "The operator leaves it as it is, so this Job's pods get no env and join nothing; "
-        "it makes this Job's Rendezvous as soon as the name is free. Delete it if it is "
-        f"not in use (kubectl -n {namespace} delete rendezvous {rendezvous}), or rename "
-        "the Job."
+        f"Rendezvous {rendezvous} exists and is not this Job's: a user or another "
+        f"controller made it, not a pod (it has no {state.CREATED_BY_ANNOTATION} "
+        f"annotation), and {held}. The operator leaves it as it is, so this Job's pods get "
+        "no env and join nothing; it makes this Job's Rendezvous as soon as the name is "
+        f"free. Delete it if it is not in use (kubectl -n {namespace} delete rendezvous "
+        f"{rendezvous}), or rename the Job."
     )
 
 
@@ -210,10 +209,10 @@ def rendezvous_replaced_for_workload(
     """On the workload (or the bare pod) whose pod made the replaced Rendezvous."""
     return (
         f"Rendezvous {rendezvous}, made by {_made_by(creator, owner)}, was deleted by the "
-        f"k8s-rendezvous operator: Job {job} in this namespace is annotated for a "
-        "rendezvous, and the name of an annotated Job's Rendezvous is its Job's. These pods "
-        f"are refused from Rendezvous {rendezvous} from now on: give their torchrun another "
-        f"--rdzv-endpoint, or rename Job {job}."
+        f"k8s-rendezvous operator and made anew for Job {job}: the name of an annotated "
+        f"Job's Rendezvous is its Job's in its namespace. The pods of "
+        f"{owner or 'pod ' + creator} are refused from Rendezvous {rendezvous} from now on: "
+        f"give their torchrun another --rdzv-endpoint, or rename Job {job}."
     )
 
 

@@ -24,6 +24,7 @@ from tests.support.fixtures import (
     bind_creator_role,
     create_pods,
     join_all,
+    statefulset_pods,
     wait_told_to_rejoin,
 )
 from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
@@ -380,38 +381,6 @@ def test_a_hung_operator_never_blocks_the_pods_its_webhook_is_sent(
     finally:
         operator_process.resume()
     assert not pod["spec"]["containers"][0].get("env"), "admitted without the environment"
-
-
-def statefulset_pods(
-    admin_api: kubernetes.client.ApiClient, namespace: str, name: str, replicas: int
-) -> tuple[str, list[dict[str, Any]]]:
-    """StatefulSet ``name``'s uid and its ``replicas`` pods, once each has an IP."""
-    created = kubernetes.client.AppsV1Api(admin_api).create_namespaced_stateful_set(
-        namespace,
-        {
-            "apiVersion": "apps/v1",
-            "kind": "StatefulSet",
-            "metadata": {"name": name},
-            "spec": {
-                "replicas": replicas,
-                "serviceName": name,
-                "podManagementPolicy": "Parallel",
-                "selector": {"matchLabels": {"app": name}},
-                "template": {
-                    "metadata": {"labels": {"app": name}},
-                    "spec": {"containers": [{"name": "t", "image": "example.invalid/t"}]},
-                },
-            },
-        },
-    )
-    core = kubernetes.client.CoreV1Api(admin_api)
-
-    def running() -> list[dict[str, Any]] | None:
-        listed = read_object(core.list_namespaced_pod, namespace, label_selector=f"app={name}")
-        pods = [pod for pod in listed["items"] if pod["status"].get("podIP")]
-        return pods if len(pods) == replicas else None
-
-    return created.metadata.uid, wait_for(running, 60, f"{replicas} StatefulSet pods running")
 
 
 def pod_node(

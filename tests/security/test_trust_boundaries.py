@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("operator_process")
 
 MakeRendezvous = Callable[..., Rendezvous]
 SUPPRESSED = "k8s_rendezvous_events_suppressed_total"
+REQUESTS = "k8s_rendezvous_api_requests_total"
 
 
 class Attacker:
@@ -332,8 +333,9 @@ def test_pods_writing_under_made_up_rendezvous_names_get_their_namespaces_budget
     assert operator_metric(operator_process, SUPPRESSED) == 10
 
 
-def operator_metric(operator: OperatorProcess, name: str) -> float | None:
-    """The value of a counter, ``None`` while the endpoint is not serving yet."""
+def operator_metric(operator: OperatorProcess, name: str, labels: str = "") -> float | None:
+    """The value of a counter (of its series whose labels begin with ``labels``, as the
+    endpoint writes them), ``None`` while the endpoint is not serving yet."""
     port = next(
         int(arg.split("=")[1]) for arg in operator.extra_args if arg.startswith("--metrics-port")
     )
@@ -345,7 +347,7 @@ def operator_metric(operator: OperatorProcess, name: str) -> float | None:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith((name + " ", name + "{"))
+        if line.startswith((name + "{" + labels,) if labels else (name + " ", name + "{"))
     )
 
 
@@ -392,3 +394,194 @@ def test_the_webhook_sends_no_pod_to_a_rendezvous_its_job_does_not_own(
         30,
         "RendezvousNotOwned on the Job",
     )
+
+
+def involved_events(
+    api: kubernetes.client.ApiClient, namespace: str, kind: str, name: str
+) -> list[kubernetes.client.CoreV1Event]:
+    """The Events on ``kind/name``, in the order they were written."""
+    found = kubernetes.client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={kind}"
+    )
+    return sorted(found.items, key=lambda e: int(e.metadata.resource_version))
+
+
+def posted(
+    api: kubernetes.client.ApiClient, namespace: str, kind: str, name: str, reason: str
+) -> list[str]:
+    return [
+        e.message
+        for e in involved_events(api, namespace, kind, name)
+        if e.type == "Warning" and e.reason == reason
+    ]
+
+
+def held_by(rdzv: Rendezvous, owner_uid: str) -> dict[str, Any] | None:
+    """Rendezvous ``rdzv`` if it is owned by ``owner_uid``."""
+    if not _exists(rdzv):
+        return None
+    body = rdzv.body()
+    owners = body["metadata"].get("ownerReferences") or []
+    return body if any(owner["uid"] == owner_uid for owner in owners) else None
+
+
+@pytest.mark.webhook
+def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_with_the_jobs(
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: Callable[..., list[Node]],
+) -> None:
+    """Issue 30's squatting: a pod of StatefulSet squat, with the creator role, makes
+    Rendezvous train-llm (its own handler, its own token) before annotated Job train-llm
+    exists. The name is the Job's: the operator replaces it with the Job's, says so on the
+    Job and on the StatefulSet, the Job's pods get the env and form a round, and the pod's
+    create and join are refused from then on. The same holds, with the same messages,
+    where StatefulSet squat used that name in good faith."""
+    ns = workers_namespace
+    wait_webhook_registered(control_plane, ns)
+    fixtures.bind_creator_role(control_plane, ns)
+    sts_uid, (squat_pod,) = fixtures.statefulset_pods(admin_api, ns, "squat", 1)
+    rdzv = Rendezvous(admin_api, ns, "train-llm")
+    (squatter,) = attach_nodes(rdzv, [squat_pod])
+    (alone,) = join_all([squatter])  # its pod makes train-llm: sealed once owned by squat
+    assert alone.world_size == 1
+    made = held_by(rdzv, sts_uid)
+    assert made is not None and made["metadata"]["annotations"] == {
+        state.CREATED_BY_ANNOTATION: "squat-0"
+    }
+
+    job_uid = make_job(admin_api, ns, "train-llm", 2, {"k8s-rendezvous.dev/nodes": "2:2"})[
+        "metadata"
+    ]["uid"]
+    replaced = wait_for(lambda: held_by(rdzv, job_uid), 30, "train-llm made for the Job")
+    assert replaced["metadata"]["uid"] != made["metadata"]["uid"]
+    assert state.CREATED_BY_ANNOTATION not in (replaced["metadata"].get("annotations") or {})
+    pods = running_pods(admin_api, ns, "train-llm", 2)
+    for pod in pods:  # the webhook sent them to the Job's Rendezvous, not to no one
+        env = {e["name"]: e.get("value") for c in pod["spec"]["containers"] for e in c["env"]}
+        assert env["PET_RDZV_ENDPOINT"] == "train-llm", env
+    infos = join_all(attach_nodes(rdzv, pods, min_nodes=2, max_nodes=2))
+    assert sorted(info.rank for info in infos) == [0, 1]
+
+    on_job = wait_for(
+        lambda: posted(admin_api, ns, "Job", "train-llm", "RendezvousReplaced") or None,
+        30,
+        "RendezvousReplaced on the Job",
+    )
+    assert on_job == [
+        "Rendezvous train-llm had been made by pod squat-0 (of StatefulSet/squat), not for "
+        "this Job. The name of an annotated Job's Rendezvous is its Job's in its namespace, "
+        "so the operator deleted that one and makes this Job's in its place. If "
+        "StatefulSet/squat uses rendezvous train-llm on purpose, its pods are now refused "
+        "at their join: rename one of the two (this Job, or that workload's "
+        "--rdzv-endpoint)."
+    ]
+    on_squatter = wait_for(
+        lambda: posted(admin_api, ns, "StatefulSet", "squat", "RendezvousReplaced") or None,
+        30,
+        "RendezvousReplaced on the StatefulSet",
+    )
+    assert on_squatter == [
+        "Rendezvous train-llm, made by pod squat-0 (of StatefulSet/squat), was deleted by "
+        "the k8s-rendezvous operator and made anew for Job train-llm: the name of an "
+        "annotated Job's Rendezvous is its Job's in its namespace. The pods of "
+        "StatefulSet/squat are refused from Rendezvous train-llm from now on: give their "
+        "torchrun another --rdzv-endpoint, or rename Job train-llm."
+    ]
+    reasons = {e.reason for e in involved_events(admin_api, ns, "Job", "train-llm")}
+    assert not reasons & {"RendezvousNotOwned", "PodNotInjected"}, reasons
+
+    again = {
+        "apiVersion": state.API_VERSION,
+        "kind": state.KIND,
+        "metadata": {"name": "train-llm", "annotations": {state.CREATED_BY_ANNOTATION: "squat-0"}},
+        "spec": {"minNodes": 1, "maxNodes": 1, "runId": "train-llm"},
+    }
+    with pytest.raises(kubernetes.client.exceptions.ApiException) as taken:
+        kubernetes.client.CustomObjectsApi(squatter.api).create_namespaced_custom_object(
+            state.GROUP, state.VERSION, ns, state.PLURAL, again
+        )
+    assert taken.value.status == 409, taken.value.body
+    with pytest.raises(NodeRefusedError) as refused:
+        squatter.join_in_background().wait(60)
+    assert (
+        "pod squat-0 is controlled by StatefulSet/squat, not by Job/train-llm, which owns "
+        "Rendezvous train-llm: only that workload's pods may join it."
+    ) in str(refused.value)
+    assert held_by(rdzv, job_uid) is not None
+    members = sorted(m.node for m in rdzv.status().members)
+    assert members == sorted(p["metadata"]["name"] for p in pods)
+
+
+@pytest.mark.metrics
+def test_a_users_rendezvous_under_an_annotated_jobs_name_is_left_until_they_free_it(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    operator_process: OperatorProcess,
+) -> None:
+    """A Rendezvous a user made (no creator pod) is not the operator's to delete: it is
+    reported as it is, with no advice to delete pods while it holds the name; once its
+    user deletes it, the Job gets its own at once, and only then is each pod made without
+    the env reported (deleting it now gives the Job's replacement the env)."""
+    ns = workers_namespace
+    custom = kubernetes.client.CustomObjectsApi(admin_api)
+    theirs = custom.create_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        ns,
+        state.PLURAL,
+        {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": "shared"},
+            "spec": {
+                "minNodes": 1,
+                "maxNodes": 1,
+                "runId": "shared",
+                "podSelector": {"matchLabels": {"team": "someone-else"}},
+            },
+        },
+    )
+    job_uid = make_job(admin_api, ns, "shared", 1, {"k8s-rendezvous.dev/nodes": "1:1"})["metadata"][
+        "uid"
+    ]
+    (not_owned,) = wait_for(
+        lambda: posted(admin_api, ns, "Job", "shared", "RendezvousNotOwned") or None,
+        30,
+        "RendezvousNotOwned on the Job",
+    )
+    assert not_owned == (
+        "Rendezvous shared exists and is not this Job's: a user or another controller made "
+        "it, not a pod (it has no k8s-rendezvous.dev/created-by-pod annotation), and it "
+        "admits the pods its spec.podSelector matches. The operator leaves it as it is, so "
+        "this Job's pods get no env and join nothing; it makes this Job's Rendezvous as soon "
+        f"as the name is free. Delete it if it is not in use (kubectl -n {ns} delete "
+        "rendezvous shared), or rename the Job."
+    )
+    (pod,) = running_pods(admin_api, ns, "shared", 1)
+    # The operator has looked at the Job's pods (its only GET of pods here) while the name
+    # was held, and advised nothing: deleting a pod would not have helped.
+    wait_for(
+        lambda: (
+            (operator_metric(operator_process, REQUESTS, 'resource="pods",verb="GET"') or 0) >= 1
+        ),
+        30,
+        "the Job's pods looked at",
+    )
+    assert not posted(admin_api, ns, "Job", "shared", "PodNotInjected")
+    rdzv = Rendezvous(admin_api, ns, "shared")
+    assert rdzv.body()["metadata"]["uid"] == theirs["metadata"]["uid"], "left as it is"
+
+    custom.delete_namespaced_custom_object(state.GROUP, state.VERSION, ns, state.PLURAL, "shared")
+    wait_for(lambda: held_by(rdzv, job_uid), 30, "the Job's Rendezvous, once the name is free")
+    (advice,) = wait_for(
+        lambda: posted(admin_api, ns, "Job", "shared", "PodNotInjected") or None,
+        30,
+        "PodNotInjected once the Job's Rendezvous exists",
+    )
+    name = pod["metadata"]["name"]
+    assert advice.startswith(f"pod {name} of Job shared was made without the env")
+    assert advice.endswith(f"Delete pod {name}: the Job replaces it, with the env.")
+    order = [e.reason for e in involved_events(admin_api, ns, "Job", "shared")]
+    assert order.index("RendezvousCreated") < order.index("PodNotInjected"), order

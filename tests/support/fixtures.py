@@ -18,7 +18,7 @@ from tests.support import invariants
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from devkit import chart, manifests, namespaces
-from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries
+from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
@@ -420,6 +420,38 @@ def make_nodes(
         return attach_nodes(rendezvous, create_pods(admin_api, workers_namespace, names), **options)
 
     return make
+
+
+def statefulset_pods(
+    admin_api: kubernetes.client.ApiClient, namespace: str, name: str, replicas: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """StatefulSet ``name``'s uid and its ``replicas`` pods, once each has an IP."""
+    created = kubernetes.client.AppsV1Api(admin_api).create_namespaced_stateful_set(
+        namespace,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas,
+                "serviceName": name,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "t", "image": "example.invalid/t"}]},
+                },
+            },
+        },
+    )
+    core = kubernetes.client.CoreV1Api(admin_api)
+
+    def running() -> list[dict[str, Any]] | None:
+        listed = read_object(core.list_namespaced_pod, namespace, label_selector=f"app={name}")
+        pods = [pod for pod in listed["items"] if pod["status"].get("podIP")]
+        return pods if len(pods) == replicas else None
+
+    return created.metadata.uid, wait_for(running, 60, f"{replicas} StatefulSet pods running")
 
 
 def bind_creator_role(control_plane: ControlPlane, namespace: str) -> None:
