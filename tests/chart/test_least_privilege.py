@@ -625,6 +625,92 @@ def test_the_operators_identity_writes_only_its_own_webhook_configuration(
     assert f"may write only its own webhook configuration {WEBHOOK_CONFIG}, not evil" in message
 
 
+def test_the_operators_identity_deletes_only_a_rendezvous_a_pod_made(
+    chart_operator: ChartOperator,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    """It deletes a pod-made Rendezvous under an annotated Job's name, to make the Job's:
+    never one a user made, which is theirs to delete."""
+    admin = kubernetes.client.CustomObjectsApi(admin_api)
+    operator = kubernetes.client.CustomObjectsApi(operator_api(chart_operator, control_plane))
+
+    def create(name: str, annotations: dict[str, str]) -> None:
+        body = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": {"minNodes": 1, "maxNodes": 1, "runId": name},
+        }
+        admin.create_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
+        )
+
+    def delete(name: str) -> object:
+        return operator.delete_namespaced_custom_object(
+            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, name
+        )
+
+    create("users", {})
+    message = refused_by_policy(lambda: delete("users"))
+    assert "may delete only a Rendezvous a pod made (annotation" in message
+    assert "k8s-rendezvous.dev/created-by-pod), not users" in message
+    create("pod-made", {state.CREATED_BY_ANNOTATION: "some-pod"})
+    assert delete("pod-made")
+
+
+def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_within_its_rights(
+    chart_operator: ChartOperator,
+    operator_log: Callable[[], str],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    """The operator's delete of a squatter and create of the Job's pass its RBAC and
+    its policy (operator_log: nothing refused)."""
+    custom = kubernetes.client.CustomObjectsApi(admin_api)
+    squatter = {
+        "apiVersion": state.API_VERSION,
+        "kind": state.KIND,
+        "metadata": {"name": "squatted", "annotations": {state.CREATED_BY_ANNOTATION: "gone"}},
+        "spec": {"minNodes": 1, "maxNodes": 1, "runId": "squatted"},
+    }
+    made = custom.create_namespaced_custom_object(
+        state.GROUP, state.VERSION, workers_namespace, state.PLURAL, squatter
+    )
+    job = kubernetes.client.BatchV1Api(admin_api).create_namespaced_job(
+        workers_namespace,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "squatted", "annotations": {"k8s-rendezvous.dev/nodes": "1"}},
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [{"name": "trainer", "image": "example.invalid/trainer"}],
+                        "restartPolicy": "Never",
+                    }
+                }
+            },
+        },
+    )
+
+    def owned_by_job() -> dict[str, Any] | None:
+        try:
+            body = custom.get_namespaced_custom_object(
+                state.GROUP, state.VERSION, workers_namespace, state.PLURAL, "squatted"
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        owners = body["metadata"].get("ownerReferences") or []
+        return body if [o["uid"] for o in owners] == [job.metadata.uid] else None
+
+    replaced = wait_for(owned_by_job, 30, "the Job's Rendezvous in place of the pod-made one")
+    assert replaced["metadata"]["uid"] != made["metadata"]["uid"]
+
+
 def test_a_job_naming_a_missing_service_account_gets_no_binding_until_it_exists(
     chart_operator: ChartOperator,
     operator_log: Callable[[], str],
