@@ -163,7 +163,9 @@ def measure(
             {"status": status.operator_fields()},
             _content_type="application/merge-patch+json",
         )
-        pieces = [{"spec": rendezvous["spec"], "status": f} for f in status.slice_fields()]
+        pieces = {
+            i: {"spec": rendezvous["spec"], "status": f} for i, f in status.slice_fields().items()
+        }
         with ThreadPoolExecutor(max(1, slices)) as writers:
             list(
                 writers.map(

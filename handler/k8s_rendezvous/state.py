@@ -30,7 +30,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 SCHEMA_VERSION: Final = 1
@@ -863,13 +863,14 @@ class RendezvousStatus:
             "refused": [refusal.to_dict() for refusal in self.refused],
         }
 
-    def slice_fields(self) -> list[dict[str, Any]]:
-        """The status of each slice: the round's fields, and the members and left behind
-        whose pods hash to it (with their ranks). ``None`` where unset, so that a merge
-        patch removes it. A node's :class:`NodeView` of its slice answers as the whole
-        status does. Empty if the round is not sliced."""
+    def slice_fields(self, indexes: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
+        """The status of each slice (of those ``indexes``, else all), by index: the round's
+        fields, and the members, left behind and refused whose pods hash to it (with their
+        ranks). ``None`` where unset, so that a merge patch removes it. A node's
+        :class:`NodeView` of its slice answers as the whole status does. Empty if the round
+        is not sliced."""
         if not self.slices:
-            return []
+            return {}
         round_fields = {
             "schemaVersion": SCHEMA_VERSION,
             "state": self.state.value,
@@ -883,19 +884,32 @@ class RendezvousStatus:
             "closedMessage": self.closed_message,
             "slices": self.slices,
         }
-        pieces: list[dict[str, Any]] = [
-            round_fields | {"slice": index, "members": [], "leftBehind": [], "refused": []}
-            for index in range(self.slices)
-        ]
+        pieces: dict[int, dict[str, Any]] = {
+            index: round_fields | {"slice": index, "members": [], "leftBehind": [], "refused": []}
+            for index in sorted(range(self.slices) if indexes is None else set(indexes))
+        }
+
+        def piece(node: str) -> dict[str, Any] | None:
+            return pieces.get(slice_index(node, self.slices))
+
         for rank, member in enumerate(self.members):
-            pieces[slice_index(member.node, self.slices)]["members"].append(member.to_dict(rank))
+            if (own := piece(member.node)) is not None:
+                own["members"].append(member.to_dict(rank))
         for member in self.left_behind:
-            pieces[slice_index(member.node, self.slices)]["leftBehind"].append(
-                member.to_dict(rank=None)
-            )
+            if (own := piece(member.node)) is not None:
+                own["leftBehind"].append(member.to_dict(rank=None))
         for refusal in self.refused:
-            pieces[slice_index(refusal.node, self.slices)]["refused"].append(refusal.to_dict())
+            if (own := piece(refusal.node)) is not None:
+                own["refused"].append(refusal.to_dict())
         return pieces
+
+    def named_nodes(self) -> set[str]:
+        """The pods the status names: members, left behind and refused."""
+        return {
+            *(member.node for member in self.members),
+            *(member.node for member in self.left_behind),
+            *(refusal.node for refusal in self.refused),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in self.operator_fields().items() if value is not None}

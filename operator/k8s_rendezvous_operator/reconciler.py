@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import enum
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from k8s_rendezvous import state
@@ -430,7 +430,7 @@ class Reconciler:
             written = await self._write(key, memory, body, decision, now)
             if written is not Written.WRITTEN:
                 return written is not Written.CONFLICT
-        await self._publish_slices(key, memory, spec, decision.status)
+        await self._publish_slices(key, memory, spec, decision.status, requests)
         self._wake_at(key, decision.wake_at)
         return True
 
@@ -536,16 +536,19 @@ class Reconciler:
         memory: RendezvousMemory,
         spec: state.RendezvousSpec,
         status: state.RendezvousStatus,
+        requesters: Iterable[str],
     ) -> None:
         """Bring the RendezvousSlices in step with the status just decided (after it, so
-        the status stays the record): those whose content changed, at once."""
+        the status stays the record): those some node needs (:func:`.slices.needed`) whose
+        content changed, at once."""
         body = memory.body
         if body is None or not status.slices:
             return
-        publication = slices.publication(spec, status)
+        indexes = slices.needed(status, requesters, memory.slices_written)
+        publication = slices.publication(spec, status, indexes)
         if memory.published == publication:
             return
-        changed = slices.changed(spec, status, memory.slices_written)
+        changed = slices.changed(spec, status, indexes, memory.slices_written)
         await asyncio.gather(
             *(
                 asyncio.to_thread(self._api.write_slice, key[0], body, index, content)

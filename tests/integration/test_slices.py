@@ -1,7 +1,8 @@
 """A rendezvous above 100 nodes is published in RendezvousSlices, against the real control
 plane: the operator writes each slice after the status, every member appears in exactly the
 slice its pod name hashes to, with its rank, and each node watches only its own slice,
-through the seal, a lost member and the re-formed round. Small rendezvous stay unsliced."""
+through the seal, a lost member and the re-formed round. Only the slices of pods that join
+are made, however many maxNodes admits. Small rendezvous stay unsliced."""
 
 from __future__ import annotations
 
@@ -36,14 +37,16 @@ def slices_of(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> list[dict[s
 def assert_published(
     api: kubernetes.client.ApiClient, rdzv: Rendezvous, status: state.RendezvousStatus
 ) -> None:
-    """The slices hold the status' round, each member once, in the slice of its pod."""
+    """The slices of the members' pods, and no other, hold the status' round, each member
+    once, in the slice of its pod."""
     uid = rdzv.body()["metadata"]["uid"]
-    pieces = slices_of(api, rdzv)
-    assert [p["metadata"]["name"] for p in pieces] == [
-        state.slice_name(rdzv.name, index) for index in range(status.slices)
-    ]
+    pieces = {piece["status"]["slice"]: piece for piece in slices_of(api, rdzv)}
+    assert set(pieces) == {
+        state.slice_index(member.node, status.slices) for member in status.members
+    }
     ranks: dict[str, int] = {}
-    for index, piece in enumerate(pieces):
+    for index, piece in pieces.items():
+        assert piece["metadata"]["name"] == state.slice_name(rdzv.name, index)
         assert state.rendezvous_uid(piece) == uid, "the Rendezvous owns its slices"
         stored = piece["status"]
         assert (stored["roundKey"], stored["worldSize"], stored["slice"]) == (
@@ -75,10 +78,13 @@ def test_a_large_rendezvous_seals_through_each_nodes_own_slice(
     assert_published(admin_api, rdzv, status)
     # Written when the round began forming (or at once sealed) and at the seal: never per
     # join, though the twelve joins came one by one.
-    assert [p["metadata"]["generation"] <= 2 for p in slices_of(admin_api, rdzv)] == [True] * 3
+    generations = {
+        p["metadata"]["name"]: p["metadata"]["generation"] for p in slices_of(admin_api, rdzv)
+    }
+    assert max(generations.values()) <= 2, generations
     fixtures.wait_watching_own_slice(nodes, rdzv.name, 3)
     table = control_plane.kubectl("get", "rdzvslice", "-n", rdzv.namespace).stdout
-    assert f"{rdzv.name}.slice-2" in table and "Sealed" in table
+    assert all(name in table for name in generations) and "Sealed" in table
 
 
 def test_a_lost_member_of_a_sliced_round_is_told_to_every_survivor_through_its_slice(
@@ -103,6 +109,25 @@ def test_a_lost_member_of_a_sliced_round_is_told_to_every_survivor_through_its_s
     assert (status.round, status.world_size, status.slices) == (2, 5, 3)
     assert_published(admin_api, rdzv, status)
     fixtures.wait_watching_own_slice(survivors, rdzv.name, 3)
+
+
+def test_a_rendezvous_admitting_a_hundred_thousand_nodes_makes_only_its_joiners_slices(
+    make_rendezvous: MakeRendezvous,
+    make_nodes: MakeNodes,
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    """Any pod that may make a Rendezvous sets its maxNodes: 1,000 slices written for it
+    with nobody joining would be the operator's cost of one create."""
+    rdzv = make_rendezvous(2, 100_000, lastCallTimeoutSeconds=0)
+    rdzv.wait(lambda s: s.slices == state.MAX_SLICES, "the slice count is written")
+    assert slices_of(admin_api, rdzv) == [], "no pod asked to join: no slice"
+    nodes = make_nodes(rdzv, 2)
+    infos = fixtures.join_all(nodes)
+    assert sorted(info.rank for info in infos) == [0, 1]
+    status = rdzv.status()
+    assert_published(admin_api, rdzv, status)
+    assert len(slices_of(admin_api, rdzv)) <= 2
+    fixtures.wait_watching_own_slice(nodes, rdzv.name, state.MAX_SLICES)
 
 
 def test_a_rendezvous_of_at_most_a_hundred_nodes_has_no_slices(

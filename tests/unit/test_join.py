@@ -280,6 +280,6 @@ def test_a_sliced_round_carries_each_refusal_in_the_refused_nodes_slice() -> Non
     status = state.RendezvousStatus(slices=3, refused=(refusal,))
     pieces = status.slice_fields()
     own = state.slice_index(NODE, 3)
-    for index, piece in enumerate(pieces):
+    for index, piece in pieces.items():
         found = state.NodeView.from_dict(piece, NODE).refusal_of(REQUEST)
         assert (found is not None) == (index == own)

@@ -332,27 +332,31 @@ def test_a_deleted_rendezvous_is_forgotten_whole(harness: Harness) -> None:
     assert harness.reconciler.observed((NS, "p1")) is None
 
 
-def test_slices_are_written_only_when_their_content_changes(harness: Harness) -> None:
+def test_slices_are_written_only_for_joiners_and_when_their_content_changes(
+    harness: Harness,
+) -> None:
     large = spec(2, state.SLICE_MEMBERS + 1)
+    count = state.slice_count(large.max_nodes)
+    joiners = {state.slice_index(f"p{node}", count) for node in (1, 2, 3)}
 
     async def scenario() -> None:
         for node in (1, 2, 3):
             harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
         await harness.rendezvous(harness.api.add_rendezvous(large, None))
-        assert len(harness.api.slice_writes) == state.slice_count(large.max_nodes)
-        harness.api.slice_writes.clear()
+        assert harness.api.slice_writes == [], "no pod asked to join: no slice"
         for node in (1, 2, 3):
             await harness.lease(f"p{node}", entry(node))
         assert harness.api.status_writes[-1]["lastCallDeadline"] is not None
-        assert harness.api.slice_writes == [], "joins and a last call write no slice"
+        first = sorted(index for index, _ in harness.api.slice_writes)
+        assert first == sorted(joiners), "a join writes its pod's slice once, if not yet"
+        harness.api.slice_writes.clear()
         harness.clock[0] = T0 + datetime.timedelta(seconds=large.last_call_timeout_seconds)
         for node in (1, 2, 3):  # the nodes' heartbeats, renewing what they asked
             await harness.lease(f"p{node}", entry(node))
+        assert harness.api.slice_writes == [], "heartbeats and a last call write no slice"
         harness.reconciler.request(KEY)  # the last call's timer
         await harness.reconciler.idle()
 
     asyncio.run(scenario())
     assert written_states(harness.api)[-1] == ("Sealed", 1)
-    assert sorted(index for index, _ in harness.api.slice_writes) == list(
-        range(state.slice_count(large.max_nodes))
-    )
+    assert sorted(index for index, _ in harness.api.slice_writes) == sorted(joiners)
