@@ -133,6 +133,10 @@ class Reconciler:
     def _pod(self, pod: Key) -> PodMemory:
         return self._pods.setdefault(pod, PodMemory())
 
+    def remembers(self, key: Key) -> bool:
+        """Whether anything of Rendezvous ``key`` is kept (its body, or requests for it)."""
+        return key in self._rendezvous
+
     def known_body(self, key: Key) -> dict[str, Any] | None:
         """The newest body of Rendezvous ``key`` the watch showed, if any."""
         memory = self._rendezvous.get(key)
@@ -242,6 +246,11 @@ class Reconciler:
             return
         if entry is None:
             entries.pop(lease.node, None)
+            if not entries and self._rendezvous[key].body is None:
+                # A Lease for a rendezvous that does not exist (collected with its missing
+                # owner): what is kept for made-up names ends with their Leases.
+                self._forget_rendezvous(key)
+                return
         else:
             entries[lease.node] = entry
         self.request(key)

@@ -17,12 +17,15 @@ from tests.support.fixtures import Rendezvous, bind_creator_role, create_pods
 
 from devkit.chart import Release
 from devkit.cluster.controlplane import ControlPlane
+from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
 pytestmark = pytest.mark.usefixtures("chart_release")
 
 MERGE = "application/merge-patch+json"
 ENTRY = state.NodeEntry("i-1", 1, "10.0.0.7", 29500)
+NO_SUCH_UID = "00000000-0000-4000-8000-000000000000"
+"""The uid of no Rendezvous: a Lease owned by it is collected, once past admission."""
 
 
 class PodClient:
@@ -34,8 +37,23 @@ class PodClient:
         """The pod's uid, for a pod's client."""
         self.custom = kubernetes.client.CustomObjectsApi(api)
 
-    def create_lease(self, name: str, holder: str, rendezvous: str | None) -> dict[str, Any]:
+    def create_lease(
+        self,
+        name: str,
+        holder: str,
+        rendezvous: str | None,
+        owner_uid: str = NO_SUCH_UID,
+        owners: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """As the handler makes it: labelled for ``rendezvous`` and owned by it (of uid
+        ``owner_uid``), unless ``owners`` says otherwise."""
         labels = {state.NODE_LABEL: rendezvous} if rendezvous else {}
+        if owners is None and rendezvous:
+            owners = [
+                state.owner_reference(
+                    state.API_VERSION, state.KIND, rendezvous, owner_uid, controller=False
+                )
+            ]
         body = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
@@ -47,6 +65,7 @@ class PodClient:
                     # As the handler marks every write, with the pod-bound token's pod uid.
                     **({state.POD_UID_ANNOTATION: self.uid} if self.uid else {}),
                 },
+                **({"ownerReferences": owners} if owners else {}),
             },
             "spec": {"holderIdentity": holder, "leaseDurationSeconds": 30},
         }
@@ -121,7 +140,8 @@ def rendezvous(
 
 def test_a_pod_keeps_its_own_lease(pod_a: PodClient, rendezvous: Rendezvous) -> None:
     own = f"{rendezvous.name}.pod-a"
-    assert pod_a.create_lease(own, "pod-a", rendezvous.name)["spec"]["holderIdentity"] == "pod-a"
+    made = pod_a.create_lease(own, "pod-a", rendezvous.name, rendezvous.body()["metadata"]["uid"])
+    assert made["spec"]["holderIdentity"] == "pod-a"
     patched = pod_a.patch_lease(own, {"spec": {"renewTime": "2026-01-01T00:00:00.000000Z"}})
     assert patched["spec"]["renewTime"].startswith("2026-01-01")
     assert pod_a.patch_lease(own, leave("pod-a"))
@@ -131,7 +151,7 @@ def test_a_pod_marks_its_lease_only_with_its_own_uid(
     pod_a: PodClient, rendezvous: Rendezvous
 ) -> None:
     own = f"{rendezvous.name}.pod-a"
-    pod_a.create_lease(own, "pod-a", rendezvous.name)
+    pod_a.create_lease(own, "pod-a", rendezvous.name, rendezvous.body()["metadata"]["uid"])
 
     def mark(uid: str) -> dict[str, Any]:
         return {"metadata": {"annotations": {state.POD_UID_ANNOTATION: uid}}}
@@ -200,11 +220,56 @@ def test_a_pod_cannot_move_its_lease_to_another_rendezvous(
     pod_a: PodClient, rendezvous: Rendezvous
 ) -> None:
     own = f"{rendezvous.name}.pod-a"
-    pod_a.create_lease(own, "pod-a", rendezvous.name)
+    pod_a.create_lease(own, "pod-a", rendezvous.name, rendezvous.body()["metadata"]["uid"])
     message = denied(
         lambda: pod_a.patch_lease(own, {"metadata": {"labels": {state.NODE_LABEL: "other"}}})
     )
     assert f"named after itself, other.pod-a (<rendezvous>.<pod>), not {own}" in message
+
+
+def test_a_pods_lease_has_its_rendezvous_as_its_one_owner(
+    pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    """Without it, or with another owner besides, a Lease would outlive its Rendezvous."""
+    own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
+    expected = (
+        f"pod pod-a must make Rendezvous {rendezvous.name} the one owner of its Lease {own} "
+        "(an ownerReference with its uid), so that the Lease goes with it"
+    )
+    assert expected in denied(lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[]))
+    theirs = state.owner_reference(state.API_VERSION, state.KIND, rendezvous.name, uid)
+    lasting = {"apiVersion": "v1", "kind": "ServiceAccount", "name": "default", "uid": uid}
+    assert expected in denied(
+        lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[theirs, lasting])
+    )
+    another = state.owner_reference(state.API_VERSION, state.KIND, "other", uid)
+    assert expected in denied(
+        lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[another])
+    )
+    pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
+    assert expected in denied(
+        lambda: pod_a.patch_lease(own, {"metadata": {"ownerReferences": [theirs, lasting]}})
+    )
+
+
+def test_a_pods_lease_for_a_rendezvous_that_does_not_exist_is_collected(
+    pod_a: PodClient, rendezvous: Rendezvous, admin_api: kubernetes.client.ApiClient
+) -> None:
+    """A pod used to leave Leases for made-up rendezvous (2,000 kept for good): owned by a
+    Rendezvous that is not there, under that name or that uid, the garbage collector takes
+    them."""
+    made_up = pod_a.create_lease("made-up.pod-a", "pod-a", "made-up")
+    not_that_one = pod_a.create_lease(f"{rendezvous.name}.pod-a", "pod-a", rendezvous.name)
+    leases = PodClient(admin_api, rendezvous.namespace).custom
+
+    def collected() -> bool:
+        listed = leases.list_namespaced_custom_object(
+            "coordination.k8s.io", "v1", rendezvous.namespace, "leases"
+        )
+        remaining = {item["metadata"]["name"] for item in listed["items"]}
+        return not remaining & {made_up["metadata"]["name"], not_that_one["metadata"]["name"]}
+
+    wait_for(collected, 60, "the garbage collector takes both Leases")
 
 
 def test_the_long_form_of_a_lease_name_is_the_pods_own_only(

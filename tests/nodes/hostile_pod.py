@@ -46,6 +46,15 @@ def main(victim: str) -> None:
     namespace, me = os.environ["POD_NAMESPACE"], os.environ["POD_NAME"]
     rendezvous = os.environ["PET_RDZV_ENDPOINT"]
     entry = state.NodeEntry("hostile", 1, os.environ["POD_IP"], 29500)
+    owner = state.owner_reference(
+        state.API_VERSION,
+        state.KIND,
+        rendezvous,
+        custom.get_namespaced_custom_object(
+            state.GROUP, state.VERSION, namespace, state.PLURAL, rendezvous
+        )["metadata"]["uid"],
+        controller=False,
+    )
 
     def lease(name: str, labelled: bool = True) -> Callable[[], object]:
         body = {
@@ -58,6 +67,7 @@ def main(victim: str) -> None:
                     state.ENTRY_ANNOTATION: entry.to_annotation(),
                     state.POD_UID_ANNOTATION: pod_uid_of_token(),
                 },
+                "ownerReferences": [owner],
             },
             "spec": {"holderIdentity": me, "leaseDurationSeconds": 30},
         }

@@ -332,6 +332,27 @@ def test_a_deleted_rendezvous_is_forgotten_whole(harness: Harness) -> None:
     assert harness.reconciler.observed((NS, "p1")) is None
 
 
+def test_requests_for_a_rendezvous_that_does_not_exist_are_forgotten_with_their_leases(
+    harness: Harness,
+) -> None:
+    made_up = (NS, "made-up")
+
+    async def scenario() -> None:
+        for node in ("p1", "p2"):
+            lease = observe.LeaseObservation("made-up", node, "i", entry(1))
+            harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
+        await harness.reconciler.idle()
+        assert harness.reconciler.remembers(made_up)
+        for node in ("p1", "p2"):
+            lease = observe.LeaseObservation("made-up", node, "i", entry(1))
+            harness.reconciler.lease_seen(NS, lease, {}, deleted=True)
+            await harness.reconciler.idle()
+        assert harness.api.status_writes == []
+
+    asyncio.run(scenario())
+    assert not harness.reconciler.remembers(made_up)
+
+
 def test_slices_are_written_only_for_joiners_and_when_their_content_changes(
     harness: Harness,
 ) -> None:
