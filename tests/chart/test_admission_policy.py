@@ -45,10 +45,10 @@ class PodClient:
         owner_uid: str = NO_SUCH_UID,
         owners: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """As the handler makes it: labelled for ``rendezvous`` and owned by it (of uid
-        ``owner_uid``), unless ``owners`` says otherwise."""
+        """Labelled for ``rendezvous``; a pod's is owned by it (of uid ``owner_uid``), as
+        the handler makes it, unless ``owners`` says otherwise."""
         labels = {state.NODE_LABEL: rendezvous} if rendezvous else {}
-        if owners is None and rendezvous:
+        if owners is None and rendezvous and self.uid:
             owners = [
                 state.owner_reference(
                     state.API_VERSION, state.KIND, rendezvous, owner_uid, controller=False
