@@ -535,7 +535,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def _ask(self, spec: state.RendezvousSpec, owner_uid: str) -> tuple[state.NodeEntry, int]:
         """Write this node's join request of the current attempt; returns it, and the
         watcher's mark from before the write (the seal that admits it cannot be missed)."""
-        request = state.NodeEntry(self._instance, self._attempt, self._addr, self._entry_port)
+        request = self._request(state.NodeIntent.JOIN)
         since = self._watcher.mark()
         self._client.write_lease(
             self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, request
@@ -789,11 +789,15 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._watcher.wait_for_object(time.monotonic() + _FIRST_EVENT_SECONDS)
         self._client.open_connection()
 
-    def _write_intent(self, intent: state.NodeIntent) -> None:
-        # The store port only matters to a Join; Leave and Close repeat the last one.
-        entry = state.NodeEntry(
+    def _request(self, intent: state.NodeIntent) -> state.NodeEntry:
+        """This node's request of its current attempt. The store port only matters to a
+        Join (made after the port is offered); the others repeat the last one, if any."""
+        return state.NodeEntry(
             self._instance, max(self._attempt, 1), self._addr, self._entry_port or 1, intent
         )
+
+    def _write_intent(self, intent: state.NodeIntent) -> None:
+        entry = self._request(intent)
         obj = self._watcher.latest or self._read_or_create()  # c10d's set_closed() creates
         spec = self._check_spec(obj)
         self._client.write_lease(

@@ -8,6 +8,7 @@ place, to the torch error type the agent expects, with a message that names the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -184,37 +185,23 @@ class RendezvousClient:
         so N nodes joining at once are N independent writes instead of N retries of one
         object's optimistic update. The Rendezvous owns it, so it goes with it.
         """
-        name = state.lease_name(self.name, node)
-        annotations = {state.INSTANCE_ANNOTATION: instance}
-        if self._pod_uid is not None:
-            annotations[state.POD_UID_ANNOTATION] = self._pod_uid
+        renewal = state.NodeLease(
+            self.name,
+            node,
+            instance,
+            entry,
+            pod_uid=self._pod_uid,
+            owner_uid=owner_uid,
+            duration_seconds=duration_seconds,
+            renew_time=datetime.datetime.now(datetime.timezone.utc),
+        )
+        name = renewal.name
         if entry is not None:
             self._lease_entries[name] = entry
-            annotations[state.ENTRY_ANNOTATION] = entry.to_annotation()
         # A heartbeat that finds the Lease gone (collected with a deleted Rendezvous, or
         # deleted by hand) makes it anew with the node's request: without it, the node
         # would wait for a round that nobody knows it asked for.
-        made_annotations = dict(annotations)
-        if (request := self._lease_entries.get(name)) is not None:
-            made_annotations[state.ENTRY_ANNOTATION] = request.to_annotation()
-        now = state.format_time(datetime.datetime.now(datetime.timezone.utc))
-        spec = {"holderIdentity": node, "leaseDurationSeconds": duration_seconds, "renewTime": now}
-        owners = [
-            state.owner_reference(
-                state.API_VERSION, state.KIND, self.name, owner_uid, controller=False
-            )
-        ]
-        lease = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": name,
-                "labels": {state.NODE_LABEL: self.name},
-                "annotations": made_annotations,
-                "ownerReferences": owners,
-            },
-            "spec": spec,
-        }
+        lease = dataclasses.replace(renewal, entry=self._lease_entries.get(name)).to_body()
 
         def create() -> bool:
             try:
@@ -235,17 +222,12 @@ class RendezvousClient:
                     self._lease_owners[name] = owner_uid
                     return
                 self._lease_owners[name] = ""  # made before this client: owner unknown
-            metadata: dict[str, Any] = {"annotations": annotations}
-            if self._lease_owners[name] != owner_uid:
-                # The Rendezvous was made anew: a Lease still owned by the old one would be
-                # collected with it, and this node's request with it.
-                metadata["ownerReferences"] = owners
+            # A Rendezvous made anew: a Lease still owned by the old one would be collected
+            # with it, and this node's request with it.
+            patch = renewal.to_patch(owner=self._lease_owners[name] != owner_uid)
             try:
                 self._rest.request(
-                    "PATCH",
-                    f"{self._leases_path}/{name}",
-                    {"metadata": metadata, "spec": spec},
-                    content_type=rest.MERGE_PATCH,
+                    "PATCH", f"{self._leases_path}/{name}", patch, content_type=rest.MERGE_PATCH
                 )
                 self._lease_owners[name] = owner_uid
             except ApiException as error:

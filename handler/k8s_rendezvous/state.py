@@ -627,6 +627,135 @@ class NodeEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeLease:
+    """A node's Lease ``<rendezvous>.<pod>``, the one object a pod writes: its heartbeat
+    (the agent instance renewing it) and its request (:class:`NodeEntry`). The pod side
+    writes it whole (:meth:`to_body`) or renews it (:meth:`to_patch`); the operator reads it
+    (:meth:`from_body`); the admission policy holds its name, holder, mark and owner to the
+    writer's token.
+
+    Its one owner is the Rendezvous, so it goes with it, and one for a Rendezvous that does
+    not exist is collected."""
+
+    rendezvous: str
+    node: str
+    """The pod that holds it (``spec.holderIdentity``)."""
+    instance: str | None
+    entry: NodeEntry | None = None
+    """``None``: the node has asked nothing yet (or, read, ``entry_problem`` says why not)."""
+    entry_problem: str | None = None
+    """Read only: why the entry written is not a request (it names the field)."""
+    pod_uid: str | None = None
+    """The uid of the pod that wrote it (:data:`POD_UID_ANNOTATION`), if it says."""
+    owner_uid: str | None = None
+    """The uid of its Rendezvous, its owner."""
+    duration_seconds: int | None = None
+    renew_time: datetime.datetime | None = None
+
+    @property
+    def name(self) -> str:
+        return lease_name(self.rendezvous, self.node)
+
+    def _annotations(self) -> dict[str, str]:
+        annotations = {} if self.instance is None else {INSTANCE_ANNOTATION: self.instance}
+        if self.pod_uid is not None:
+            annotations[POD_UID_ANNOTATION] = self.pod_uid
+        if self.entry is not None:
+            annotations[ENTRY_ANNOTATION] = self.entry.to_annotation()
+        return annotations
+
+    def _owners(self) -> list[dict[str, Any]]:
+        assert self.owner_uid is not None, "a node's Lease is written with its owner"
+        return [
+            owner_reference(API_VERSION, KIND, self.rendezvous, self.owner_uid, controller=False)
+        ]
+
+    def _spec(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"holderIdentity": self.node}
+        if self.duration_seconds is not None:
+            spec["leaseDurationSeconds"] = self.duration_seconds
+        if self.renew_time is not None:
+            spec["renewTime"] = format_time(self.renew_time)
+        return spec
+
+    def to_body(self) -> dict[str, Any]:
+        """The whole Lease, to create."""
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.name,
+                "labels": {NODE_LABEL: self.rendezvous},
+                "annotations": self._annotations(),
+                "ownerReferences": self._owners(),
+            },
+            "spec": self._spec(),
+        }
+
+    def to_patch(self, *, owner: bool) -> dict[str, Any]:
+        """A merge patch renewing it, replacing the entry if there is one (an absent one is
+        left as it is) and, with ``owner``, its owner (a Rendezvous made anew)."""
+        metadata: dict[str, Any] = {"annotations": self._annotations()}
+        if owner:
+            metadata["ownerReferences"] = self._owners()
+        return {"metadata": metadata, "spec": self._spec()}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> NodeLease | None:
+        """``None`` for a Lease that speaks for no node: only ``<rendezvous>.<holder>``
+        does, so a pod cannot pose as another node by naming or relabelling a Lease it
+        holds. An entry that cannot be read is not guessed at: ``entry_problem`` says why."""
+        metadata = body.get("metadata") or {}
+        rendezvous = (metadata.get("labels") or {}).get(NODE_LABEL)
+        spec = body.get("spec") or {}
+        node = spec.get("holderIdentity")
+        if (
+            not isinstance(rendezvous, str)
+            or not rendezvous
+            or rendezvous_name_problem(rendezvous)  # then the name reads two ways
+            or not isinstance(node, str)
+            or not node
+            or len(node) > 253  # not a pod's name: it could never be a member
+            or metadata.get("name") != lease_name(rendezvous, node)
+        ):
+            return None
+        annotations = metadata.get("annotations") or {}
+        raw = annotations.get(ENTRY_ANNOTATION)
+        entry, problem = None, None
+        if raw is not None:
+            try:
+                entry = NodeEntry.from_annotation(
+                    raw, f"Lease {metadata.get('name')} annotation {ENTRY_ANNOTATION}"
+                )
+            except DecodeError as error:
+                problem = str(error)
+        owner_uid = next(
+            (
+                str(owner.get("uid"))
+                for owner in metadata.get("ownerReferences") or []
+                if isinstance(owner, Mapping) and owner.get("kind") == KIND
+            ),
+            None,
+        )
+        duration = spec.get("leaseDurationSeconds")
+        try:
+            renewed: datetime.datetime | None = parse_time(spec.get("renewTime"), "renewTime")
+        except DecodeError:
+            renewed = None  # not read by the operator, which times heartbeats by its clock
+        return cls(
+            rendezvous,
+            node,
+            annotations.get(INSTANCE_ANNOTATION),
+            entry,
+            problem,
+            annotations.get(POD_UID_ANNOTATION) or None,
+            owner_uid,
+            duration if type(duration) is int else None,
+            renewed,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Member:
     """One node of the sealed round; its rank is its index in ``status.members``."""
 

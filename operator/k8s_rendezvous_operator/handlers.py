@@ -67,7 +67,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # Know every node's request before the first reconcile: a member whose Lease had not
     # been seen yet would otherwise count as gone.
     for body in await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ()):
-        if (lease := observe.observe_lease(body)) is not None:
+        if (lease := state.NodeLease.from_body(body)) is not None:
             reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
     reconciler.started()
     memo["reconciler"] = reconciler
@@ -121,7 +121,7 @@ async def lease_event(
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
-    if (lease := observe.observe_lease(body)) is not None:
+    if (lease := state.NodeLease.from_body(body)) is not None:
         reconciler.lease_seen(namespace, lease, dict(body), deleted=event.get("type") == "DELETED")
 
 

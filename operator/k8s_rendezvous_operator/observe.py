@@ -1,4 +1,5 @@
-"""What Pod, Lease and Job bodies say, in the terms of the round decisions (pure)."""
+"""What Pod and Job bodies say, in the terms of the round decisions (pure); a Lease reads
+itself (:class:`k8s_rendezvous.state.NodeLease`)."""
 
 from __future__ import annotations
 
@@ -32,54 +33,6 @@ def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.Pod
     elif status.get("phase") == "Succeeded":
         gone = rounds.LOST_POD_SUCCEEDED
     return rounds.PodObservation(gone, restarts, identity=identity)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaseObservation:
-    """A node's Lease: which node of which Rendezvous it speaks for, and its request."""
-
-    rendezvous: str
-    node: str
-    instance: str | None
-    entry: state.NodeEntry | None
-    """``None``: the node has not asked anything yet, or ``problem`` says why not."""
-    problem: str | None = None
-    pod_uid: str | None = None
-    """The uid of the pod that wrote it, if its Lease says."""
-
-
-def observe_lease(body: Mapping[str, Any]) -> LeaseObservation | None:
-    """``None`` for a Lease that speaks for no node: only ``<rendezvous>.<holder>`` does,
-    so a pod cannot pose as another node by naming or relabelling a Lease it holds."""
-    metadata = body.get("metadata") or {}
-    rendezvous = (metadata.get("labels") or {}).get(state.NODE_LABEL)
-    node = (body.get("spec") or {}).get("holderIdentity")
-    if (
-        not rendezvous
-        or state.rendezvous_name_problem(rendezvous)  # then the name reads two ways
-        or not node
-        or len(node) > 253  # not a pod's name: it could never be a member
-        or metadata.get("name") != state.lease_name(rendezvous, node)
-    ):
-        return None
-    annotations = metadata.get("annotations") or {}
-    raw = annotations.get(state.ENTRY_ANNOTATION)
-    entry, problem = None, None
-    if raw is not None:
-        try:
-            entry = state.NodeEntry.from_annotation(
-                raw, f"Lease {metadata.get('name')} annotation {state.ENTRY_ANNOTATION}"
-            )
-        except state.DecodeError as error:
-            problem = str(error)
-    return LeaseObservation(
-        rendezvous,
-        node,
-        annotations.get(state.INSTANCE_ANNOTATION),
-        entry,
-        problem,
-        annotations.get(state.POD_UID_ANNOTATION) or None,
-    )
 
 
 @dataclasses.dataclass(frozen=True)

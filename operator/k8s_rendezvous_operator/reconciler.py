@@ -212,7 +212,7 @@ class Reconciler:
     def lease_seen(
         self,
         namespace: str,
-        lease: observe.LeaseObservation,
+        lease: state.NodeLease,
         body: Mapping[str, Any],
         deleted: bool,
     ) -> None:
@@ -226,7 +226,7 @@ class Reconciler:
             if deleted or not lease.instance
             else rounds.Heartbeat(lease.instance, self._clock())
         )
-        problem = None if deleted else lease.problem
+        problem = None if deleted else lease.entry_problem
         if problem is not None and node.lease_problem is None:
             self._warn(
                 key,

@@ -213,10 +213,10 @@ def test_a_lease_says_which_pod_wrote_it() -> None:
         },
         "spec": {"holderIdentity": "train-0"},
     }
-    observation = observe.observe_lease(lease)
+    observation = state.NodeLease.from_body(lease)
     assert observation is not None and observation.pod_uid == "uid-train-0"
     del lease["metadata"]["annotations"][state.POD_UID_ANNOTATION]
-    observation = observe.observe_lease(lease)
+    observation = state.NodeLease.from_body(lease)
     assert observation is not None and observation.pod_uid is None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, observe, reasons, reconciler, rounds
+from k8s_rendezvous_operator import kube, reasons, reconciler, rounds
 
 NS = "ns"
 NAME = "r"
@@ -203,9 +203,7 @@ class Harness:
         await self.reconciler.idle()
 
     async def lease(self, node: str, request: state.NodeEntry | None) -> None:
-        lease = observe.LeaseObservation(
-            NAME, node, None if request is None else request.instance, request
-        )
+        lease = state.NodeLease(NAME, node, None if request is None else request.instance, request)
         self.reconciler.lease_seen(NS, lease, {}, deleted=False)
         await self.reconciler.idle()
 
@@ -306,7 +304,7 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
         harness.api.add_pod("p1", "10.0.0.1")  # p2 has no pod any more
         for node in (1, 2):
             request = entry(node, attempt=2)
-            lease = observe.LeaseObservation(NAME, f"p{node}", request.instance, request)
+            lease = state.NodeLease(NAME, f"p{node}", request.instance, request)
             harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
         await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), previous))
 
@@ -339,12 +337,12 @@ def test_requests_for_a_rendezvous_that_does_not_exist_are_forgotten_with_their_
 
     async def scenario() -> None:
         for node in ("p1", "p2"):
-            lease = observe.LeaseObservation("made-up", node, "i", entry(1))
+            lease = state.NodeLease("made-up", node, "i", entry(1))
             harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
         await harness.reconciler.idle()
         assert harness.reconciler.remembers(made_up)
         for node in ("p1", "p2"):
-            lease = observe.LeaseObservation("made-up", node, "i", entry(1))
+            lease = state.NodeLease("made-up", node, "i", entry(1))
             harness.reconciler.lease_seen(NS, lease, {}, deleted=True)
             await harness.reconciler.idle()
         assert harness.api.status_writes == []

@@ -1,12 +1,14 @@
-"""How the operator reads a node's Lease: only the Lease named after its holder speaks for
-that node, and an entry it cannot read is reported, never guessed at."""
+"""A node's Lease as a wire type (``k8s_rendezvous.state.NodeLease``): what the pod side
+writes reads back the same; only the Lease named after its holder speaks for that node,
+and an entry that cannot be read is reported, never guessed at."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 from typing import Any
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import observe
 
 ENTRY = state.NodeEntry("i-1", 2, "10.0.0.7", 29500)
 
@@ -22,31 +24,62 @@ def lease(name: str = "train.pod-a", holder: str = "pod-a", **annotations: str) 
     }
 
 
+def test_a_lease_written_whole_reads_back_the_same() -> None:
+    written = state.NodeLease(
+        "train",
+        "pod-a",
+        "i-1",
+        ENTRY,
+        pod_uid="uid-a",
+        owner_uid="uid-r",
+        duration_seconds=30,
+        renew_time=datetime.datetime(2026, 12, 4, 3, 0, 0, 123456, datetime.timezone.utc),
+    )
+    body = written.to_body()
+    assert body["metadata"]["name"] == "train.pod-a"
+    assert body["metadata"]["ownerReferences"] == [
+        state.owner_reference(state.API_VERSION, state.KIND, "train", "uid-r", controller=False)
+    ]
+    assert state.NodeLease.from_body(body) == written
+
+
+def test_a_renewal_leaves_the_request_and_the_owner_unless_given() -> None:
+    renewal = state.NodeLease("train", "pod-a", "i-1", owner_uid="uid-r", duration_seconds=30)
+    patch = renewal.to_patch(owner=False)
+    assert patch == {
+        "metadata": {"annotations": {state.INSTANCE_ANNOTATION: "i-1"}},
+        "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 30},
+    }
+    asked = dataclasses.replace(renewal, entry=ENTRY).to_patch(owner=True)
+    assert asked["metadata"]["annotations"][state.ENTRY_ANNOTATION] == ENTRY.to_annotation()
+    assert [owner["uid"] for owner in asked["metadata"]["ownerReferences"]] == ["uid-r"]
+
+
 def test_a_lease_gives_the_node_its_instance_and_its_request() -> None:
-    seen = observe.observe_lease(lease(**{state.ENTRY_ANNOTATION: ENTRY.to_annotation()}))
-    assert seen == observe.LeaseObservation("train", "pod-a", "i-1", ENTRY)
+    seen = state.NodeLease.from_body(lease(**{state.ENTRY_ANNOTATION: ENTRY.to_annotation()}))
+    assert seen == state.NodeLease("train", "pod-a", "i-1", ENTRY)
 
 
 def test_a_heartbeat_before_any_request_has_no_entry() -> None:
-    seen = observe.observe_lease(lease())
-    assert seen is not None and seen.entry is None and seen.problem is None
+    seen = state.NodeLease.from_body(lease())
+    assert seen is not None and seen.entry is None and seen.entry_problem is None
 
 
 def test_a_lease_not_named_after_its_holder_speaks_for_nobody() -> None:
-    assert observe.observe_lease(lease(name="train.pod-b")) is None
-    assert observe.observe_lease(lease(holder="pod-b")) is None
+    assert state.NodeLease.from_body(lease(name="train.pod-b")) is None
+    assert state.NodeLease.from_body(lease(holder="pod-b")) is None
     too_long = "p" * 254
-    assert observe.observe_lease(lease(state.lease_name("train", too_long), too_long)) is None
+    assert state.NodeLease.from_body(lease(state.lease_name("train", too_long), too_long)) is None
     unlabelled = lease()
     del unlabelled["metadata"]["labels"]
-    assert observe.observe_lease(unlabelled) is None
+    assert state.NodeLease.from_body(unlabelled) is None
 
 
 def test_long_names_use_the_hashed_lease_name() -> None:
     pod = "p" * 253
     name = state.lease_name("train", pod)
     assert len(name) <= 253
-    seen = observe.observe_lease(lease(name=name, holder=pod))
+    seen = state.NodeLease.from_body(lease(name=name, holder=pod))
     assert seen is not None and seen.node == pod
 
 
@@ -65,10 +98,13 @@ def test_an_unreadable_entry_is_a_named_problem() -> None:
         (state.NodeEntry("i", 1, "FD00::1", 1).to_annotation(), "write 'fd00::1'"),
         (state.NodeEntry("a b", 1, "10.0.0.1", 1).to_annotation(), "printable ASCII"),
     ]:
-        seen = observe.observe_lease(lease(**{state.ENTRY_ANNOTATION: raw}))
+        seen = state.NodeLease.from_body(lease(**{state.ENTRY_ANNOTATION: raw}))
         assert seen is not None and seen.entry is None
-        assert seen.problem is not None and words in seen.problem, (raw, seen.problem)
-        assert state.ENTRY_ANNOTATION in seen.problem
+        assert seen.entry_problem is not None and words in seen.entry_problem, (
+            raw,
+            seen.entry_problem,
+        )
+        assert state.ENTRY_ANNOTATION in seen.entry_problem
 
 
 def test_a_lease_for_a_rendezvous_name_with_a_dot_speaks_for_nobody() -> None:
@@ -76,8 +112,8 @@ def test_a_lease_for_a_rendezvous_name_with_a_dot_speaks_for_nobody() -> None:
     of ``team.train``: no Rendezvous has a dot, so only the first reading stands."""
     dotted = lease(name="team.train.w-0", holder="w-0")
     dotted["metadata"]["labels"][state.NODE_LABEL] = "team.train"
-    assert observe.observe_lease(dotted) is None
+    assert state.NodeLease.from_body(dotted) is None
     plain = lease(name="team.train.w-0", holder="train.w-0")
     plain["metadata"]["labels"][state.NODE_LABEL] = "team"
-    seen = observe.observe_lease(plain)
+    seen = state.NodeLease.from_body(plain)
     assert seen is not None and (seen.rendezvous, seen.node) == ("team", "train.w-0")
