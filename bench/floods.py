@@ -16,6 +16,11 @@ token, as the worker role lets it; each flood runs in a namespace of its own:
   lets a pod name them, with a readable request. Made without an owner if the policy admits
   that, else owned by a Rendezvous that does not exist; how many remain after the window,
   and when the garbage collector has taken the last (if it takes them).
+- ``webhook``: the operator started anew serving its admission webhook on 127.0.0.1, and 8
+  clients that reach the port (any client can: no token is needed) posting AdmissionReviews
+  of pods of made-up Jobs for 15 s, over kept-alive connections; reviews answered a second,
+  the operator's share of a core, and the GETs of Jobs the API server received meanwhile.
+  ``webhook-no-job``: the same with pods that name no Job as their controller.
 - ``warnings``: 300 unreadable requests under 300 made-up rendezvous names, each after a
   readable one (so each is news); the Warning Events posted in the namespace after the
   window.
@@ -28,11 +33,16 @@ same for every commit compared, not a wait for anything.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import shutil
+import socket
+import ssl
 import subprocess
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +51,8 @@ from typing import Any, cast
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 
-from bench.cluster import Cluster, Sampler, dump
+from bench.cluster import OPERATOR_METRICS_PORT, Cluster, Sampler, dump
+from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
@@ -50,6 +61,10 @@ WINDOW_SECONDS = 30.0
 LEASES = 2000
 WARNINGS = 300
 NO_SUCH_UID = "00000000-0000-4000-8000-000000000000"
+READABLE = state.NodeEntry("flood", 1, "127.100.0.1", 29500).to_annotation()
+"""A request the operator can read."""
+WEBHOOK_SECONDS = 15.0
+WEBHOOK_CLIENTS = 8
 
 
 class Attacker:
@@ -133,9 +148,133 @@ def measured(cluster: Cluster, flood: Callable[[], dict[str, Any]]) -> dict[str,
     }
 
 
-def run(cluster: Cluster, log: Callable[[str], None]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def review(namespace: str, of_a_job: bool = True) -> bytes:
+    """An AdmissionReview of a pod of a made-up Job (its controller, unless not
+    ``of_a_job``), as whoever reaches the port writes it."""
+    job = f"made-up-{uuid.uuid4().hex[:8]}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{job}-0",
+            "namespace": namespace,
+            "labels": {"batch.kubernetes.io/job-name": job},
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": job,
+                    "uid": str(uuid.uuid4()),
+                    "controller": of_a_job,
+                }
+            ],
+        },
+        "spec": {"containers": [{"name": "trainer", "image": "example.invalid/trainer"}]},
+    }
+    body = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": "CREATE",
+            "namespace": namespace,
+            "userInfo": {"username": "system:serviceaccount:kube-system:job-controller"},
+            "object": pod,
+        },
+    }
+    return json.dumps(body).encode()
 
+
+def serve_webhook(cluster: Cluster) -> int:
+    """Start the operator anew with its webhook on 127.0.0.1; its port once it answers."""
+    assert cluster.plane is not None and cluster.operator is not None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    cluster.operator.stop()
+    cluster.operator = OperatorProcess(
+        cluster.plane.kubeconfig,
+        cluster.workdir / "operator-webhook.log",
+        extra_args=(
+            f"--metrics-port={OPERATOR_METRICS_PORT}",
+            "--webhook",
+            "--webhook-host=127.0.0.1",
+            "--webhook-addr=127.0.0.1",
+            f"--webhook-port={port}",
+        ),
+        verbose=False,
+    )
+    cluster.operator.start()
+
+    def answers() -> bool:
+        connection = http.client.HTTPSConnection("127.0.0.1", port, context=TLS, timeout=5)
+        try:
+            connection.request("POST", "/torchrun-env", review("default"))
+            return connection.getresponse().status == 200
+        finally:
+            connection.close()
+
+    wait_for(answers, 180, "the webhook answers", ignore=(OSError, http.client.HTTPException))
+    return port
+
+
+TLS = ssl.create_default_context()
+TLS.check_hostname = False
+TLS.verify_mode = ssl.CERT_NONE  # whoever reaches the port need not trust its certificate
+
+
+def flood_webhook(cluster: Cluster, of_a_job: bool) -> dict[str, Any]:
+    port = serve_webhook(cluster)
+    assert cluster.operator is not None and cluster.operator.pid is not None
+    answered = [0] * WEBHOOK_CLIENTS
+    stop = threading.Event()
+
+    def client(index: int) -> None:
+        connection = http.client.HTTPSConnection("127.0.0.1", port, context=TLS, timeout=30)
+        while not stop.is_set():
+            connection.request("POST", "/torchrun-env", review("default", of_a_job))
+            connection.getresponse().read()
+            answered[index] += 1
+        connection.close()
+
+    gets_before = cluster.metrics().requests().get("GET jobs", 0.0)
+    with Sampler({"operator": [cluster.operator.pid]}) as sampler:
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(WEBHOOK_CLIENTS)]
+        for thread in clients:
+            thread.start()
+        stop.wait(WEBHOOK_SECONDS)  # the measurement span
+        stop.set()
+        for thread in clients:
+            thread.join()
+    operator = sampler.summary()["operator"]
+    return {
+        "reviews_per_second": round(sum(answered) / WEBHOOK_SECONDS, 1),
+        "operator_cpu_percent": operator["mean_cpu_percent"],
+        "operator_peak_rss_mb": operator["peak_rss_mb"],
+        "job_gets": cluster.metrics().requests().get("GET jobs", 0.0) - gets_before,
+    }
+
+
+def run(cluster: Cluster, log: Callable[[str], None], cases: set[str]) -> dict[str, Any]:
+    floods: dict[str, Callable[[Cluster], dict[str, Any]]] = {
+        "slices": flood_slices,
+        "leases": flood_leases,
+        "warnings": flood_warnings,
+        # Last: they start the operator anew.
+        "webhook": lambda cluster: flood_webhook(cluster, of_a_job=True),
+        "webhook-no-job": lambda cluster: flood_webhook(cluster, of_a_job=False),
+    }
+    results: dict[str, Any] = {}
+    for name, flood in floods.items():
+        if name in cases:
+            results[name] = flood(cluster)
+            log(f"{name}: {results[name]}")
+    return results
+
+
+def flood_slices(cluster: Cluster) -> dict[str, Any]:
     namespace = cluster.new_namespace("slices")
 
     def slices() -> dict[str, Any]:
@@ -143,28 +282,28 @@ def run(cluster: Cluster, log: Callable[[str], None]) -> dict[str, Any]:
             cluster.create_rendezvous(namespace, name, 1, 100_000)
         return {}
 
-    results["slices"] = measured(cluster, slices) | {
+    return measured(cluster, slices) | {
         "slices_written": count(cluster, namespace, state.SLICE_PLURAL)
     }
-    log(f"slices: {results['slices']}")
 
+
+def flood_leases(cluster: Cluster) -> dict[str, Any]:
     namespace = cluster.new_namespace("leases")
     attacker = Attacker(cluster, namespace)
-    entry = state.NodeEntry("flood", 1, "127.100.0.1", 29500).to_annotation()
 
     def leases() -> dict[str, Any]:
         with ThreadPoolExecutor(8) as writers:
             kinds = list(
-                writers.map(lambda i: attacker.lease(f"made-up-{i}", entry), range(LEASES))
+                writers.map(lambda i: attacker.lease(f"made-up-{i}", READABLE), range(LEASES))
             )
         return {"leases_created": len(kinds), "leases_made": sorted(set(kinds))}
 
     started = time.monotonic()
-    results["leases"] = measured(cluster, leases) | {
+    results = measured(cluster, leases) | {
         "leases_left": count(cluster, namespace, "leases", "coordination.k8s.io")
     }
-    if "no owner" not in results["leases"]["leases_made"]:
-        results["leases"]["all_collected_after_seconds"] = round(
+    if "no owner" not in results["leases_made"]:
+        results["all_collected_after_seconds"] = round(
             wait_for(
                 lambda: (
                     count(cluster, namespace, "leases", "coordination.k8s.io") == 0
@@ -177,29 +316,29 @@ def run(cluster: Cluster, log: Callable[[str], None]) -> dict[str, Any]:
             ),
             1,
         )
-    log(f"leases: {results['leases']}")
+    return results
 
+
+def flood_warnings(cluster: Cluster) -> dict[str, Any]:
     namespace = cluster.new_namespace("warnings")
     attacker = Attacker(cluster, namespace)
 
-    def flood_warnings() -> dict[str, Any]:
+    def unreadable() -> dict[str, Any]:
         # A readable request between two unreadable ones makes the second news again.
         for i in range(WARNINGS):
             attacker.lease(f"bad-{i}", "{not json")
-            attacker.lease(f"good-{i}", entry)
+            attacker.lease(f"good-{i}", READABLE)
         return {"unreadable_requests": WARNINGS}
 
-    results["warnings"] = measured(cluster, flood_warnings) | {
-        "warning_events": warnings(cluster, namespace)
-    }
-    log(f"warnings: {results['warnings']}")
-    return results
+    return measured(cluster, unreadable) | {"warning_events": warnings(cluster, namespace)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True, help="the key the results go under")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    cases = ("slices", "leases", "warnings", "webhook", "webhook-no-job")
+    parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="k8s-rdzv-floods-"))
     cluster = Cluster(workdir, lambda line: print(line, flush=True))
@@ -213,13 +352,13 @@ def main() -> None:
             check=False,
         ).stdout.strip()
         results = {"commit": commit, "window_seconds": WINDOW_SECONDS} | run(
-            cluster, lambda line: print(line, flush=True)
+            cluster, lambda line: print(line, flush=True), set(args.cases)
         )
     finally:
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
-    dump(args.out, recorded | {args.label: results})
+    dump(args.out, recorded | {args.label: recorded.get(args.label, {}) | results})
     print(json.dumps(results, indent=1))
 
 
