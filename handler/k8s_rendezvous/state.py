@@ -766,6 +766,9 @@ class Member:
     addr: str
     pod_restarts: int = 0
     """The pod's container restarts when admitted; more later means the agent restarted."""
+    replaces: str | None = None
+    """The node that held this rank in the round before, when it changed hands in this one
+    (a newcomer at a lost member's rank, or a survivor moved into it)."""
 
     def admits(self, entry: NodeEntry) -> bool:
         """Whether ``entry`` is the very join request this member was admitted for."""
@@ -779,6 +782,7 @@ class Member:
             "attempt": self.attempt,
             "addr": self.addr,
             "podRestarts": self.pod_restarts,
+            **({} if self.replaces is None else {"replaces": self.replaces}),
         }
 
     @classmethod
@@ -795,8 +799,9 @@ class Member:
             and type(addr := value.get("addr")) is str
             and type(restarts := value.get("podRestarts", 0)) is int
             and restarts >= 0
+            and ((replaces := value.get("replaces")) is None or type(replaces) is str)
         ):
-            return cls(node, instance, attempt, addr, restarts)
+            return cls(node, instance, attempt, addr, restarts, replaces)
         data = _mapping(value, field)
         if rank is not None and data.get("rank") != rank:
             raise DecodeError(
@@ -808,6 +813,7 @@ class Member:
             attempt=_int(data, "attempt", field, minimum=1),
             addr=_str(data, "addr", field),
             pod_restarts=_int(data, "podRestarts", field, default=0),
+            replaces=None if data.get("replaces") is None else _str(data, "replaces", field),
         )
 
 
@@ -922,6 +928,10 @@ class RendezvousStatus:
     (spares beyond maxNodes do not count); when the round goes stale, the nodes that made
     it so (waiting to be admitted, plus members lost), counted once then. More than 0 tells
     healthy agents to re-rendezvous now."""
+    spares: int = 0
+    """Nodes asking to join that the sealed round, full at maxNodes, left out: they wait
+    and step in when a member is lost. For people (``kubectl get rdzv``); agents are not
+    told (torch's agent would restart for them)."""
     forming_since: datetime.datetime | None = None
     """When the round now forming got its first join request, or went stale (operator's
     clock). Written with the round's other changes, never on its own: at a first join that
@@ -980,6 +990,7 @@ class RendezvousStatus:
             "members": [member.to_dict(rank) for rank, member in enumerate(self.members)],
             "master": None if self.master is None else self.master.to_dict(),
             "nodesWaiting": self.nodes_waiting,
+            "spares": self.spares,
             "formingSince": optional_time(self.forming_since),
             "lastCallDeadline": optional_time(self.last_call_deadline),
             "sealedAt": optional_time(self.sealed_at),
@@ -1061,6 +1072,7 @@ class RendezvousStatus:
         return cls(
             **_round_fields(data, field, sealable=bool(members)),
             members=members,
+            spares=_int(data, "spares", field, default=0),
             forming_since=optional_time("formingSince"),
             last_call_deadline=optional_time("lastCallDeadline"),
             sealed_at=optional_time("sealedAt"),

@@ -14,6 +14,11 @@ SEAL_LATENCY: Final = Histogram(
     "From the first join of a round to its seal, by the operator's clock.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+RANK_CHANGES: Final = Counter(
+    "k8s_rendezvous_rank_changes_total",
+    "Ranks that changed hands at a seal (a newcomer at a lost member's rank, a survivor "
+    "moved into a free one): the rank churn recoveries cost; ranks appended are not counted.",
+)
 MEMBERS_LOST: Final = Counter(
     "k8s_rendezvous_members_lost_total", "Members dropped from a sealed round.", ["reason"]
 )

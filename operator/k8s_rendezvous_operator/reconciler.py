@@ -604,6 +604,7 @@ class Reconciler:
             metrics.MEMBERS_LOST.labels(loss.reason).inc()
         if decision.sealed:
             metrics.ROUNDS_SEALED.inc()
+            metrics.RANK_CHANGES.inc(sum(m.replaces is not None for m in status.members))
             if decision.forming_seconds is not None:
                 metrics.SEAL_LATENCY.observe(decision.forming_seconds)
         if decision.closed:

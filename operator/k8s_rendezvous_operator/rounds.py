@@ -31,9 +31,13 @@ And what those rules rely on:
 8. :func:`spent_request`: a join request admitted to a round is spent: a member lost from
    it (or left behind by the next round) counts as waiting again only once its agent asks
    anew.
-9. :func:`rank_order`: ranks are stable: previous members keep their relative order (rank
-   0 stays while its node lives); newcomers follow, grouped by topology if asked, in
-   natural order of name.
+9. :func:`rank_order`: ranks are stable, so that sharded state stays put: survivors
+   keep their ranks and a newcomer takes a lost member's rank (the lowest free first),
+   then ranks after the last. A rank left free with no newcomer for it is taken by the
+   last survivor, so one node moves per hole; so is rank 0 when its node is lost (rank 0
+   is always a node that was there before while one is: in-place re-forming shares its
+   state from rank 0). Newcomers come in natural order of name, grouped by topology if
+   asked; a member's ``replaces`` names who held its rank before, when that changed.
 10. :func:`needs_write`: ``formingSince`` is never written on its own: a join that changes
     nothing else costs no status write. The reconciler remembers it between passes and
     hands it back (``decide(forming_since=...)``). The first write is always made: it
@@ -331,6 +335,7 @@ def _closed(status: RendezvousStatus, reason: str, message: str) -> Verdict:
         closed_reason=reason,
         closed_message=message,
         nodes_waiting=0,
+        spares=0,
         forming_since=None,
         last_call_deadline=None,
     )
@@ -403,7 +408,8 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
     fits = status.world_size < spec.max_nodes
     out_of_spec = not spec.min_nodes <= status.world_size <= spec.max_nodes
     if not (ctx.losses or rejoined or (newcomers and fits) or out_of_spec):
-        return Verdict(dataclasses.replace(status, nodes_waiting=0), wake_at=ctx.next_expiry)
+        unchanged = dataclasses.replace(status, nodes_waiting=0, spares=len(newcomers))
+        return Verdict(unchanged, wake_at=ctx.next_expiry)
     # Counted once, when the round goes stale: recounting every join while the next round
     # forms would cost a status write per join and tell running agents nothing new (any
     # positive number makes them re-rendezvous).
@@ -412,6 +418,7 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
         state=RoundState.REFORMING,
         forming_since=ctx.now,
         nodes_waiting=max(1, len(ctx.joiners) + len(ctx.losses)),
+        spares=0,
     )
 
 
@@ -448,7 +455,7 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         )
     if deadline is None or not (len(joiners) >= spec.max_nodes or everyone_here or now >= deadline):
         return status
-    selected = rank_order(ctx, joiners, status.members)[: spec.max_nodes]
+    selected = rank_order(ctx, joiners, status.members, spec.max_nodes)
     members = tuple(
         Member(
             node=name,
@@ -456,8 +463,9 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
             attempt=ctx.requests[name].attempt,
             addr=ctx.requests[name].addr,
             pod_restarts=ctx.pod(name).restarts,
+            replaces=replaced(status.members, rank, name),
         )
-        for name in selected
+        for rank, name in enumerate(selected)
     )
     # A lost member's join request was spent on the round it is lost from. Its Lease may
     # still hold it (a hung agent, a restarted container): unless its agent asks again (a
@@ -478,6 +486,7 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         members=members,
         master=Master(rank0.addr, rank0.store_port),
         nodes_waiting=0,
+        spares=len(joiners) - len(selected),
         forming_since=None,
         last_call_deadline=None,
         sealed_at=now,
@@ -538,18 +547,43 @@ def spent_request(ctx: Context, member: Member) -> bool:
     return entry is not None and member.admits(entry) and not ctx.pod(member.node).gone_reason
 
 
-def rank_order(ctx: Context, candidates: Sequence[str], previous: Sequence[Member]) -> list[str]:
-    """Rule 9: previous members first, in their old rank order; newcomers after, grouped by
-    their node's topology value (when a rank order is set), then in natural order of name."""
+def rank_order(
+    ctx: Context, candidates: Sequence[str], previous: Sequence[Member], capacity: int
+) -> list[str]:
+    """Rule 9: at most ``capacity`` of ``candidates`` (survivors first), in rank order."""
     old_rank = {member.node: rank for rank, member in enumerate(previous)}
-    known = sorted((name for name in candidates if name in old_rank), key=old_rank.__getitem__)
 
     def newcomer_key(name: str) -> tuple[bool, str, tuple[tuple[int, int | str], ...]]:
         topology = ctx.pods[name].topology if name in ctx.pods else None
         return topology is None, topology or "", natural_key(name)
 
-    new = sorted((name for name in candidates if name not in old_rank), key=newcomer_key)
-    return known + new
+    survivors = sorted((name for name in candidates if name in old_rank), key=old_rank.__getitem__)
+    newcomers = sorted((name for name in candidates if name not in old_rank), key=newcomer_key)
+    survivors = survivors[:capacity]
+    newcomers = newcomers[: capacity - len(survivors)]
+    size = len(survivors) + len(newcomers)
+    ranks: list[str | None] = [None] * size
+    movers = [name for name in survivors if old_rank[name] >= size]
+    for name in survivors:
+        if old_rank[name] < size:
+            ranks[old_rank[name]] = name
+    if survivors and ranks[0] is None:
+        last = survivors[-1]
+        if last in movers:
+            movers.remove(last)
+        else:
+            ranks[old_rank[last]] = None
+        ranks[0] = last
+    # Free ranks, lowest first: the newcomers, then the survivors beyond the new size.
+    takers = iter([*newcomers, *movers])
+    return [name if name is not None else next(takers) for name in ranks]
+
+
+def replaced(previous: Sequence[Member], rank: int, node: str) -> str | None:
+    """Rule 9: who held ``rank`` in the round before, if not ``node``."""
+    if rank < len(previous) and previous[rank].node != node:
+        return previous[rank].node
+    return None
 
 
 def waiter_expired(ctx: Context, name: str) -> bool:

@@ -4,11 +4,15 @@ the real control plane and operator, every node a Pod on a kwok node plus a loca
 torchrun with that pod's own credentials.
 
 - The rank-0 node is killed (its processes SIGKILLed, its Pod deleted): the survivors'
-  workers, the very same processes, go on training in a world of 4 with dense ranks in
-  the surviving nodes' order, from the step they were at, with one model on every rank;
+  workers, the very same processes, go on training in a world of 4 with dense ranks (the
+  last node moves into rank 0, the other keeps its rank), from the step they were at,
+  with one model on every rank;
   no agent restarts its workers, and the job finishes.
 - Then a node is added: it joins that world as the last ranks, the others still the same
   processes, every rank holding the same model.
+- A spare waits beyond a full world; rank 1's node is killed: the spare's workers (cold,
+  or forked warm) join the survivors' running workers at rank 1's ranks, and the
+  survivors keep theirs.
 
 Progress lines say which process trained which step as which rank, in which round, and
 the model's checksum after the step (4 elements of ``step + 1`` each).
@@ -20,6 +24,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
 from tests.e2e.harness import LocalPod, LocalPods, describe, timing, wait_all_exit
 from tests.support.fixtures import Rendezvous
 
@@ -124,8 +129,9 @@ def test_a_killed_rank0_node_and_an_added_node_are_reformed_around_running_worke
     assert pids(smaller, survivors) == workers, "the survivors' workers are the same processes"
     assert {line["rank"] for line in smaller} == set(range(4))
     assert {(line["pod"], line["group_rank"]) for line in smaller} == {
-        (node.name, rank) for rank, node in enumerate(survivors)
-    }, "the survivors in their order, dense"
+        (survivors[1].name, 0),
+        (survivors[0].name, 1),
+    }, "dense: the last node moved into rank 0, the other kept its rank"
     assert len({line["master"] for line in smaller}) == 1
     assert {line["round"] for line in smaller} != {line["round"] for line in first}
     last_before = max(line["step"] for line in first)
@@ -148,6 +154,56 @@ def test_a_killed_rank0_node_and_an_added_node_are_reformed_around_running_worke
     assert {line["rank"] for line in joined} == {4, 5}, "newcomers are appended"
     assert {line["group_rank"] for line in joined} == {2}
     assert min(line["step"] for line in larger) > last_before
+
+    codes = wait_all_exit(everyone, FORM_TIMEOUT)
+    assert codes == {node.name: 0 for node in everyone}, describe(everyone)
+    lines = [line for node in everyone for line in node.progress_lines()]
+    assert_one_model(lines)
+    assert pids(lines, survivors) == workers, "no survivor's worker was ever restarted"
+    assert_not_restarted(survivors)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_waiting_spare_takes_the_lost_rank_in_place_and_the_survivors_keep_theirs(
+    pods: LocalPods, make_rendezvous: Any, warm: bool
+) -> None:
+    rdzv: Rendezvous = make_rendezvous(2, 3, lastCallTimeoutSeconds=5)
+    options: dict[str, Any] = {
+        "rdzv_conf": "in_place=1,warm_start=1" if warm else "in_place=1",
+        "warm": warm,
+        "script": IN_PLACE_SCRIPT,
+        "script_args": STEPS,
+    }
+    started = time.time()
+    nodes = pods.start(
+        rdzv.name, {"n1": "127.0.0.11", "n2": "127.0.0.12", "n3": "127.0.0.13"}, **options
+    )
+    wait_lines(nodes, 6, after=started)
+    (spare,) = pods.start(rdzv.name, {"n4": "127.0.0.14"}, **options)
+    rdzv.wait_requests(lambda r: spare.name in r, "the spare asked to join", FORM_TIMEOUT)
+    first = wait_lines(nodes, 6, after=time.time())
+    group_ranks = {line["pod"]: line["group_rank"] for line in first}
+    victim = next(node for node in nodes if group_ranks[node.name] == 1)
+    survivors = [node for node in nodes if node is not victim]
+    workers = pids(first, survivors)
+
+    killed = time.time()
+    victim.kill()
+    everyone = [*survivors, spare]
+    replaced = wait_lines(everyone, 6, after=killed)
+    timing(
+        f"rank-1 node killed, a spare waiting ({'warm' if warm else 'cold'}) -> every rank's "
+        "first step in the world of 6",
+        resumed(replaced) - killed,
+    )
+
+    assert pids(replaced, survivors) == workers, "the survivors' workers are the same processes"
+    assert {(line["pod"], line["group_rank"]) for line in replaced} == {
+        *((node.name, group_ranks[node.name]) for node in survivors),
+        (spare.name, 1),
+    }, "the spare at the lost rank, the survivors at theirs"
+    assert {line["rank"] for line in replaced if line["pod"] == spare.name} == {2, 3}
+    assert [m.replaces for m in rdzv.status().members] == [None, victim.name, None]
 
     codes = wait_all_exit(everyone, FORM_TIMEOUT)
     assert codes == {node.name: 0 for node in everyone}, describe(everyone)

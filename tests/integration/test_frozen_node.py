@@ -88,10 +88,12 @@ def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
         reformed = time.monotonic() - frozen_at
         assert second == [0, 1]
         sealed = rdzv.status()
+        # The last rank moves into the frozen node's rank 0; rank 1 keeps its rank.
+        reordered = [survivors[1], survivors[0]]
         assert sealed.round == 2 and [m.node for m in sealed.members] == [
-            n.pod for n in survivors
-        ], "survivors keep their order; the frozen node is out"
-        assert sealed.master is not None and sealed.master.addr == survivors[0].addr
+            n.pod for n in reordered
+        ], "only the last rank moved; the frozen node is out"
+        assert sealed.master is not None and sealed.master.addr == reordered[0].addr
 
         frozen.thaw()
         # Back, its agent reads its own round as stale (no API call: the watched status)...
@@ -112,8 +114,8 @@ def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
         assert sorted(j.wait(60).rank for j in third_joins) == [0, 1]
         assert (back["round"], back["rank"], back["world_size"]) == (3, 2, 3), back
         third = rdzv.status()
-        assert [m.node for m in third.members] == [*(n.pod for n in survivors), "frozen-0"]
-        assert third.master is not None and third.master.addr == survivors[0].addr
+        assert [m.node for m in third.members] == [*(n.pod for n in reordered), "frozen-0"]
+        assert third.master is not None and third.master.addr == reordered[0].addr
         print(
             f"frozen rank 0: survivors told after {detected:.2f} s, new round sealed "
             f"{reformed:.2f} s after SIGSTOP (heartbeatTimeoutSeconds={HEARTBEAT_TIMEOUT})"

@@ -3,13 +3,14 @@ behave: spares that outwait their join timeout, a waiter whose agent died while 
 runs on, and a handler used after it closed or shut down.
 
 Aspects: a node's own ``--rdzv-conf join_timeout`` is its deadline (the spec's 600 s is
-not); a spare (the round is sealed full without it) has no join deadline, steps in
-when a member is lost, gets the whole join timeout afresh once it is no longer a spare,
-and ends with ``RendezvousGracefulExitError`` when the rendezvous closes; a waiter killed
-by PID (its pod stays Running) stops counting once its Lease is a heartbeat timeout old,
-is named once in a ``WaiterExpired`` Warning and is never sealed into a round;
-``next_rendezvous()`` after ``set_closed()`` or ``shutdown()`` raises
-``RendezvousClosedError`` at once and writes nothing; ``is_closed()`` before the
+not); a spare (the round is sealed full without it) has no join deadline, steps in when
+a member is lost at that member's rank while the survivors keep theirs (and a shrink
+moves only the last rank into the hole), gets the whole join timeout afresh once it is
+no longer a spare, and ends with ``RendezvousGracefulExitError`` when the rendezvous
+closes; a waiter killed by PID (its pod stays Running) stops counting once its Lease is
+a heartbeat timeout old, is named once in a ``WaiterExpired`` Warning and is never
+sealed into a round; ``next_rendezvous()`` after ``set_closed()`` or ``shutdown()``
+raises ``RendezvousClosedError`` at once and writes nothing; ``is_closed()`` before the
 Rendezvous exists is ``False``.
 """
 
@@ -27,6 +28,7 @@ from tests.support.fixtures import (
     create_pods,
     delete_pod,
     join_all,
+    operator_metrics,
 )
 from tests.support.node_process import NodeProcess
 from torch.distributed.elastic.rendezvous import (
@@ -37,6 +39,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils import store as store_util
 
+from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
@@ -60,6 +63,7 @@ def full_round_and_a_spare(
     (spare,) = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)
     waiting = spare.join_in_background()
     rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
+    rdzv.wait(lambda s: s.spares == 1, "the spare shown in the status")
     return rdzv, members, spare, waiting
 
 
@@ -77,6 +81,55 @@ def test_a_spare_outwaits_its_join_timeout_and_steps_in_when_a_member_is_lost(
     survivor = members[0].join_in_background()
     assert waiting.wait(30).world_size == 2, "the spare steps in when a member is lost"
     assert survivor.wait(30).world_size == 2
+
+
+@pytest.mark.metrics
+def test_the_spare_takes_the_lost_members_rank_and_the_survivors_keep_theirs(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    operator_process: OperatorProcess,
+    control_plane: ControlPlane,
+) -> None:
+    rdzv, members, spare, waiting = full_round_and_a_spare(make_rendezvous, make_nodes, 3)
+    table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace).stdout
+    header, row = table.splitlines()
+    assert dict(zip(header.split(), row.split(), strict=False))["SPARES"] == "1", table
+    before = [member.node for member in rdzv.status().members]
+    lost = before[1]
+    survivors = [node for node in members if node.pod != lost]
+
+    delete_pod(admin_api, rdzv.namespace, lost)
+    joins = [node.join_in_background() for node in survivors]
+    assert waiting.wait(30).rank == 1, "the spare takes the lost rank"
+    assert [join.wait(30).rank for join in joins] == [0, 2], "the survivors keep theirs"
+    after = rdzv.status()
+    assert [m.node for m in after.members] == [before[0], spare.pod, before[2]]
+    assert [m.replaces for m in after.members] == [None, lost, None]
+    assert after.spares == 0
+    changes = wait_for(
+        lambda: operator_metrics(operator_process).get("k8s_rendezvous_rank_changes_total"),
+        10,
+        "the seal counted",
+    )
+    assert changes == 1, "one rank changed hands: the spare's"
+
+
+def test_a_shrink_moves_only_the_last_rank_into_the_hole(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    rdzv = make_rendezvous(2, 4)
+    nodes = make_nodes(rdzv, 4)
+    join_all(nodes)
+    before = [member.node for member in rdzv.status().members]
+    delete_pod(admin_api, rdzv.namespace, before[1])
+    ranks = {info.rank for info in join_all([n for n in nodes if n.pod != before[1]])}
+    assert ranks == {0, 1, 2}
+    after = rdzv.status()
+    assert [m.node for m in after.members] == [before[0], before[3], before[2]]
+    assert [m.replaces for m in after.members] == [None, before[1], None]
 
 
 def test_a_spare_no_longer_spare_gets_the_whole_join_timeout_afresh_then_times_out(

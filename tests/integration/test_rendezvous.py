@@ -14,14 +14,13 @@ from __future__ import annotations
 import re
 import socket
 import time
-import urllib.request
 from collections.abc import Callable
 
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
 from tests.support import fixtures
-from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod
+from tests.support.fixtures import Node, Rendezvous, create_pods, delete_pod, operator_metrics
 
 # Exported at run time, missing from torch's type stubs.
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -208,7 +207,7 @@ def test_rank0_loss_hands_every_survivor_the_new_master(
     fixtures.wait_told_to_rejoin(survivors, "survivors told to re-rendezvous")
     results = join_all(survivors)
     new_rank0 = next(n for n, r in zip(survivors, results, strict=True) if r[0] == 0)
-    assert new_rank0.pod == min((n for n in survivors), key=lambda n: first[n.pod][0]).pod
+    assert new_rank0.pod == max(survivors, key=lambda n: first[n.pod][0]).pod, "the last moves"
     assert {(addr, port) for *_, addr, port in results} == {
         (new_rank0.addr, new_rank0.handler.served_store.port)  # type: ignore[union-attr]
     }
@@ -482,29 +481,16 @@ def test_operator_metrics_count_rounds_losses_and_seal_latency(
     admin_api: kubernetes.client.ApiClient,
     operator_process: OperatorProcess,
 ) -> None:
-    port = next(
-        int(arg.split("=")[1])
-        for arg in operator_process.extra_args
-        if arg.startswith("--metrics-port")
-    )
     rdzv = make_rendezvous(1, 2)
     nodes = make_nodes(rdzv, 2)
     join_all(nodes)
     delete_pod(admin_api, rdzv.namespace, nodes[1].pod)
     wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 10, "loss noticed", interval=0.02)
 
-    def scrape() -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        return {
-            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("k8s_rendezvous_")
-        }
-
     values = wait_for(
         lambda: (
             (m if m.get("k8s_rendezvous_rounds_sealed_total", 0) >= 1 else None)
-            if (m := scrape())
+            if (m := operator_metrics(operator_process))
             else None
         ),
         10,

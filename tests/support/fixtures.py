@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -238,6 +239,19 @@ class Node:
 
     def join_in_background(self) -> Joining:
         return Joining(self)
+
+
+def operator_metrics(operator: OperatorProcess) -> dict[str, float]:
+    """The operator's ``k8s_rendezvous_*`` samples, by name with labels, as served now."""
+    port = next(
+        int(arg.split("=")[1]) for arg in operator.extra_args if arg.startswith("--metrics-port")
+    )
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("k8s_rendezvous_")
+    }
 
 
 def join_all(nodes: Sequence[Node], timeout: float = 60) -> list[RendezvousInfo]:

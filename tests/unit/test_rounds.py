@@ -1,7 +1,8 @@
 """Round decisions (``k8s_rendezvous_operator.rounds.decide``), without any I/O.
 
 Aspects: sealing at maxNodes, at the last call, and as soon as every survivor of a stale
-round is back; rank stability (rank 0 stays, newcomers appended); member losses from pod
+round is back; rank stability (survivors keep their ranks, a newcomer takes a lost rank,
+a shrink moves only the last rank); member losses from pod
 deletion, failure, container restarts, agent restarts and leaving; redundant nodes beyond
 maxNodes; closing; and, property-based, the invariants over random histories.
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+from collections.abc import Sequence
 
 import hypothesis
 import pytest
 from hypothesis import strategies as st
 
 from k8s_rendezvous.state import (
+    Member,
     NodeEntry,
     NodeIntent,
     Refusal,
@@ -193,7 +196,7 @@ def test_rank_zero_stays_when_a_lower_sorting_node_joins() -> None:
     assert world.ranks() == ["pod-5", "pod-7", "pod-1"]
 
 
-def test_losing_rank_zero_moves_master_to_next_survivor() -> None:
+def test_losing_rank_zero_moves_the_last_survivor_and_the_master_to_it() -> None:
     world = World(spec(1, 3))
     for node in ("a", "b", "c"):
         world.join(node)
@@ -203,9 +206,76 @@ def test_losing_rank_zero_moves_master_to_next_survivor() -> None:
     world.join("b")
     world.join("c")
     world.decide()
-    assert world.ranks() == ["b", "c"]
+    assert world.ranks() == ["c", "b"], "b keeps rank 1; only c moves"
     assert world.status.master is not None
-    assert world.status.master.addr == world.requests["b"].addr
+    assert world.status.master.addr == world.requests["c"].addr
+    assert [m.replaces for m in world.status.members] == ["a", None]
+
+
+def sealed_with_a_spare(size: int) -> World:
+    """A round of ``size`` members (its max) sealed, and one more node waiting beyond it."""
+    world = World(spec(1, size))
+    members = [f"pod-{index}" for index in range(size)]
+    for node in members:
+        world.join(node)
+    world.decide()
+    assert world.ranks() == members
+    world.join("spare")
+    world.decide()
+    assert (world.status.state, world.status.spares) == (RoundState.SEALED, 1)
+    return world
+
+
+def rejoin_survivors(world: World, lost: str) -> rounds.Decision:
+    world.kill(lost)
+    world.decide()
+    for node in world.ranks():
+        if node != lost:
+            world.join(node)
+    return world.decide()
+
+
+def test_a_spare_takes_the_lost_members_rank_and_survivors_keep_theirs() -> None:
+    world = sealed_with_a_spare(4)
+    assert rejoin_survivors(world, "pod-1").sealed, "full again: no last call"
+    assert world.ranks() == ["pod-0", "spare", "pod-2", "pod-3"]
+    assert [m.replaces for m in world.status.members] == [None, "pod-1", None, None]
+    assert world.status.spares == 0
+
+
+def test_a_spare_for_rank_zero_takes_the_last_rank_which_moves_to_zero() -> None:
+    world = sealed_with_a_spare(4)
+    assert rejoin_survivors(world, "pod-0").sealed
+    assert world.ranks() == ["pod-3", "pod-1", "pod-2", "spare"]
+    assert [m.replaces for m in world.status.members] == ["pod-0", None, None, "pod-3"]
+
+
+def test_a_shrink_moves_only_the_last_rank_into_the_hole() -> None:
+    world = World(spec(2, 4))
+    for node in ("a", "b", "c", "d"):
+        world.join(node)
+    world.decide()
+    world.kill("b")
+    world.decide()
+    for node in ("a", "c", "d"):
+        world.join(node)
+    assert world.decide().sealed, "every survivor is back"
+    assert world.ranks() == ["a", "d", "c"]
+    assert [m.replaces for m in world.status.members] == [None, "b", None]
+
+
+def test_two_lost_and_one_newcomer_fill_the_lowest_hole_first() -> None:
+    world = World(spec(2, 4))
+    for node in ("a", "b", "c", "d"):
+        world.join(node)
+    world.decide()
+    world.kill("b")
+    world.kill("c")
+    world.decide()
+    for node in ("a", "d", "e"):
+        world.join(node)
+    assert world.decide().sealed
+    assert world.ranks() == ["a", "e", "d"]
 
 
 def test_newcomers_are_ordered_naturally() -> None:
@@ -224,6 +294,7 @@ def test_nodes_beyond_max_are_redundant_and_not_counted_as_waiting() -> None:
     assert world.status.state is RoundState.SEALED
     assert world.status.world_size == 2
     assert world.status.nodes_waiting == 0
+    assert world.status.spares == 1, "shown, not told"
     world.kill("b")
     world.decide()
     world.join("a")
@@ -435,7 +506,7 @@ def test_a_member_dropped_for_its_heartbeat_is_not_readmitted_on_its_spent_join(
     world.join("b")
     world.join("c")
     assert world.decide().sealed
-    assert world.ranks() == ["b", "c"]
+    assert world.ranks() == ["c", "b"]
     for _ in range(2):  # decided again (any event, a timer): the round stands
         world.tick(1)
         world.decide()
@@ -447,7 +518,7 @@ def test_a_member_dropped_for_its_heartbeat_is_not_readmitted_on_its_spent_join(
     world.join("b")
     world.join("c")
     assert world.decide().sealed
-    assert world.ranks() == ["b", "c", "a"]
+    assert world.ranks() == ["c", "b", "a"]
 
 
 def test_a_member_whose_container_restarted_is_not_readmitted_on_its_old_join() -> None:
@@ -570,6 +641,8 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
             )
             names = [m.node for m in members]
             assert len(set(names)) == len(names), "a node holds two ranks"
+            assert_ranks_stable(sealed_rounds.get(status.round - 1, ()), members)
+            assert status.spares == 0 or len(members) == bounds[1], "spares beyond a full round"
             if status.state is RoundState.SEALED:
                 assert bounds[0] <= len(members) <= bounds[1]
                 assert status.master is not None
@@ -602,6 +675,23 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
         admitted = {m.node for m in world.status.members}
         left_out = [name for name in live if name not in admitted]
         assert len(admitted) == bounds[1] or not left_out, f"{left_out} never admitted"
+
+
+def assert_ranks_stable(before: Sequence[Member], after: Sequence[Member]) -> None:
+    """Rule 9 between two sealed rounds: a survivor moves only to fill a free rank it had
+    to leave (beyond the new size) or rank 0; each member names who held its rank."""
+    old_rank = {member.node: rank for rank, member in enumerate(before)}
+    moved = [
+        (old_rank[member.node], rank)
+        for rank, member in enumerate(after)
+        if member.node in old_rank and old_rank[member.node] != rank
+    ]
+    assert all(old >= len(after) or new == 0 for old, new in moved), moved
+    if any(member.node in old_rank for member in after):
+        assert after[0].node in old_rank, "rank 0 is a node that was there before"
+    for rank, member in enumerate(after):
+        holder = before[rank].node if rank < len(before) else None
+        assert member.replaces == (holder if holder != member.node else None)
 
 
 def test_a_status_edited_to_a_later_round_without_members_forms_it_instead_of_closing() -> None:

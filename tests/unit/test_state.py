@@ -193,6 +193,7 @@ MEMBER_ATTRIBUTES = {
     "attempt": "attempt",
     "addr": "addr",
     "podRestarts": "pod_restarts",
+    "replaces": "replaces",
 }
 
 
@@ -209,6 +210,8 @@ def test_a_member_is_taken_exactly_when_each_of_its_fields_is_valid(
         valid = type(value) is int and value >= 1
     elif key == "podRestarts":
         valid = type(value) is int and value >= 0
+    elif key == "replaces":
+        valid = value is None or isinstance(value, str)
     else:
         valid = isinstance(value, str)
     if not valid:
