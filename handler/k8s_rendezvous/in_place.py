@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed import distributed_c10d as c10d
 
-from k8s_rendezvous import handoff
+from k8s_rendezvous import handoff, warm
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +401,7 @@ class World:
         handoff.write(
             self._directory,
             handoff.worker_file(self._local_rank),
-            handoff.WorkerRecord(self._local_rank, os.getpid(), self._round, fallback),
+            handoff.WorkerRecord(self._local_rank, _agents_pid(), self._round, fallback),
         )
 
     def _fall_back(self, reason: str, cause: BaseException | None = None) -> None:
@@ -418,6 +418,12 @@ class World:
             f"in-place re-forming failed ({reason}) and torch's agent did not restart this "
             f"worker within {_RESTART_WAIT_SECONDS:.0f} s"
         ) from cause
+
+
+def _agents_pid() -> int:
+    """The pid torch's agent knows this worker by: its warm start's client, if it was
+    forked warm (the agent started the client), else its own."""
+    return int(os.environ.get(warm.WORKER_PID_ENV, os.getpid()))
 
 
 def _release(error: BaseException | None) -> None:

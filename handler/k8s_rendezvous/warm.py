@@ -54,6 +54,9 @@ from typing import Any, Final
 SOCKET_ENV: Final = "K8S_RDZV_WARM_SOCKET"
 """Where the workers find the zygote (set in the agent's environment, which they inherit):
 ``@NAME`` for the abstract socket ``\\0NAME``, as ``ss`` shows it, or a path."""
+WORKER_PID_ENV: Final = "K8S_RDZV_WARM_CLIENT_PID"
+"""Set in a forked worker: the pid of the client that stands in for it, which is the pid
+torch's agent knows the worker by (k8s_rendezvous.in_place reports itself under it)."""
 PRELOAD_ENV: Final = "K8S_RDZV_WARM_PRELOAD"
 """More modules for the zygote to import ahead, comma-separated (torch always is)."""
 SCHEMA_VERSION: Final = 1
@@ -449,7 +452,7 @@ def _start(argv: Sequence[str]) -> int:
     (negative: the signal that ended it); run it here if no zygote is ready."""
     request = StartRequest(
         tuple(argv),
-        dict(os.environ),
+        {**os.environ, WORKER_PID_ENV: str(os.getpid())},
         os.getcwd(),
         bool(getattr(sys.stdout, "write_through", False)),
     )

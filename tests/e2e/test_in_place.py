@@ -93,6 +93,19 @@ def assert_one_model(lines: Iterable[Line]) -> None:
         assert checksums == {SIZE * (step + 1.0)}, (step, checksums)
 
 
+def assert_finish_undisturbed(
+    everyone: list[LocalPod], survivors: list[LocalPod], workers: set[tuple[str, int]]
+) -> None:
+    """Every node finishes, with one model on every rank, and no survivor's worker was
+    ever restarted."""
+    codes = wait_all_exit(everyone, FORM_TIMEOUT)
+    assert codes == {node.name: 0 for node in everyone}, describe(everyone)
+    lines = [line for node in everyone for line in node.progress_lines()]
+    assert_one_model(lines)
+    assert pids(lines, survivors) == workers, "no survivor's worker was ever restarted"
+    assert_not_restarted(survivors)
+
+
 def assert_not_restarted(nodes: Iterable[LocalPod]) -> None:
     for node in nodes:
         log = node.log()
@@ -155,12 +168,7 @@ def test_a_killed_rank0_node_and_an_added_node_are_reformed_around_running_worke
     assert {line["group_rank"] for line in joined} == {2}
     assert min(line["step"] for line in larger) > last_before
 
-    codes = wait_all_exit(everyone, FORM_TIMEOUT)
-    assert codes == {node.name: 0 for node in everyone}, describe(everyone)
-    lines = [line for node in everyone for line in node.progress_lines()]
-    assert_one_model(lines)
-    assert pids(lines, survivors) == workers, "no survivor's worker was ever restarted"
-    assert_not_restarted(survivors)
+    assert_finish_undisturbed(everyone, survivors, workers)
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
@@ -205,9 +213,4 @@ def test_a_waiting_spare_takes_the_lost_rank_in_place_and_the_survivors_keep_the
     assert {line["rank"] for line in replaced if line["pod"] == spare.name} == {2, 3}
     assert [m.replaces for m in rdzv.status().members] == [None, victim.name, None]
 
-    codes = wait_all_exit(everyone, FORM_TIMEOUT)
-    assert codes == {node.name: 0 for node in everyone}, describe(everyone)
-    lines = [line for node in everyone for line in node.progress_lines()]
-    assert_one_model(lines)
-    assert pids(lines, survivors) == workers, "no survivor's worker was ever restarted"
-    assert_not_restarted(survivors)
+    assert_finish_undisturbed(everyone, survivors, workers)
