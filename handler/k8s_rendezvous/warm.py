@@ -48,6 +48,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -59,6 +60,8 @@ WORKER_PID_ENV: Final = "K8S_RDZV_WARM_CLIENT_PID"
 torch's agent knows the worker by (k8s_rendezvous.in_place reports itself under it)."""
 PRELOAD_ENV: Final = "K8S_RDZV_WARM_PRELOAD"
 """More modules for the zygote to import ahead, comma-separated (torch always is)."""
+READY_MESSAGE: Final = "k8s_rendezvous.warm: the zygote is ready"
+"""Logged (stderr) once the zygote has imported ahead: workers forked from now start warm."""
 SCHEMA_VERSION: Final = 1
 _PRELOADED: Final = ("torch", "torch.distributed")
 _STANDARD_STREAMS: Final = (0, 1, 2)
@@ -248,8 +251,10 @@ class Zygote:
         self._listener.bind(self._address)
         self._listener.listen(socket.SOMAXCONN)
         try:
+            started = time.monotonic()
             preload = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",")]
-            for module in (*_PRELOADED, *filter(None, preload)):
+            modules = (*_PRELOADED, *filter(None, preload))
+            for module in modules:
                 try:
                     importlib.import_module(module)
                 except ImportError as error:
@@ -259,6 +264,12 @@ class Zygote:
                         file=sys.stderr,
                     )
                     raise SystemExit(1) from error
+            # Said once, so that people (and tests) can tell a spare that waits warm.
+            print(
+                f"{READY_MESSAGE}: {', '.join(modules)} imported in "
+                f"{time.monotonic() - started:.1f} s",
+                file=sys.stderr,
+            )
             self._selector.register(self._listener, selectors.EVENT_READ, "accept")
             self._selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "agent")
             while True:

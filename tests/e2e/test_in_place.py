@@ -30,6 +30,7 @@ from tests.support.fixtures import Rendezvous
 
 from devkit.paths import REPO
 from devkit.waiting import wait_for
+from k8s_rendezvous import warm as warm_start
 
 IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
 SIZE = 4
@@ -189,6 +190,8 @@ def test_a_waiting_spare_takes_the_lost_rank_in_place_and_the_survivors_keep_the
     wait_lines(nodes, 6, after=started)
     (spare,) = pods.start(rdzv.name, {"n4": "127.0.0.14"}, **options)
     rdzv.wait_requests(lambda r: spare.name in r, "the spare asked to join", FORM_TIMEOUT)
+    if warm:  # a spare that has waited a while: its zygote has imported torch
+        wait_for(lambda: warm_start.READY_MESSAGE in spare.log(), FORM_TIMEOUT, "spare warm")
     first = wait_lines(nodes, 6, after=time.time())
     group_ranks = {line["pod"]: line["group_rank"] for line in first}
     victim = next(node for node in nodes if group_ranks[node.name] == 1)
