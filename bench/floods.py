@@ -52,6 +52,7 @@ import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 
 from bench.cluster import OPERATOR_METRICS_PORT, Cluster, Sampler, dump
+from devkit.admission import pod_review
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import state
@@ -149,42 +150,9 @@ def measured(cluster: Cluster, flood: Callable[[], dict[str, Any]]) -> dict[str,
 
 
 def review(namespace: str, of_a_job: bool = True) -> bytes:
-    """An AdmissionReview of a pod of a made-up Job (its controller, unless not
-    ``of_a_job``), as whoever reaches the port writes it."""
+    """A review of a pod of a made-up Job (its controller, unless not ``of_a_job``)."""
     job = f"made-up-{uuid.uuid4().hex[:8]}"
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{job}-0",
-            "namespace": namespace,
-            "labels": {"batch.kubernetes.io/job-name": job},
-            "ownerReferences": [
-                {
-                    "apiVersion": "batch/v1",
-                    "kind": "Job",
-                    "name": job,
-                    "uid": str(uuid.uuid4()),
-                    "controller": of_a_job,
-                }
-            ],
-        },
-        "spec": {"containers": [{"name": "trainer", "image": "example.invalid/trainer"}]},
-    }
-    body = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "operation": "CREATE",
-            "namespace": namespace,
-            "userInfo": {"username": "system:serviceaccount:kube-system:job-controller"},
-            "object": pod,
-        },
-    }
-    return json.dumps(body).encode()
+    return json.dumps(pod_review(namespace, job, str(uuid.uuid4()), controller=of_a_job)).encode()
 
 
 def serve_webhook(cluster: Cluster) -> int:

@@ -24,6 +24,7 @@ import pytest
 from tests.support.fixtures import Rendezvous
 from tests.support.jobs import make_job, wait_webhook_registered
 
+from devkit.admission import pod_review
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
@@ -65,43 +66,6 @@ def post(
     answer = connection.getresponse()
     text = answer.read()
     return answer.status, json.loads(text) if answer.status == 200 else None
-
-
-def review(namespace: str, job: str, job_uid: str) -> dict[str, Any]:
-    """An AdmissionReview of a pod of Job ``job`` (uid ``job_uid``), as the API server
-    would send it, written by whoever reaches the port."""
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{job}-{uuid.uuid4().hex[:5]}",
-            "namespace": namespace,
-            "labels": {"batch.kubernetes.io/job-name": job},
-            "ownerReferences": [
-                {
-                    "apiVersion": "batch/v1",
-                    "kind": "Job",
-                    "name": job,
-                    "uid": job_uid,
-                    "controller": True,
-                }
-            ],
-        },
-        "spec": {"containers": [{"name": "trainer", "image": "example.invalid/trainer"}]},
-    }
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "operation": "CREATE",
-            "namespace": namespace,
-            "userInfo": {"username": "system:serviceaccount:kube-system:job-controller"},
-            "object": pod,
-        },
-    }
 
 
 def patched_env(answer: dict[str, Any] | None) -> set[str]:
@@ -155,8 +119,8 @@ def test_a_flood_of_reviews_makes_the_operator_read_no_job_from_the_api(
         "the operator's metrics",
     )
     reviews = [
-        review(workers_namespace, "flooded", annotated["metadata"]["uid"]),
-        review(workers_namespace, "plain", plain["metadata"]["uid"]),
+        pod_review(workers_namespace, "flooded", annotated["metadata"]["uid"]),
+        pod_review(workers_namespace, "plain", plain["metadata"]["uid"]),
     ]
 
     def flood(reviewed: dict[str, Any]) -> list[set[str]]:
@@ -166,7 +130,7 @@ def test_a_flood_of_reviews_makes_the_operator_read_no_job_from_the_api(
         finally:
             connection.close()
 
-    made_up = [review(workers_namespace, f"made-up-{i}", str(uuid.uuid4())) for i in range(2)]
+    made_up = [pod_review(workers_namespace, f"made-up-{i}", str(uuid.uuid4())) for i in range(2)]
     with concurrent.futures.ThreadPoolExecutor(LIMIT) as pool:
         annotated_env, plain_env, *made_up_env = pool.map(flood, reviews + made_up)
     assert all("PET_RDZV_ENDPOINT" in env for env in annotated_env), annotated_env[0]
