@@ -67,7 +67,9 @@ a misconfigured workload to learn why at once in a small job, and in a large one
 ones that read first; each refused pod also has its Warning. Bounded, as any pod of the
 namespace may write a request to be refused."""
 MAX_REFUSAL_MESSAGE: Final = 1024
-"""The CRD's bound on a refusal's message (longer ones are cut)."""
+"""The CRD's bound on the message of a refusal or a round in the history (longer ones are cut)."""
+MAX_HISTORY: Final = 10
+"""Sealed rounds kept in ``status.history``, newest last: enough to read a bad hour."""
 MAX_SLICES: Final = 1000
 """The CRD's bound on ``status.slices``: 100000 nodes (maxNodes' bound) in slices of 100."""
 
@@ -876,6 +878,45 @@ class Refusal:
 
 
 @dataclasses.dataclass(frozen=True)
+class RoundRecord:
+    """One sealed round in ``status.history``: why it was formed and what forming it took.
+    Events say the same but expire after an hour; a long run's story stays here."""
+
+    round: int
+    cause: str
+    """A reason: the first loss's (``PodDeleted``, ``HeartbeatExpired``, ...), or
+    ``FirstRound``, ``NodesJoined``, ``MemberRejoined``, ``SpecChanged``."""
+    message: str
+    world_size: int
+    sealed_at: datetime.datetime
+    forming_milliseconds: int
+    """From the cause, as the operator noticed it (the first join, for a first round), to
+    the seal."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "cause": self.cause,
+            "message": self.message,
+            "worldSize": self.world_size,
+            "sealedAt": format_time(self.sealed_at),
+            "formingMilliseconds": self.forming_milliseconds,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> RoundRecord:
+        data = _mapping(value, field)
+        return cls(
+            round=_int(data, "round", field, maximum=MAX_ROUND),
+            cause=_str(data, "cause", field),
+            message=_str(data, "message", field, default=""),
+            world_size=_int(data, "worldSize", field),
+            sealed_at=parse_time(data.get("sealedAt"), f"{field}.sealedAt"),
+            forming_milliseconds=_int(data, "formingMilliseconds", field),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Condition:
     """A ``metav1.Condition``."""
 
@@ -954,6 +995,12 @@ class RendezvousStatus:
     refused: tuple[Refusal, ...] = ()
     """Requests not counted, with the reason (at most :data:`MAX_REFUSED`, by pod name):
     the refused nodes read it and end (``NodeRefusedError``)."""
+    forming_cause: str | None = None
+    """Why the round now forming is formed (a :attr:`RoundRecord.cause`), set when the
+    sealed round goes stale; it goes into the history at the seal."""
+    forming_cause_message: str | None = None
+    history: tuple[RoundRecord, ...] = ()
+    """The last :data:`MAX_HISTORY` sealed rounds, oldest first."""
 
     @property
     def world_size(self) -> int:
@@ -1001,6 +1048,9 @@ class RendezvousStatus:
             "leftBehind": [member.to_dict(rank=None) for member in self.left_behind],
             "slices": self.slices,
             "refused": [refusal.to_dict() for refusal in self.refused],
+            "formingCause": self.forming_cause,
+            "formingCauseMessage": self.forming_cause_message,
+            "history": [record.to_dict() for record in self.history],
         }
 
     def slice_fields(self, indexes: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
@@ -1069,6 +1119,9 @@ class RendezvousStatus:
             raw = data.get(key)
             return None if raw is None else parse_time(raw, f"{field}.{key}")
 
+        def optional_str(key: str) -> str | None:
+            return None if data.get(key) is None else _str(data, key, field)
+
         return cls(
             **_round_fields(data, field, sealable=bool(members)),
             members=members,
@@ -1089,6 +1142,12 @@ class RendezvousStatus:
             refused=tuple(
                 Refusal.from_dict(item, f"{field}.refused[{index}]")
                 for index, item in enumerate(_list(data, "refused", field))
+            ),
+            forming_cause=optional_str("formingCause"),
+            forming_cause_message=optional_str("formingCauseMessage"),
+            history=tuple(
+                RoundRecord.from_dict(item, f"{field}.history[{index}]")
+                for index, item in enumerate(_list(data, "history", field))
             ),
         )
 

@@ -33,6 +33,13 @@ RUN_ID_IMMUTABLE: Final = "RunIdImmutable"
 SERVICE_ACCOUNT_NOT_FOUND: Final = "ServiceAccountNotFound"
 POD_NOT_INJECTED: Final = "PodNotInjected"
 
+# Causes of a round, in ``status.history`` (a member lost: that loss's reason, from
+# :mod:`.rounds`).
+CAUSE_FIRST_ROUND: Final = "FirstRound"
+CAUSE_NODES_JOINED: Final = "NodesJoined"
+CAUSE_MEMBER_REJOINED: Final = "MemberRejoined"
+CAUSE_SPEC_CHANGED: Final = "SpecChanged"
+
 # Conditions (``Ready`` and ``Closed``; their types are in :mod:`.rounds`). ``Ready``'s
 # reason while a round forms is the state itself (``Forming``, ``Reforming``).
 OPEN: Final = "Open"
@@ -73,6 +80,26 @@ def closed_all_left(round_: int) -> str:
 
 def member_lost(pod: str, rank: int, round_: int, why: str) -> str:
     return f"pod {pod} (rank {rank} of round {round_}) left the round: {why}"
+
+
+def cause_members_lost(pods: Sequence[tuple[str, int]], why: str) -> str:
+    """``pods``: the members lost (pod, rank), the first one's reason ``why``."""
+    (pod, rank), more = pods[0], len(pods) - 1
+    return f"pod {pod} (rank {rank}) lost: {why}" + (f", and {more} more" if more else "")
+
+
+def cause_nodes_joined(count: int) -> str:
+    return f"{count} node(s) asked to join and fit under maxNodes"
+
+
+def cause_member_rejoined(pod: str) -> str:
+    return f"pod {pod} asked to join again (its agent restarts its workers)"
+
+
+def cause_spec_changed(world_size: int, spec: RendezvousSpec) -> str:
+    return (
+        f"a world of {world_size} is outside minNodes..maxNodes {spec.min_nodes}..{spec.max_nodes}"
+    )
 
 
 def waiter_expired(pod: str, timeout_seconds: int) -> str:

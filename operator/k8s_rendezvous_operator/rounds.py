@@ -18,11 +18,12 @@ sets the conditions. Each numbered rule is the function named with it:
 5. :func:`goes_stale_on_change`: a sealed round goes stale (``Reforming``) as soon as a
    member is lost (pod deleted or failed, agent restarted, left) or re-joins, or a node
    waits that fits under ``maxNodes``. Running agents see ``nodesWaiting > 0`` and
-   re-rendezvous at once.
+   re-rendezvous at once. The status says why (``formingCause``).
 6. :func:`seals_when_complete`: a round forming seals when at least ``minNodes`` join and
    either ``maxNodes`` joined, every node we know of has joined (after a stale round: all
    survivors are back; for a first round: the workload's expected nodes), or the last call
-   (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed.
+   (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed. The round goes
+   into ``history`` with its cause and how long forming it took.
 7. :func:`keeps_forming`: otherwise the round keeps forming, with its last call set while
    ``minNodes`` have joined.
 
@@ -62,6 +63,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from k8s_rendezvous.state import (
+    MAX_HISTORY,
+    MAX_REFUSAL_MESSAGE,
     SLICE_MEMBERS,
     Condition,
     Master,
@@ -71,6 +74,7 @@ from k8s_rendezvous.state import (
     Refusal,
     RendezvousSpec,
     RendezvousStatus,
+    RoundRecord,
     RoundState,
     slice_count,
     slices_needed,
@@ -336,6 +340,8 @@ def _closed(status: RendezvousStatus, reason: str, message: str) -> Verdict:
         closed_message=message,
         nodes_waiting=0,
         spares=0,
+        forming_cause=None,
+        forming_cause_message=None,
         forming_since=None,
         last_call_deadline=None,
     )
@@ -413,12 +419,24 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
     # Counted once, when the round goes stale: recounting every join while the next round
     # forms would cost a status write per join and tell running agents nothing new (any
     # positive number makes them re-rendezvous).
+    if ctx.losses:
+        lost = [(loss.node, loss.rank) for loss in ctx.losses]
+        cause = ctx.losses[0].reason, reasons.cause_members_lost(lost, ctx.losses[0].reason)
+    elif rejoined:
+        pod = next(name for name in ctx.joiners if name in members)
+        cause = reasons.CAUSE_MEMBER_REJOINED, reasons.cause_member_rejoined(pod)
+    elif newcomers and fits:
+        cause = reasons.CAUSE_NODES_JOINED, reasons.cause_nodes_joined(len(newcomers))
+    else:
+        cause = reasons.CAUSE_SPEC_CHANGED, reasons.cause_spec_changed(status.world_size, spec)
     return dataclasses.replace(
         status,
         state=RoundState.REFORMING,
         forming_since=ctx.now,
         nodes_waiting=max(1, len(ctx.joiners) + len(ctx.losses)),
         spares=0,
+        forming_cause=cause[0],
+        forming_cause_message=cause[1],
     )
 
 
@@ -479,6 +497,15 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         and ctx.requests[member.node].intent is NodeIntent.JOIN
     ]
     rank0 = ctx.requests[selected[0]]
+    forming_seconds = (now - (status.forming_since or now)).total_seconds()
+    record = RoundRecord(
+        round=status.round + 1,
+        cause=status.forming_cause or reasons.CAUSE_FIRST_ROUND,
+        message=(status.forming_cause_message or "")[:MAX_REFUSAL_MESSAGE],
+        world_size=len(members),
+        sealed_at=now,
+        forming_milliseconds=max(0, round(forming_seconds * 1000)),
+    )
     sealed = dataclasses.replace(
         status,
         state=RoundState.SEALED,
@@ -491,6 +518,9 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         last_call_deadline=None,
         sealed_at=now,
         left_behind=(*status.left_behind, *pending, *spent),
+        forming_cause=None,
+        forming_cause_message=None,
+        history=(*status.history, record)[-MAX_HISTORY:],
     )
     wake_at = None
     if ctx.liveness is not None:
@@ -505,7 +535,7 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         sealed=True,
         losses=_reported_losses(ctx),
         wake_at=wake_at,
-        forming_seconds=(now - (status.forming_since or now)).total_seconds(),
+        forming_seconds=forming_seconds,
     )
 
 

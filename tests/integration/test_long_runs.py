@@ -107,6 +107,20 @@ def test_the_spare_takes_the_lost_members_rank_and_the_survivors_keep_theirs(
     assert [m.node for m in after.members] == [before[0], spare.pod, before[2]]
     assert [m.replaces for m in after.members] == [None, lost, None]
     assert after.spares == 0
+    first, second = after.history
+    assert (first.round, first.cause, first.world_size) == (1, "FirstRound", 3)
+    assert (second.round, second.world_size) == (2, 3)
+    assert second.cause in {"PodTerminating", "PodDeleted"}, "seen terminating, or gone"
+    assert after.history[-1].message.startswith(f"pod {lost} (rank 1) lost")
+    # As docs/troubleshooting.md reads it.
+    jsonpath = (
+        "{range .status.history[*]}{.round} {.cause} {.formingMilliseconds}ms {.message}"
+        '{"\\n"}{end}'
+    )
+    told = control_plane.kubectl(
+        "get", "rdzv", rdzv.name, "-n", rdzv.namespace, "-o", f"jsonpath={jsonpath}"
+    ).stdout.splitlines()
+    assert [line.split()[:2] for line in told] == [["1", "FirstRound"], ["2", second.cause]]
     changes = wait_for(
         lambda: operator_metrics(operator_process).get("k8s_rendezvous_rank_changes_total"),
         10,

@@ -18,6 +18,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from k8s_rendezvous import state
 from k8s_rendezvous.state import (
     Member,
     NodeEntry,
@@ -28,7 +29,7 @@ from k8s_rendezvous.state import (
     RoundState,
     slice_count,
 )
-from k8s_rendezvous_operator import rounds
+from k8s_rendezvous_operator import reasons, rounds
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 
@@ -248,6 +249,49 @@ def test_a_spare_for_rank_zero_takes_the_last_rank_which_moves_to_zero() -> None
     assert rejoin_survivors(world, "pod-0").sealed
     assert world.ranks() == ["pod-3", "pod-1", "pod-2", "spare"]
     assert [m.replaces for m in world.status.members] == ["pod-0", None, None, "pod-3"]
+
+
+def test_the_history_says_why_each_round_was_formed_and_how_long_it_took() -> None:
+    world = sealed_with_a_spare(4)
+    world.tick(2)
+    rejoin_survivors(world, "pod-1")
+    first, second = world.status.history
+    assert (first.round, first.cause, first.world_size) == (1, "FirstRound", 4)
+    assert (second.round, second.cause, second.world_size) == (2, rounds.LOST_POD_DELETED, 4)
+    assert second.message == "pod pod-1 (rank 1) lost: PodDeleted"
+    assert second.forming_milliseconds == 0, "the operator's clock did not move meanwhile"
+    assert world.status.forming_cause is None, "recorded at the seal"
+    world.join("pod-9")
+    world.tick(1.5)
+    world.decide()
+    assert world.status.forming_cause is None, "a spare beyond a full round is no cause"
+
+
+def test_the_history_keeps_the_last_rounds_with_each_cause() -> None:
+    world = World(spec(1, 2))
+    world.join("a")
+    world.decide()
+    world.tick(31)
+    assert world.decide().sealed
+    for _ in range(state.MAX_HISTORY + 2):
+        world.join("b")
+        assert world.decide().status.forming_cause == reasons.CAUSE_NODES_JOINED
+        world.tick(0.25)
+        world.join("a")
+        assert world.decide().sealed
+        world.leave("b")
+        assert world.decide().status.forming_cause == rounds.LOST_LEFT
+        world.join("a")
+        world.tick(31)
+        assert world.decide().sealed
+    history = world.status.history
+    assert len(history) == state.MAX_HISTORY
+    assert [r.round for r in history] == list(range(world.status.round - 9, world.status.round + 1))
+    assert {(r.cause, r.world_size) for r in history} == {
+        (reasons.CAUSE_NODES_JOINED, 2),
+        (rounds.LOST_LEFT, 1),
+    }
+    assert {r.forming_milliseconds for r in history} == {250, 31000}
 
 
 def test_a_shrink_moves_only_the_last_rank_into_the_hole() -> None:
