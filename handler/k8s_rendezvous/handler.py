@@ -55,6 +55,7 @@ from k8s_rendezvous import (
     heartbeat,
     join,
     kube,
+    probes,
     reforming,
     rest,
     round_store,
@@ -252,6 +253,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
         ).start()
         self._heartbeat = heartbeat.Heartbeat(client, node, self._instance, heartbeat_timeout)
+        self._probes = probes.ProbeResponder(node)
         self._serving: TCPStore | None = None
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
@@ -745,6 +747,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             log.warning("node %s could not record leaving: %s", self._node, error)
             return False
         finally:
+            # Last: a member silent to the operator's probes before its Leave or Finish is
+            # written would be taken for lost, and a finished round re-formed.
+            self._probes.stop()
             self._serving = self._retired = self._round_store_handle = None
             if self._node_claim is not None:
                 self._node_claim.close()
@@ -793,7 +798,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """This node's request of its current attempt. The store port only matters to a
         Join (made after the port is offered); the others repeat the last one, if any."""
         return state.NodeEntry(
-            self._instance, max(self._attempt, 1), self._addr, self._entry_port or 1, intent
+            self._instance,
+            max(self._attempt, 1),
+            self._addr,
+            self._entry_port or 1,
+            intent,
+            probe_port=self._probes.port,
         )
 
     def _write_intent(self, intent: state.NodeIntent) -> None:

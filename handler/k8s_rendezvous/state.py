@@ -31,7 +31,7 @@ import math
 import re
 import zlib
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 SCHEMA_VERSION: Final = 1
 """Version of the status layout; bumped on any incompatible change."""
@@ -591,6 +591,9 @@ class NodeEntry:
     store_port: int
     """Port of the TCPStore this node hosts; it serves the round if this node is rank 0."""
     intent: NodeIntent = NodeIntent.JOIN
+    probe_port: int = 0
+    """The UDP port at ``addr`` where its agent answers the operator's probes
+    (:class:`Probe`); 0: it answers none, and only its heartbeats say it lives."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -599,6 +602,7 @@ class NodeEntry:
             "addr": self.addr,
             "storePort": self.store_port,
             "intent": self.intent.value,
+            "probePort": self.probe_port,
         }
 
     @classmethod
@@ -614,6 +618,7 @@ class NodeEntry:
             addr=_canonical_ip(_str(data, "addr", field, max_length=253), f"{field}.addr"),
             store_port=_int(data, "storePort", field, minimum=1, maximum=65535),
             intent=_enum(NodeIntent, data, "intent", field),
+            probe_port=_int(data, "probePort", field, default=0, maximum=65535),
         )
 
     def to_annotation(self) -> str:
@@ -626,6 +631,49 @@ class NodeEntry:
         except ValueError as error:
             raise DecodeError(f"{field}: not JSON ({error})") from None
         return cls.from_dict(data, field)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The operator's reachability probe of a member's agent, one UDP datagram each way
+    (:data:`NodeEntry.probe_port`): the agent echoes the nonce, so a reply proves the
+    agent got this very probe, and no one who did not see it can answer in its stead.
+
+    The request is padded to at least the reply's size, so the agent never sends more
+    than it is sent (a spoofed source cannot use it to amplify a flood)."""
+
+    nonce: bytes
+    """:data:`PROBE_NONCE_BYTES` random bytes, new for each round of probes."""
+
+    _REQUEST: ClassVar[bytes] = b"k8s-rendezvous.dev/probe/1?"
+    _REPLY: ClassVar[bytes] = b"k8s-rendezvous.dev/probe/1!"
+    REQUEST_BYTES: ClassVar[int] = 64
+
+    def request(self) -> bytes:
+        return (self._REQUEST + self.nonce).ljust(self.REQUEST_BYTES, b"\0")
+
+    def reply(self) -> bytes:
+        return self._REPLY + self.nonce
+
+    @classmethod
+    def from_request(cls, datagram: bytes) -> Probe | None:
+        """The probe a datagram asks for (``None``: not a probe, to be ignored)."""
+        if len(datagram) != cls.REQUEST_BYTES or not datagram.startswith(cls._REQUEST):
+            return None
+        start = len(cls._REQUEST)
+        return cls(datagram[start : start + PROBE_NONCE_BYTES])
+
+    @classmethod
+    def from_reply(cls, datagram: bytes) -> Probe | None:
+        """The probe a datagram answers (``None``: not a reply, to be ignored)."""
+        if len(datagram) != len(cls._REPLY) + PROBE_NONCE_BYTES:
+            return None
+        if not datagram.startswith(cls._REPLY):
+            return None
+        return cls(datagram[len(cls._REPLY) :])
+
+
+PROBE_NONCE_BYTES: Final = 16
 
 
 @dataclasses.dataclass(frozen=True)

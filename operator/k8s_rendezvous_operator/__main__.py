@@ -49,6 +49,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="ClusterRole to bind to the ServiceAccount of annotated Jobs in their namespace "
         "('' to leave binding to the user; default: %(default)s)",
     )
+    parser.add_argument(
+        "--probe-interval",
+        type=float,
+        default=1.0,
+        help="seconds between UDP probes of each member's agent (0 disables probing: a "
+        "silent agent is then dropped only when its Lease expires; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--probe-window",
+        type=float,
+        default=3.0,
+        help="drop a member whose agent answered no probe for this many seconds (at least "
+        "twice --probe-interval; default: %(default)s)",
+    )
     admission = parser.add_argument_group("zero-flag torchrun (mutating admission webhook)")
     admission.add_argument(
         "--webhook",
@@ -115,6 +129,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     args = parser.parse_args(argv)
+    if args.probe_interval < 0:
+        parser.error(f"--probe-interval must be 0 (no probes) or more, got {args.probe_interval}")
+    if args.probe_interval and args.probe_window < 2 * args.probe_interval:
+        parser.error(
+            "--probe-window must be at least twice --probe-interval (one lost datagram must "
+            f"not drop a member), got {args.probe_window} and {args.probe_interval}"
+        )
 
     try:
         import kopf
@@ -167,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             namespaces=args.namespace,
             job_label_selector=args.job_label_selector,
             worker_role=args.worker_role,
+            probe_interval=args.probe_interval,
+            probe_window=args.probe_window,
             webhook={
                 "host": args.webhook_host,
                 "service": args.webhook_service,

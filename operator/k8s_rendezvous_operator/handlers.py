@@ -17,7 +17,7 @@ from typing import Any, cast
 import kopf
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import injection, jobs, kube, observe, webhook
+from k8s_rendezvous_operator import injection, jobs, kube, observe, probing, webhook
 from k8s_rendezvous_operator.reconciler import Reconciler
 
 
@@ -71,6 +71,19 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
             reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
     reconciler.started()
     memo["reconciler"] = reconciler
+    if interval := memo.get("probe_interval"):
+        memo["prober"] = probing.Prober(
+            reconciler.probe_targets,
+            reconciler.probes_judged,
+            interval=interval,
+            window=memo["probe_window"],
+        )
+
+
+@kopf.on.cleanup()
+async def stop_probing(memo: kopf.Memo, **_: Any) -> None:
+    if (prober := memo.get("prober")) is not None:
+        await prober.stop()
 
 
 @kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
@@ -83,6 +96,10 @@ async def rendezvous_event(
     **_: Any,
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
+    if (prober := memo.get("prober")) is not None:
+        # Started from an event handler, not at startup: the reconciles it asks for post
+        # Events, which kopf takes only from tasks begun in its handlers' context.
+        prober.start()
     assert namespace is not None, "namespaced resource"
     await reconciler.rendezvous_seen(
         (namespace, name), dict(body), deleted=event.get("type") == "DELETED"

@@ -59,6 +59,14 @@ EVENTS_SUPPRESSED: Final = Counter(
     "pod, namespace, operator).",
     ["budget"],
 )
+PROBED_MEMBERS: Final = Gauge(
+    "k8s_rendezvous_probed_members",
+    "Members whose agents the operator probes each interval (--probe-interval).",
+)
+UNREACHABLE_MEMBERS: Final = Gauge(
+    "k8s_rendezvous_unreachable_members",
+    "Probed members that answered no probe within --probe-window.",
+)
 QUEUE_DEPTH: Final = Gauge(
     "k8s_rendezvous_reconcile_queue_depth", "Rendezvous being reconciled or waiting to be."
 )

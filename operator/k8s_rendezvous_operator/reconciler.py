@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import enum
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from k8s_rendezvous import state
@@ -22,6 +22,7 @@ from k8s_rendezvous_operator import (
     membership,
     metrics,
     observe,
+    reachability,
     reasons,
     rounds,
     slices,
@@ -83,11 +84,25 @@ class RendezvousMemory:
     """What its slices were last brought in step with."""
     node_labels: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """The labels of the Kubernetes nodes its pods run on (for its rank order)."""
+    probed: tuple[reachability.Target, ...] = ()
+    """Its members whose agents answer probes, as last decided."""
     timer: asyncio.TimerHandle | None = None
 
 
 def _uid(body: Mapping[str, Any]) -> object:
     return (body.get("metadata") or {}).get("uid")
+
+
+def _probe_targets(
+    key: Key, status: state.RendezvousStatus, requests: Mapping[str, state.NodeEntry]
+) -> tuple[reachability.Target, ...]:
+    if status.state is state.RoundState.CLOSED:
+        return ()
+    return tuple(
+        reachability.Target(*key, member.node, member.instance, entry.addr, entry.probe_port)
+        for member in status.members
+        if (entry := requests.get(member.node)) and entry.probe_port and member.admits(entry)
+    )
 
 
 class Written(enum.Enum):
@@ -126,6 +141,7 @@ class Reconciler:
         self._unposted: list[tuple[Key, str, str]] = []
         self._warnings = events.WarningBudgets()
         self._started_at = clock()
+        self._unreachable: frozenset[reachability.Target] = frozenset()
 
     def _memory(self, key: Key) -> RendezvousMemory:
         return self._rendezvous.setdefault(key, RendezvousMemory())
@@ -324,6 +340,29 @@ class Reconciler:
         ):
             memory.body = dict(body)
 
+    # -- probes ------------------------------------------------------------------------
+
+    def probe_targets(self) -> Iterator[reachability.Target]:
+        """Every member to probe: of each rendezvous, its round's members whose agents
+        answer probes."""
+        for memory in self._rendezvous.values():
+            yield from memory.probed
+
+    def probes_judged(self, unreachable: frozenset[reachability.Target]) -> None:
+        """The prober's verdict after a round of probes: reconcile where a member has just
+        become unreachable."""
+        newly, self._unreachable = unreachable - self._unreachable, unreachable
+        for target in newly:
+            log.warning(
+                "Rendezvous %s/%s: pod %s answers no probe at %s port %d",
+                target.namespace,
+                target.rendezvous,
+                target.node,
+                target.addr,
+                target.port,
+            )
+            self.request((target.namespace, target.rendezvous))
+
     # -- scheduling --------------------------------------------------------------------
 
     def request(self, key: Key) -> None:
@@ -422,6 +461,11 @@ class Reconciler:
                     if (pod := self._pods.get((namespace, node))) and (beat := pod.heartbeat)
                 },
                 since=self._started_at,
+                unreachable=frozenset(
+                    (target.node, target.instance)
+                    for target in self._unreachable
+                    if (target.namespace, target.rendezvous) == key
+                ),
             ),
             expected_nodes=job.parallelism if job else None,
             close=job.finished if job else None,
@@ -435,6 +479,7 @@ class Reconciler:
             return False
         self._report_expired(key, body, spec, requests, decision.expired_waiters)
         memory.forming_since = decision.status.forming_since
+        memory.probed = _probe_targets(key, decision.status, requests)
         if decision.write:
             written = await self._write(key, memory, body, decision, now)
             if written is not Written.WRITTEN:

@@ -16,9 +16,10 @@ sets the conditions. Each numbered rule is the function named with it:
 4. :func:`closes_when_everyone_left`: every member of the last round having left (a
    failed agent's ``shutdown()``) with nobody waiting closes it.
 5. :func:`goes_stale_on_change`: a sealed round goes stale (``Reforming``) as soon as a
-   member is lost (pod deleted or failed, agent restarted, left) or re-joins, or a node
-   waits that fits under ``maxNodes``. Running agents see ``nodesWaiting > 0`` and
-   re-rendezvous at once. The status says why (``formingCause``).
+   member is lost (pod deleted or failed, agent restarted, left, its agent silent to the
+   operator's probes for the probe window or to its Lease for ``heartbeatTimeoutSeconds``)
+   or re-joins, or a node waits that fits under ``maxNodes``. Running agents see
+   ``nodesWaiting > 0`` and re-rendezvous at once. The status says why (``formingCause``).
 6. :func:`seals_when_complete`: a round forming seals when at least ``minNodes`` join and
    either ``maxNodes`` joined, every node we know of has joined (after a stale round: all
    survivors are back; for a first round: the workload's expected nodes), or the last call
@@ -98,6 +99,7 @@ LOST_AGENT_RESTARTED: Final = "AgentRestarted"
 LOST_LEFT: Final = "Left"
 LOST_ENTRY_REMOVED: Final = "EntryRemoved"
 LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
+LOST_UNREACHABLE: Final = "AgentUnreachable"
 
 CLOSED_BY_NODE: Final = "ClosedByNode"
 CLOSED_ALL_LEFT: Final = "AllNodesLeft"
@@ -137,6 +139,9 @@ class Liveness:
     since: datetime.datetime
     """When observation began (the operator's start): nobody expires for lack of
     renewals the operator could not have seen."""
+    unreachable: frozenset[tuple[str, str]] = frozenset()
+    """The (node, agent instance) pairs that answered none of the operator's probes for
+    its probe window (:mod:`.reachability`)."""
 
     def expires_at(
         self,
@@ -327,7 +332,11 @@ def _loss_reason(ctx: Context, member: Member) -> str | None:
         return LOST_AGENT_RESTARTED
     if entry.intent is NodeIntent.LEAVE:
         return LOST_LEFT
-    if expires_at is not None and ctx.now >= expires_at and member.admits(entry):
+    if not member.admits(entry):
+        return None
+    if ctx.liveness is not None and (member.node, member.instance) in ctx.liveness.unreachable:
+        return LOST_UNREACHABLE
+    if expires_at is not None and ctx.now >= expires_at:
         return LOST_HEARTBEAT_EXPIRED
     return None
 

@@ -28,7 +28,7 @@ from devkit.training import (
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
-from k8s_rendezvous import __version__
+from k8s_rendezvous import __version__, state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,6 +51,19 @@ def lone_pod(job: TrainingJob) -> dict[str, Any]:
     alone = [pods[0] for pods in by_node.values() if len(pods) == 1]
     assert alone, {node: [p["metadata"]["name"] for p in pods] for node, pods in by_node.items()}
     return alone[0]
+
+
+def rendezvous_history(api: kubernetes.client.ApiClient, job: TrainingJob) -> list[dict[str, Any]]:
+    """The Job's Rendezvous' round history, oldest first."""
+    body = read_object(
+        kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object,
+        state.GROUP,
+        state.VERSION,
+        job.namespace,
+        state.PLURAL,
+        job.name,
+    )
+    return list(dig(body, "status", "history", default=[]))
 
 
 # -- the operator from its image --------------------------------------------------------
@@ -194,15 +207,13 @@ def test_a_drained_node_moves_its_training_pods(
     assert all(pod["spec"]["nodeName"] != node for pod in job.running_pods())
 
 
-def test_a_lost_node_is_noticed_by_its_heartbeats_and_the_world_shrinks(
+def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     run_job: RunJob, real_nodes: RealNodes, admin_api: kubernetes.client.ApiClient
 ) -> None:
-    job: TrainingJob = run_job(
-        parallelism=3, nodes="2:3", annotations={"k8s-rendezvous.dev/heartbeat-timeout": "10"}
-    )
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3")  # heartbeats: 30 s, the default
     before = job.wait_world(3, after=0)
     victim = lone_pod(job)
-    node = victim["spec"]["nodeName"]
+    victim_name, node = victim["metadata"]["name"], victim["spec"]["nodeName"]
     fault = time.time()
     # Power off, as far as a host can tell: the kubelet dies and the node's pods reach
     # nothing and are reached by nothing, though their processes live on.
@@ -210,14 +221,24 @@ def test_a_lost_node_is_noticed_by_its_heartbeats_and_the_world_shrinks(
     real_nodes.cut_network(node)
     try:
         after = job.wait_world(2, after=fault)
+        lost = rendezvous_history(admin_api, job)[-1]
     finally:
+        restored = time.time()
         real_nodes.restore_network(node)
         real_nodes.start_kubelet(node)
         # The node may have run the operator's leader: the next test's pods must not be
         # sent to its pod, still an endpoint, before its kubelet has seen it stand by.
         wait_webhook_served_by_leader_alone(admin_api)
-    assert victim["metadata"]["name"] not in after.pods.values()
+    assert victim_name not in after.pods.values()
     assert set(after.pods.values()) < set(before.pods.values())
+    # Long before its 30 s heartbeat window (where the operator's leader ran on the lost
+    # node, after the other replica took over).
+    assert lost["cause"] == "AgentUnreachable" and victim_name in lost["message"], lost
+    # Back, its agent finds its round replaced and joins a later one: one world again.
+    again = job.wait_world(3, after=restored)
+    assert set(again.pods.values()) == set(before.pods.values())
+    rounds = [record["round"] for record in rendezvous_history(admin_api, job)]
+    assert rounds == sorted(set(rounds)), rounds
 
 
 def test_the_world_follows_the_jobs_parallelism_down_and_up(

@@ -31,3 +31,15 @@ def test_without_its_extra_it_says_what_to_install() -> None:
         "k8s-rendezvous-operator: kopf is missing: the operator needs its extra, "
         "pip install 'k8s-rendezvous[operator]'"
     )
+
+
+def test_a_probe_window_that_one_lost_datagram_could_end_is_refused() -> None:
+    answer = operator("--probe-interval=2", "--probe-window=3")
+    assert answer.returncode == 2
+    assert (
+        "--probe-window must be at least twice --probe-interval (one lost datagram must not "
+        "drop a member), got 3.0 and 2.0"
+    ) in answer.stderr
+    negative = operator("--probe-interval=-1")
+    assert negative.returncode == 2
+    assert "--probe-interval must be 0 (no probes) or more, got -1.0" in negative.stderr

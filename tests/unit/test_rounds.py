@@ -486,6 +486,34 @@ def test_member_without_heartbeats_expires_after_the_timeout_and_wakes_the_opera
     assert decision.wake_at == T0 + datetime.timedelta(seconds=17), "a's next expiry"
 
 
+def test_a_member_its_agent_silent_to_probes_is_lost_long_before_its_heartbeat_expires() -> None:
+    world = World(spec(1, 3, heartbeat=30), liveness=rounds.Liveness({}, since=T0))
+    for node in ("a", "b", "c"):
+        world.join(node)
+    assert world.decide().sealed
+    world.tick(4)
+    silent = (("b", world.requests["b"].instance),)
+    world.liveness = dataclasses.replace(world.liveness, unreachable=frozenset(silent))
+    decision = world.decide()
+    assert [(loss.node, loss.reason) for loss in decision.losses] == [
+        ("b", rounds.LOST_UNREACHABLE)
+    ]
+    assert world.status.state is RoundState.REFORMING
+
+
+def test_an_unreachable_agent_of_an_earlier_instance_loses_no_member() -> None:
+    """The verdict names the agent probed: a restarted agent is judged anew."""
+    world = World(spec(1, 2, heartbeat=30), liveness=rounds.Liveness({}, since=T0))
+    world.join("a")
+    world.join("b")
+    assert world.decide().sealed
+    world.liveness = dataclasses.replace(
+        world.liveness, unreachable=frozenset({("b", "an-agent-before-this-one")})
+    )
+    world.tick(1)
+    assert world.decide().losses == ()
+
+
 def test_a_waiter_without_heartbeats_stops_counting_and_is_never_sealed() -> None:
     """Rule 12: its agent died while its pod runs on (a wrapper shell, a sidecar)."""
     world = World(spec(1, 3, last_call=30, heartbeat=9), liveness=rounds.Liveness({}, since=T0))

@@ -92,7 +92,7 @@ def test_status_not_yet_written_by_the_operator_is_the_initial_one() -> None:
 
 
 def test_entry_round_trips_through_its_lease_annotation() -> None:
-    entry = state.NodeEntry("i-1", 3, "fd00::7", 29500, state.NodeIntent.LEAVE)
+    entry = state.NodeEntry("i-1", 3, "fd00::7", 29500, state.NodeIntent.LEAVE, 41000)
     text = entry.to_annotation()
     assert json.loads(text) == {
         "instance": "i-1",
@@ -100,6 +100,7 @@ def test_entry_round_trips_through_its_lease_annotation() -> None:
         "addr": "fd00::7",
         "storePort": 29500,
         "intent": "Leave",
+        "probePort": 41000,
     }
     assert state.NodeEntry.from_annotation(text, "entry") == entry
 
