@@ -633,6 +633,9 @@ class NodeEntry:
         return cls.from_dict(data, field)
 
 
+PROBE_NONCE_BYTES: Final = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """The operator's reachability probe of a member's agent, one UDP datagram each way
@@ -671,9 +674,6 @@ class Probe:
         if not datagram.startswith(cls._REPLY):
             return None
         return cls(datagram[len(cls._REPLY) :])
-
-
-PROBE_NONCE_BYTES: Final = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--probe-window",
         type=float,
         default=3.0,
-        help="drop a member whose agent answered no probe for this many seconds (at least "
-        "twice --probe-interval; default: %(default)s)",
+        help="drop a member whose agent answered none of this many seconds' probes in a row "
+        "(window / interval of them; at least twice --probe-interval; default: %(default)s)",
     )
     admission = parser.add_argument_group("zero-flag torchrun (mutating admission webhook)")
     admission.add_argument(
