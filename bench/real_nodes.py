@@ -57,7 +57,7 @@ import kubernetes.watch  # noqa: E402
 
 from bench import recovery  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries, dig  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
@@ -65,6 +65,7 @@ from devkit.training import (  # noqa: E402
     agent_pid,
     create_job,
     job_manifest,
+    operator_leader,
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
@@ -249,6 +250,7 @@ class Run:
         node = victim["spec"]["nodeName"]
         stop = threading.Event()
         rendezvous_before = self._round() if self.backend == "ours" else None
+        leader_node = self._leader_node()
         milestones = Milestones(time.time())
         self._observe(stop, milestones, victim, node, rendezvous_before)
         try:
@@ -265,11 +267,24 @@ class Run:
             "fault": self.fault,
             "victim": victim_name,
             "node": node,
+            "leader_node": leader_node,
             "world_before": world.size,
             "world_after": first.size if first is not None else None,
             "milestones": milestones.after(),
             "cap_seconds": CAP_SECONDS.get(self.fault, DEFAULT_CAP_SECONDS),
         }
+
+    def _leader_node(self) -> str:
+        """The node of the operator's leader: losing it, the other replica takes over
+        (after the leader's Lease runs out) before anything is noticed."""
+        leader = operator_leader(self.api).partition("_")[0]
+        return str(
+            dig(
+                read_object(self.core.read_namespaced_pod, leader, chart.NAMESPACE),
+                "spec",
+                "nodeName",
+            )
+        )
 
     def _round(self) -> int:
         body = kubernetes.client.CustomObjectsApi(self.api).get_namespaced_custom_object(
@@ -417,6 +432,32 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def _leader_lost(result: Json) -> bool:
+    node = result.get("node")
+    lost = result["fault"] in ("node", "drain") and node is not None
+    return lost and result.get("leader_node") == node
+
+
+def _row(label: str, backend: str, rows: list[Json], columns: tuple[str, ...]) -> str:
+    cells = []
+    for column in columns:
+        values = [r["milestones"][column] for r in rows if column in r["milestones"]]
+        if values:
+            cell = f"{statistics.median(values):.2f}"
+            if len(values) > 1:
+                cell += f" ({min(values):.2f}-{max(values):.2f})"
+        elif column == "first step" and any(r.get("error") for r in rows):
+            cell = "error (results.json)"
+        elif column == "first step":
+            cell = f"none within {rows[0]['cap_seconds']:.0f}"
+        else:
+            cell = "-"
+        cells.append(cell)
+    after = ", ".join(str(r["world_after"]) for r in rows)
+    world = f"{rows[0]['world_before']} → {after}"
+    return f"| {label} | {backend} | " + " | ".join(cells) + f" | {world} |"
+
+
 def table(results: list[Json]) -> str:
     columns = ("kubelet report", "member lost", "round sealed", "first step")
     lines = [
@@ -425,29 +466,17 @@ def table(results: list[Json]) -> str:
     ]
     for fault in FAULTS:
         for backend in BACKENDS:
-            rows = [r for r in results if r["fault"] == fault and r["backend"] == backend]
-            if not rows:
-                continue
-            cells = []
-            for column in columns:
-                values = [r["milestones"][column] for r in rows if column in r["milestones"]]
-                if values:
-                    cell = f"{statistics.median(values):.2f}"
-                    if len(values) > 1:
-                        cell += f" ({min(values):.2f}-{max(values):.2f})"
-                elif column == "first step" and any(r.get("error") for r in rows):
-                    cell = "error (results.json)"
-                elif column == "first step":
-                    cell = f"none within {rows[0]['cap_seconds']:.0f}"
-                else:
-                    cell = "-"
-                cells.append(cell)
-            after = ", ".join(str(r["world_after"]) for r in rows)
-            lines.append(
-                f"| {FAULTS[fault]} | {backend} | "
-                + " | ".join(cells)
-                + f" | {rows[0]['world_before']} → {after} |"
-            )
+            # Losing the node of the operator's leader is another scenario: its own row.
+            for leader_lost in (False, True):
+                rows = [
+                    r
+                    for r in results
+                    if (r["fault"], r["backend"]) == (fault, backend)
+                    and _leader_lost(r) == leader_lost
+                ]
+                if rows:
+                    label = FAULTS[fault] + (", the operator's leader on it" if leader_lost else "")
+                    lines.append(_row(label, backend, rows, columns))
     return "\n".join(lines)
 
 
