@@ -56,6 +56,8 @@ class Prober:
         self._misses = math.ceil(window / interval - 1e-9)
         self._unanswered: dict[Target, int] = {}
         """Each target's probes sent since its last answer."""
+        self._ever_answered: set[Target] = set()
+        """The targets that ever answered."""
         self._sent: dict[bytes, list[Target]] = {}
         """This round's secret and the last one's, each with its targets by index: an
         answer to the last round's probe, come late, still counts."""
@@ -89,7 +91,8 @@ class Prober:
         """One round: judge by the answers to the rounds before, then probe every target."""
         targets = list(dict.fromkeys(self._targets()))
         self._unanswered = {target: self._unanswered.get(target, 0) for target in targets}
-        verdict = unreachable(self._unanswered, self._misses)
+        self._ever_answered.intersection_update(targets)
+        verdict = unreachable(self._unanswered, self._ever_answered, self._misses)
         metrics.PROBED_MEMBERS.set(len(targets))
         metrics.UNREACHABLE_MEMBERS.set(len(verdict))
         self._judged(verdict)
@@ -117,6 +120,7 @@ class Prober:
         target = targets[index]
         if target in self._unanswered:
             self._unanswered[target] = 0
+            self._ever_answered.add(target)
             self.answers += 1
 
     def _socket(self, addr: str) -> socket.socket | None:

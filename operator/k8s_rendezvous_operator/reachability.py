@@ -11,14 +11,16 @@ Probes are counted, not timed: judged by the age of its last answer, a member is
 round early whenever rounds come a little later than the interval (they take time to
 send), after as few as two lost datagrams of three.
 
-Silence is judged against the others: when most members go silent at once, the operator is
-more likely cut off than they are, and nobody is judged (their heartbeats still are).
+Silence is judged against the others. Only members of a rendezvous one of whose members
+has answered are judged: where none ever did, UDP from the operator does not reach them (a
+NetworkPolicy) or they are long gone, and their heartbeats judge them. And when most of the
+judged go silent at once, the operator is more likely cut off than they are, and nobody is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +35,17 @@ class Target:
     port: int
 
 
-def unreachable(unanswered: Mapping[Target, int], misses: int) -> frozenset[Target]:
+def unreachable(
+    unanswered: Mapping[Target, int], answered: Set[Target], misses: int
+) -> frozenset[Target]:
     """The targets whose last ``misses`` probes or more went unanswered (``unanswered``:
-    each target's probes sent since its last answer); none while more than half of all
-    targets are."""
-    silent = frozenset(target for target, count in unanswered.items() if count >= misses)
-    if 2 * len(silent) > len(unanswered):
+    each target's probes sent since its last answer), among those of a rendezvous with a
+    member that ever ``answered``; none while more than half of those are silent."""
+    heard_from = {(target.namespace, target.rendezvous) for target in answered}
+    judged = [
+        target for target in unanswered if (target.namespace, target.rendezvous) in heard_from
+    ]
+    silent = frozenset(target for target in judged if unanswered[target] >= misses)
+    if 2 * len(silent) > len(judged):
         return frozenset()
     return silent

@@ -96,8 +96,8 @@ def _uid(body: Mapping[str, Any]) -> object:
 def _probe_targets(
     key: Key, status: state.RendezvousStatus, requests: Mapping[str, state.NodeEntry]
 ) -> tuple[reachability.Target, ...]:
-    if status.state is state.RoundState.CLOSED:
-        return ()
+    if status.state is not state.RoundState.SEALED:
+        return ()  # a stale round's members are re-joining, or lost
     return tuple(
         reachability.Target(*key, member.node, member.instance, entry.addr, entry.probe_port)
         for member in status.members

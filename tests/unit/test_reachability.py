@@ -25,8 +25,18 @@ def target(node: str, port: int = 1) -> Target:
 
 def test_a_target_is_unreachable_once_its_last_probes_all_went_unanswered() -> None:
     unanswered = {target("a"): 0, target("late"): 1, target("b"): MISSES, target("c"): 7}
-    assert unreachable(unanswered, MISSES) == {target("b"), target("c")}
-    assert unreachable({**unanswered, target("b"): MISSES - 1}, MISSES) == {target("c")}
+    heard = {target("a")}
+    assert unreachable(unanswered, heard, MISSES) == {target("b"), target("c")}
+    assert unreachable({**unanswered, target("b"): MISSES - 1}, heard, MISSES) == {target("c")}
+
+
+def test_members_of_a_rendezvous_none_of_whose_members_ever_answered_are_not_judged() -> None:
+    """UDP does not reach them (a NetworkPolicy), or they were gone before probing began:
+    their heartbeats judge them, and their silence does not silence the judgement of others."""
+    blocked = [dataclasses.replace(target(f"b-{i}"), rendezvous="blocked") for i in range(5)]
+    unanswered = {target("a"): 0, target("lost"): MISSES, **dict.fromkeys(blocked, 9)}
+    assert unreachable(unanswered, {target("a")}, MISSES) == {target("lost")}
+    assert unreachable(unanswered, set(), MISSES) == frozenset()
 
 
 @given(st.integers(1, 20), st.integers(0, 20))
@@ -35,7 +45,7 @@ def test_nobody_is_judged_while_most_are_silent_for_the_operator_is_then_cut_off
 ) -> None:
     unanswered = {target(f"up-{i}"): 0 for i in range(answering)}
     unanswered |= {target(f"down-{i}"): MISSES for i in range(silent)}
-    verdict = unreachable(unanswered, MISSES)
+    verdict = unreachable(unanswered, set(unanswered), MISSES)
     if silent > answering:
         assert verdict == frozenset()
     else:
