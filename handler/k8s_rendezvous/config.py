@@ -35,6 +35,9 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
 """With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
 renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
+JOB_MAX_RESTARTS: Final = "job_max_restarts"
+"""Not torchrun's ``--max-restarts`` (each agent's own budget), hence the prefix."""
+MAX_RESTARTS_FIELD: Final = "maxRestarts"
 
 
 def _timeout_meaning(timeout: state.SpecTimeout) -> str:
@@ -60,6 +63,11 @@ CONFIG_KEYS: Final = {
     "keep_alive_interval",
     "heartbeat_timeout": "seconds one renewal of the node's Lease may take, retries "
     "included (5), as c10d bounds one keep-alive write",
+    JOB_MAX_RESTARTS: "the job's restart budget (the spec's maxRestarts): how many re-forms "
+    "after a failure of any node may follow the first round before the rendezvous closes "
+    "and every agent ends with RendezvousClosedError; torchrun's --max-restarts still bounds "
+    "each agent's own (default: no budget); used if this node creates the Rendezvous, else "
+    "its spec wins",
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
@@ -96,10 +104,11 @@ class Settings:
     read_timeout: int = DEFAULT_READ_TIMEOUT_SECONDS
     """Seconds to retry the API server and to wait on the round's store: torch's own
     c10d backend waits as long on its store (``read_timeout``, 60 s)."""
-    configured_timeouts: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """The spec timeouts given, by their field in the spec (:data:`state.SPEC_TIMEOUTS`):
-    the spec of a Rendezvous this node creates, compared with (and, but for a node's own
-    deadlines, overruled by) the spec of one that exists."""
+    configured_spec: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """The spec fields given (the timeouts of :data:`state.SPEC_TIMEOUTS` and
+    ``maxRestarts``), by their field in the spec: the spec of a Rendezvous this node
+    creates, compared with (and, but for a node's own deadlines, overruled by) the spec of
+    one that exists."""
     in_place: bool = False
     """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
     workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
@@ -140,7 +149,7 @@ class Settings:
         read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
         if read_timeout is None or read_timeout <= 0:
             raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
-        configured = _configured_timeouts(params)
+        configured = _configured_spec(params)
         heartbeat_timeout = params.get_as_int(
             "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
         )
@@ -168,13 +177,21 @@ class Settings:
         )
 
 
-def _configured_timeouts(params: RendezvousParameters) -> dict[str, int]:
-    """The spec timeouts ``--rdzv-conf`` gives, by their field in the spec.
+def _configured_spec(params: RendezvousParameters) -> dict[str, int]:
+    """The spec fields ``--rdzv-conf`` gives, by their field in the spec.
 
     Raises:
-        ValueError: One below its least value, naming it and the fix.
+        ValueError: One out of its bounds, naming it and the fix.
     """
     configured: dict[str, int] = {}
+    max_restarts = params.get_as_int(JOB_MAX_RESTARTS)
+    if max_restarts is not None:
+        if not 0 <= max_restarts <= state.MAX_RESTARTS:
+            raise ValueError(
+                f"--rdzv-conf {JOB_MAX_RESTARTS}={max_restarts} is not a restart budget: give "
+                f"a whole number from 0 to {state.MAX_RESTARTS}, or leave it out for none."
+            )
+        configured[MAX_RESTARTS_FIELD] = max_restarts
     for timeout in state.SPEC_TIMEOUTS:
         if timeout.conf_key is not None:
             value = params.get_as_int(timeout.conf_key)
@@ -231,12 +248,18 @@ def spec_to_create(
     min_nodes: int, max_nodes: int, run_id: str, configured: Mapping[str, int]
 ) -> state.RendezvousSpec:
     """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
-    ``--rdzv-id``, the ``configured`` timeouts, and the defaults for the others."""
+    ``--rdzv-id``, the ``configured`` fields, and the defaults for the others."""
     timeouts: dict[str, Any] = {
         timeout.attribute: configured.get(timeout.field, timeout.default)
         for timeout in state.SPEC_TIMEOUTS
     }
-    return state.RendezvousSpec(min_nodes, max_nodes, run_id, **timeouts)
+    return state.RendezvousSpec(
+        min_nodes,
+        max_nodes,
+        run_id,
+        max_restarts=configured.get(MAX_RESTARTS_FIELD),
+        **timeouts,
+    )
 
 
 def disagreements(
@@ -258,6 +281,12 @@ def disagreements(
         and timeout.field in configured
         and getattr(spec, timeout.attribute) != configured[timeout.field]
     )
+    wanted_budget = configured.get(MAX_RESTARTS_FIELD)
+    if wanted_budget is not None and spec.max_restarts != wanted_budget:
+        found.append(
+            f"sets maxRestarts={spec.max_restarts} but --rdzv-conf gave "
+            f"{JOB_MAX_RESTARTS}={wanted_budget}"
+        )
     return found
 
 

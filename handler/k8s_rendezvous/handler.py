@@ -208,8 +208,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         min_nodes: torchrun's ``--nnodes`` minimum, checked against the spec.
         max_nodes: torchrun's ``--nnodes`` maximum, checked against the spec.
         read_timeout: Seconds to retry the API server and to wait on the round's store.
-        configured_timeouts: Spec timeouts given in ``--rdzv-conf``, by their field in the
-            spec (:attr:`k8s_rendezvous.config.Settings.configured_timeouts`).
+        configured_spec: Spec fields given in ``--rdzv-conf``, by their field in the
+            spec (:attr:`k8s_rendezvous.config.Settings.configured_spec`).
         heartbeat_timeout: Seconds one renewal of the node's Lease may take (c10d's).
         in_place: Re-form the node's round in place, keeping the workers, when they are
             on the in-place path (:mod:`k8s_rendezvous.reforming`).
@@ -227,7 +227,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         min_nodes: int,
         max_nodes: int,
         read_timeout: float = config.DEFAULT_READ_TIMEOUT_SECONDS,
-        configured_timeouts: Mapping[str, int] | None = None,
+        configured_spec: Mapping[str, int] | None = None,
         heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         in_place: bool = False,
         warm_start: bool = False,
@@ -241,7 +241,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._addr = addr
         self._nnodes = (min_nodes, max_nodes)
         self._read_timeout = read_timeout
-        self._configured_timeouts = dict(configured_timeouts or {})
+        self._configured_spec = dict(configured_spec or {})
         self._instance = uuid.uuid4().hex[:16]
         self._attempt = 0
         self._joined: join.Joined | None = None
@@ -300,7 +300,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 min_nodes=params.min_nodes,
                 max_nodes=params.max_nodes,
                 read_timeout=settings.read_timeout,
-                configured_timeouts=settings.configured_timeouts,
+                configured_spec=settings.configured_spec,
                 heartbeat_timeout=settings.heartbeat_timeout,
                 in_place=settings.in_place,
                 warm_start=settings.warm_start,
@@ -493,7 +493,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             # Decide, then apply.
             decision = join.decide(status, request)
             if isinstance(decision, join.Closed):
-                if deadline.spare:
+                if deadline.spare and not decision.in_failure:
                     raise self._spare_released(decision)
                 raise self._closed_error(decision)
             if isinstance(decision, join.Refused):
@@ -692,8 +692,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         path, 0 while the change is re-formed in place."""
         status = self._watcher.status
         waiting = 0 if status is None else self._waiting(status)
-        if self._reformer is None:
-            return waiting
+        if self._reformer is None or (
+            waiting and status and status.state is state.RoundState.CLOSED
+        ):
+            return waiting  # a closure in failure ends in-place re-forming too
         if self._reformer.handles_changes():
             return 0
         # Given up (a worker may have, in a round that did not change): the agent must
@@ -817,7 +819,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._owner_uid(obj),
             entry,
             # c10d's close timeout bounds set_closed() and shutdown() alike.
-            budget_seconds=self._configured_timeouts.get(
+            budget_seconds=self._configured_spec.get(
                 "closeTimeoutSeconds", spec.close_timeout_seconds
             ),
         )
@@ -834,7 +836,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         """Make the missing Rendezvous from torchrun's parameters, to be owned by this
         pod's controller, so any workload (JobSet, PyTorchJob, StatefulSet) works by changing
         only the rendezvous backend. ``False`` if this service account may not."""
-        spec = config.spec_to_create(*self._nnodes, self._run_id, self._configured_timeouts)
+        spec = config.spec_to_create(*self._nnodes, self._run_id, self._configured_spec)
         if not self._client.create(spec, self._node):
             return False
         log.info(
@@ -871,14 +873,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
         if not self._spec_checked:
             self._spec_checked = True
-            for disagreement in config.disagreements(spec, self._nnodes, self._configured_timeouts):
+            for disagreement in config.disagreements(spec, self._nnodes, self._configured_spec):
                 log.warning("%s %s; the resource wins", self._client.reference, disagreement)
         return spec
 
     def _join_timeout(self, spec: state.RendezvousSpec) -> int:
         """This node's join deadline in seconds: its own ``--rdzv-conf join_timeout`` if
         given (a local deadline, as in torch's c10d), else the spec's."""
-        return self._configured_timeouts.get("joinTimeoutSeconds", spec.join_timeout_seconds)
+        return self._configured_spec.get("joinTimeoutSeconds", spec.join_timeout_seconds)
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         status = self._watcher.status or state.NodeView(self._node)

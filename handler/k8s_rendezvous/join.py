@@ -55,6 +55,11 @@ class Closed:
     reason: str | None
     message: str | None
 
+    @property
+    def in_failure(self) -> bool:
+        """The job failed (its restart budget spent): a spare ends in failure too."""
+        return self.reason == state.CLOSED_RESTARTS_EXHAUSTED
+
 
 @dataclasses.dataclass(frozen=True)
 class Refused:
@@ -142,10 +147,14 @@ def nodes_waiting(view: state.NodeView, joined: Joined | None, uid: str | None) 
 
     torch's agent restarts its workers and re-rendezvouses when this is positive: so it is
     at least 1 whenever the node's round is over (a later round, a stale one, a Rendezvous
-    made anew), and 0 when there is nothing to re-rendezvous into (never joined, closed,
-    deleted: the members train on)."""
-    if joined is None or view.state is state.RoundState.CLOSED or uid is None:
+    made anew), and 0 when there is nothing to re-rendezvous into (never joined, deleted,
+    closed: the members train on). A rendezvous closed because a failure found the job's
+    restart budget spent says how many to the members, so that each restarts into the
+    closure (``RendezvousClosedError``) rather than wait on a peer that failed."""
+    if joined is None or uid is None:
         return 0
+    if view.state is state.RoundState.CLOSED:
+        return view.nodes_waiting
     if uid == joined.uid and view.round == joined.round and view.state is state.RoundState.SEALED:
         return view.nodes_waiting
     return max(1, view.nodes_waiting)

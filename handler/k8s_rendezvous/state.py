@@ -78,6 +78,12 @@ DEFAULT_LAST_CALL_TIMEOUT_SECONDS: Final = 30
 DEFAULT_CLOSE_TIMEOUT_SECONDS: Final = 30
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS: Final = 30
 MIN_HEARTBEAT_TIMEOUT_SECONDS: Final = 3
+MAX_RESTARTS: Final = 2**31 - 1
+"""The CRD's bound on ``spec.maxRestarts``."""
+CLOSED_RESTARTS_EXHAUSTED: Final = "RestartsExhausted"
+"""``status.closedReason`` when a failure found the job's restart budget spent: the job has
+failed, so every node ends with ``RendezvousClosedError``, a spare too (not the graceful
+exit of a spare that was not needed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,6 +519,10 @@ class RendezvousSpec:
     that neighbours in the ring are neighbours in the network."""
     pod_selector: LabelSelector | None = None
     """Which pods may join, for a Rendezvous that no workload controls (made by hand)."""
+    max_restarts: int | None = None
+    """The job's restart budget: re-forms caused by a failure that may follow the first
+    round, whichever node failed (``None``: no budget, as with torch's c10d, where only
+    each agent's own ``--max-restarts`` bounds its restarts)."""
 
     @property
     def heartbeat_interval_seconds(self) -> float:
@@ -526,9 +536,11 @@ class RendezvousSpec:
             else {"rankOrder": {"nodeLabel": self.rank_order_node_label}}
         )
         selector = {} if self.pod_selector is None else {"podSelector": self.pod_selector.to_dict()}
+        budget = {} if self.max_restarts is None else {"maxRestarts": self.max_restarts}
         return (
             order
             | selector
+            | budget
             | {
                 "minNodes": self.min_nodes,
                 "maxNodes": self.max_nodes,
@@ -563,6 +575,11 @@ class RendezvousSpec:
                 None
                 if data.get("podSelector") is None
                 else LabelSelector.from_dict(data["podSelector"], f"{field}.podSelector")
+            ),
+            max_restarts=(
+                None
+                if data.get("maxRestarts") is None
+                else _int(data, "maxRestarts", field, maximum=MAX_RESTARTS)
             ),
         )
         if spec.min_nodes > spec.max_nodes:
@@ -1049,6 +1066,8 @@ class RendezvousStatus:
     forming_cause_message: str | None = None
     history: tuple[RoundRecord, ...] = ()
     """The last :data:`MAX_HISTORY` sealed rounds, oldest first."""
+    restarts: int = 0
+    """Re-forms caused by a failure so far, each spending one of ``spec.maxRestarts``."""
 
     @property
     def world_size(self) -> int:
@@ -1099,6 +1118,7 @@ class RendezvousStatus:
             "formingCause": self.forming_cause,
             "formingCauseMessage": self.forming_cause_message,
             "history": [record.to_dict() for record in self.history],
+            "restarts": self.restarts,
         }
 
     def slice_fields(self, indexes: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
@@ -1197,6 +1217,7 @@ class RendezvousStatus:
                 RoundRecord.from_dict(item, f"{field}.history[{index}]")
                 for index, item in enumerate(_list(data, "history", field))
             ),
+            restarts=_int(data, "restarts", field, default=0, maximum=MAX_RESTARTS),
         )
 
 

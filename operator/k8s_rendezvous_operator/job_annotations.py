@@ -21,6 +21,7 @@ TIMEOUTS: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TIMEOUTS}
 """The annotation of each spec timeout."""
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
+MAX_RESTARTS: Final = f"{PREFIX}max-restarts"
 
 ACCEPTED: Final = {
     NODES: 'a node count "N" or a range "MIN:MAX" (torchrun --nnodes), 1 <= MIN <= MAX <= 100000',
@@ -32,6 +33,8 @@ ACCEPTED: Final = {
     RUN_ID: "torchrun's --rdzv-id, 1 to 253 printable ASCII characters without spaces "
     "(default: the Job's name)",
     RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
+    MAX_RESTARTS: 'the job\'s restart budget, a whole number of re-forms after failures, e.g. "10" '
+    "(default: none; torchrun's --max-restarts still bounds each agent's own)",
 }
 """Every annotation we read, with its accepted forms: the one table the docs show."""
 
@@ -45,6 +48,7 @@ _LABEL_KEY = re.compile(
 _LABEL_KEY_MAX = 253 + 1 + 63
 _RUN_ID = re.compile(r"^[!-~]{1,253}\Z")
 """Printable ASCII without spaces: it becomes PET_RDZV_ID and torch's store key prefix."""
+_COUNT = re.compile(r"^[0-9]{1,10}\Z")
 MAX_NODES: Final = 100_000
 """The CRD's bound on minNodes and maxNodes."""
 
@@ -115,6 +119,11 @@ def parse(
         t.attribute: seconds(key, t.default, t.minimum) for key, t in TIMEOUTS.items()
     }
     run_id = text(RUN_ID, lambda v: bool(_RUN_ID.match(v)), "not a run id")
+    raw_budget = text(
+        MAX_RESTARTS,
+        lambda v: bool(_COUNT.match(v)) and int(v) <= state.MAX_RESTARTS,
+        f"not a whole number from 0 to {state.MAX_RESTARTS}",
+    )
     rank_order = text(
         RANK_ORDER,
         lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
@@ -131,5 +140,6 @@ def parse(
         max_nodes=bounds[1],
         run_id=run_id or job_name,
         rank_order_node_label=rank_order,
+        max_restarts=None if raw_budget is None else int(raw_budget),
         **timeouts,
     )

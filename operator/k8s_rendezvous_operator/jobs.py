@@ -285,14 +285,13 @@ class Jobs:
         namespace, name = key
         wanted = {k: v for k, v in spec.to_dict().items() if k != "runId"}
         current = existing.get("spec") or {}
-        if any(current.get(k) != v for k, v in wanted.items()) or (
-            "rankOrder" in current and "rankOrder" not in wanted
-        ):
+        # An optional field whose annotation was removed is removed from the spec too.
+        removed = {
+            k: None for k in ("rankOrder", "maxRestarts") if k in current and k not in wanted
+        }
+        if removed or any(current.get(k) != v for k, v in wanted.items()):
             await asyncio.to_thread(
-                self._api.patch_rendezvous_spec,
-                namespace,
-                name,
-                wanted | ({} if "rankOrder" in wanted else {"rankOrder": None}),
+                self._api.patch_rendezvous_spec, namespace, name, wanted | removed
             )
         if current.get("runId") != spec.run_id:
             self._post(

@@ -27,6 +27,10 @@ WAITERS_EXPIRED: Final = Counter(
     "Join requests not counted because their agents stopped renewing their Leases.",
 )
 CLOSED: Final = Counter("k8s_rendezvous_closed_total", "Rendezvous closed.", ["reason"])
+RESTARTS: Final = Counter(
+    "k8s_rendezvous_restarts_total",
+    "Re-forms caused by a failure: each spends one of its rendezvous' spec.maxRestarts.",
+)
 NODES_WAITING: Final = Gauge(
     "k8s_rendezvous_nodes_waiting", "Sum of status.nodesWaiting over all rendezvous."
 )

@@ -75,6 +75,15 @@ def closed_all_left(round_: int) -> str:
     return f"every node of round {round_} left and none is waiting"
 
 
+def closed_restarts_exhausted(max_restarts: int, round_: int, cause: str) -> str:
+    return (
+        f"round {round_} failed ({cause}) with the job's restart budget spent: "
+        f"{max_restarts} restart(s) after failures already taken (spec.maxRestarts). "
+        "Every agent ends with RendezvousClosedError; to let the job go on, raise "
+        "spec.maxRestarts (an annotated Job: k8s-rendezvous.dev/max-restarts) and start it anew"
+    )
+
+
 # Events on a Rendezvous (and the Job that controls it): its rounds.
 
 

@@ -654,7 +654,11 @@ class Reconciler:
                 metrics.SEAL_LATENCY.observe(decision.forming_seconds)
         if decision.closed:
             metrics.CLOSED.labels(status.closed_reason or "").inc()
-        memory.waiting = status.nodes_waiting
+        previous = decision.previous or status
+        if status.restarts > previous.restarts:
+            metrics.RESTARTS.inc(status.restarts - previous.restarts)
+        # A closed rendezvous' nodesWaiting tells its members to end, not that nodes wait.
+        memory.waiting = 0 if status.state is state.RoundState.CLOSED else status.nodes_waiting
         metrics.NODES_WAITING.set(sum(m.waiting for m in self._rendezvous.values()))
 
     async def _with_topology(
@@ -718,7 +722,7 @@ class Reconciler:
         if decision.closed:
             self._post(
                 targets,
-                warning=False,
+                warning=status.closed_reason in rounds.CLOSED_IN_FAILURE,
                 reason=reasons.CLOSED,
                 message=reasons.closed(status.closed_reason, status.closed_message),
             )

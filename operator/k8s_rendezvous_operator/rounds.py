@@ -20,6 +20,10 @@ sets the conditions. Each numbered rule is the function named with it:
    operator's probes for the probe window or to its Lease for ``heartbeatTimeoutSeconds``)
    or re-joins, or a node waits that fits under ``maxNodes``. Running agents see
    ``nodesWaiting > 0`` and re-rendezvous at once. The status says why (``formingCause``).
+   A change caused by a failure (:func:`spends_restart`) spends one of ``maxRestarts``,
+   the job's restart budget; with none left the rendezvous closes instead
+   (``RestartsExhausted``), and ``nodesWaiting`` stays positive so that every running agent
+   re-rendezvouses into the closure rather than wait on a peer that failed.
 6. :func:`seals_when_complete`: a round forming seals when at least ``minNodes`` join and
    either ``maxNodes`` joined, every node we know of has joined (after a stale round: all
    survivors are back; for a first round: the workload's expected nodes), or the last call
@@ -63,6 +67,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
+from k8s_rendezvous import state
 from k8s_rendezvous.state import (
     MAX_HISTORY,
     MAX_REFUSAL_MESSAGE,
@@ -106,6 +111,25 @@ CLOSED_ALL_LEFT: Final = "AllNodesLeft"
 CLOSED_NODE_FINISHED: Final = "NodeFinished"
 CLOSED_JOB_COMPLETE: Final = "JobComplete"
 CLOSED_JOB_FAILED: Final = "JobFailed"
+CLOSED_RESTARTS_EXHAUSTED: Final = state.CLOSED_RESTARTS_EXHAUSTED
+CLOSED_IN_FAILURE: Final = frozenset({CLOSED_JOB_FAILED, CLOSED_RESTARTS_EXHAUSTED})
+"""Closures that end the job in failure: their Events are Warnings."""
+
+FAILURES: Final = frozenset(
+    {
+        LOST_POD_FAILED,
+        LOST_CONTAINER_RESTARTED,
+        LOST_AGENT_RESTARTED,
+        LOST_LEFT,
+        LOST_HEARTBEAT_EXPIRED,
+        LOST_UNREACHABLE,
+        reasons.CAUSE_MEMBER_REJOINED,
+    }
+)
+"""Causes of a re-form that spend the restart budget: something failed. A pod deleted or
+evicted (a drain, a preemption, a scale-down), nodes joining and a spec change are planned,
+and spend nothing; so is an entry removed by hand. A member rejoining a sealed round is its
+agent restarting failed workers, as torch's agent counts it against ``--max-restarts``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,15 +462,34 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
         cause = reasons.CAUSE_NODES_JOINED, reasons.cause_nodes_joined(len(newcomers))
     else:
         cause = reasons.CAUSE_SPEC_CHANGED, reasons.cause_spec_changed(status.world_size, spec)
+    waiting = max(1, len(ctx.joiners) + len(ctx.losses))
+    restarts = status.restarts
+    if spends_restart(ctx, cause[0]):
+        if spec.max_restarts is not None and restarts >= spec.max_restarts:
+            message = reasons.closed_restarts_exhausted(spec.max_restarts, status.round, cause[1])
+            closed = _closed(status, CLOSED_RESTARTS_EXHAUSTED, message)
+            return dataclasses.replace(
+                closed,
+                status=dataclasses.replace(closed.status, nodes_waiting=waiting),
+                losses=ctx.losses,
+            )
+        restarts += 1
     return dataclasses.replace(
         status,
         state=RoundState.REFORMING,
         forming_since=ctx.now,
-        nodes_waiting=max(1, len(ctx.joiners) + len(ctx.losses)),
+        nodes_waiting=waiting,
         spares=0,
         forming_cause=cause[0],
         forming_cause_message=cause[1],
+        restarts=restarts,
     )
+
+
+def spends_restart(ctx: Context, cause: str) -> bool:
+    """Whether a sealed round going stale for ``cause`` spends the restart budget: any of
+    its losses (not only the first, which names the cause) or the cause is a failure."""
+    return cause in FAILURES or any(loss.reason in FAILURES for loss in ctx.losses)
 
 
 def _last_call(ctx: Context, status: RendezvousStatus) -> datetime.datetime | None:

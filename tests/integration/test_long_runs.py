@@ -9,9 +9,12 @@ moves only the last rank into the hole), gets the whole join timeout afresh once
 no longer a spare, and ends with ``RendezvousGracefulExitError`` when the rendezvous
 closes; a waiter killed by PID (its pod stays Running) stops counting once its Lease is
 a heartbeat timeout old, is named once in a ``WaiterExpired`` Warning and is never
-sealed into a round; ``next_rendezvous()`` after ``set_closed()`` or ``shutdown()``
-raises ``RendezvousClosedError`` at once and writes nothing; ``is_closed()`` before the
-Rendezvous exists is ``False``.
+sealed into a round; the job's restart budget (``maxRestarts``) is spent by any
+node's failure, and a failure with none left closes the rendezvous, sending the agent
+still training into the closure too (``RendezvousClosedError`` for both, a Warning Event
+naming the budget, ``kubectl get rdzv`` showing the restarts); ``next_rendezvous()``
+after ``set_closed()`` or ``shutdown()`` raises ``RendezvousClosedError`` at once and
+writes nothing; ``is_closed()`` before the Rendezvous exists is ``False``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tests.support.fixtures import (
     delete_pod,
     join_all,
     operator_metrics,
+    wait_told_to_rejoin,
 )
 from tests.support.node_process import NodeProcess
 from torch.distributed.elastic.rendezvous import (
@@ -60,7 +64,7 @@ def full_round_and_a_spare(
     rdzv = make_rendezvous(size, size)
     members = make_nodes(rdzv, size)
     join_all(members)
-    (spare,) = make_nodes(rdzv, 1, configured_timeouts=SPARE_TIMEOUTS)
+    (spare,) = make_nodes(rdzv, 1, configured_spec=SPARE_TIMEOUTS)
     waiting = spare.join_in_background()
     rdzv.wait_requests(lambda r: spare.pod in r, "the spare asked to join")
     rdzv.wait(lambda s: s.spares == 1, "the spare shown in the status")
@@ -293,3 +297,35 @@ def test_a_node_whose_round_never_reached_the_exit_barrier_leaves(
     assert rdzv.requests()[failed.pod].intent is state.NodeIntent.LEAVE
     wait_for(lambda: survivor.handler.num_nodes_waiting() > 0, 10, "the survivor re-forms")
     assert rdzv.status().state is not state.RoundState.CLOSED
+
+
+def test_the_jobs_restart_budget_is_spent_by_any_nodes_failure_and_ends_every_agent(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    control_plane: ControlPlane,
+) -> None:
+    rdzv = make_rendezvous(2, 2, maxRestarts=1)
+    first, second = make_nodes(rdzv, 2)
+    join_all([first, second])
+    # second's workers fail: its agent re-rendezvouses, as torch's does for its own
+    # --max-restarts; the job's budget counts it too.
+    rejoining = second.join_in_background()
+    wait_told_to_rejoin([first], "the survivor told to re-rendezvous")
+    join_all([first])
+    rejoining.wait(30)
+    assert rdzv.status().restarts == 1
+
+    # Then first's: another agent, the same job's budget, now spent.
+    failing = first.join_in_background()
+    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed, budget spent")
+    assert (closed.closed_reason, closed.restarts) == ("RestartsExhausted", 1)
+    with pytest.raises(RendezvousClosedError):
+        failing.wait(30)
+    wait_told_to_rejoin([second], "the agent still training sent into the closure")
+    with pytest.raises(RendezvousClosedError):
+        second.handler.next_rendezvous()
+    (warning,) = [m for kind, reason, m in rdzv.events() if (kind, reason) == ("Warning", "Closed")]
+    assert "spec.maxRestarts" in warning and "RestartsExhausted" in warning
+    table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace).stdout
+    header, row = table.splitlines()
+    assert dict(zip(header.split(), row.split(), strict=False))["RESTARTS"] == "1", table

@@ -52,12 +52,17 @@ def test_annotated_job_gets_an_owned_rendezvous_and_its_pods_form_a_round(
         workers_namespace,
         "train",
         2,
-        {"k8s-rendezvous.dev/nodes": "2:3", "k8s-rendezvous.dev/last-call-timeout": "60"},
+        {
+            "k8s-rendezvous.dev/nodes": "2:3",
+            "k8s-rendezvous.dev/last-call-timeout": "60",
+            "k8s-rendezvous.dev/max-restarts": "5",
+        },
     )
     rdzv = recorded("train")
     body = wait_for(lambda: _get(rdzv), 30, "Rendezvous created for the Job")
     assert body["spec"]["minNodes"] == 2 and body["spec"]["maxNodes"] == 3
     assert body["spec"]["lastCallTimeoutSeconds"] == 60
+    assert body["spec"]["maxRestarts"] == 5
     assert body["spec"]["runId"] == "train"
     (owner,) = body["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["uid"], owner["controller"]) == (

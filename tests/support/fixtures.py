@@ -386,7 +386,7 @@ def attach_nodes(
         max_nodes: int = 1,
         read_timeout: int = 20,
         service_account: str = "default",
-        configured_timeouts: dict[str, int] | None = None,
+        configured_spec: dict[str, int] | None = None,
     ) -> list[Node]:
         nodes = []
         for pod in pods:
@@ -407,7 +407,7 @@ def attach_nodes(
                 min_nodes=min_nodes,
                 max_nodes=max_nodes,
                 read_timeout=read_timeout,
-                configured_timeouts=configured_timeouts,
+                configured_spec=configured_spec,
             )
             node = Node(name, addr, handler, api, rendezvous)
             created.append(node)

@@ -30,7 +30,7 @@ SPEC = state.RendezvousSpec(
 )
 
 
-def test_a_created_rendezvous_takes_the_configured_timeouts_and_defaults_for_the_rest() -> None:
+def test_a_created_rendezvous_takes_the_configured_spec_and_defaults_for_the_rest() -> None:
     spec = config.spec_to_create(
         1, 3, "run-7", {"joinTimeoutSeconds": 60, "heartbeatTimeoutSeconds": 9}
     )
@@ -98,7 +98,7 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
         addr="127.0.0.1",
         min_nodes=1,
         max_nodes=1,
-        configured_timeouts={timeout.field: 45 for timeout in state.SPEC_TIMEOUTS},
+        configured_spec={timeout.field: 45 for timeout in state.SPEC_TIMEOUTS},
     )
     try:
         with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):

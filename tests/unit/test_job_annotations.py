@@ -42,9 +42,18 @@ def test_every_optional_key() -> None:
         heartbeat_timeout="9",
         run_id="exp-7",
         rank_order="topology.kubernetes.io/zone",
+        max_restarts="0",
     )
     assert spec == state.RendezvousSpec(
-        2, 4, "exp-7", 120, 0, 5, 9, rank_order_node_label="topology.kubernetes.io/zone"
+        2,
+        4,
+        "exp-7",
+        120,
+        0,
+        5,
+        9,
+        rank_order_node_label="topology.kubernetes.io/zone",
+        max_restarts=0,
     )
 
 
@@ -72,6 +81,9 @@ def test_every_optional_key() -> None:
         ({"nodes": "2", "run_id": "exp\n7"}, "run-id", "printable ASCII characters"),
         ({"nodes": "2", "run_id": "exp\x007"}, "run-id", "printable ASCII characters"),
         ({"nodes": "2", "run_id": "exp 7"}, "run-id", "without spaces"),
+        ({"nodes": "2", "max_restarts": "-1"}, "max-restarts", "not a whole number from 0"),
+        ({"nodes": "2", "max_restarts": "2147483648"}, "max-restarts", "to 2147483647"),
+        ({"nodes": "2", "max_restarts": "\u0663"}, "max-restarts", "not a whole number"),
     ],
 )
 def test_bad_annotation_names_key_value_and_accepted_forms(

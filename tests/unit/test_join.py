@@ -186,11 +186,25 @@ JOINED = join.Joined(round=2, rank=1, uid="uid-1")
             id="a deleted rendezvous leaves the members training",
         ),
         pytest.param(
-            view(round=2, members=(OTHER,), master=MASTER, state=CLOSED, nodes_waiting=1),
+            view(round=2, members=(OTHER,), master=MASTER, state=CLOSED),
             JOINED,
             "uid-1",
             0,
-            id="a closed rendezvous has nothing to re-rendezvous into",
+            id="a rendezvous closed as its work ends leaves the members finishing it",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=CLOSED, nodes_waiting=2),
+            JOINED,
+            "uid-1",
+            2,
+            id="a rendezvous closed in failure sends every member into the closure",
+        ),
+        pytest.param(
+            view(round=2, members=(OTHER,), master=MASTER, state=CLOSED, nodes_waiting=2),
+            None,
+            "uid-1",
+            0,
+            id="a node that never joined is not sent anywhere by a closure",
         ),
     ],
 )

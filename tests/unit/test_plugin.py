@@ -11,6 +11,7 @@ the operator.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -205,6 +206,22 @@ def test_c10d_rdzv_conf_keys_are_accepted_and_each_named_once_as_unused(
     assert any("is_host is not used" in m and "rank 0 serves" in m for m in unused)
 
 
+def test_the_jobs_restart_budget_is_its_own_key_not_torchruns_max_restarts(
+    pod_env: None,
+) -> None:
+    settings = config.Settings.from_parameters(params(job_max_restarts="7"), "team-a")
+    assert settings.configured_spec == {"maxRestarts": 7}
+    created = config.spec_to_create(2, 4, "run-1", settings.configured_spec)
+    assert created.max_restarts == 7
+    assert config.disagreements(
+        dataclasses.replace(created, max_restarts=None), (2, 4), settings.configured_spec
+    ) == ["sets maxRestarts=None but --rdzv-conf gave job_max_restarts=7"]
+    with pytest.raises(ValueError, match="job_max_restarts=-1 is not a restart budget"):
+        config.Settings.from_parameters(params(job_max_restarts="-1"), "team-a")
+    with pytest.raises(ValueError, match=r"unknown --rdzv-conf key\(s\) max_restarts"):
+        config.Settings.from_parameters(params(max_restarts="7"), "team-a")
+
+
 def test_c10d_keep_alive_keys_make_the_liveness_window_and_heartbeat_timeout_one_renewal(
     pod_env: None,
 ) -> None:
@@ -214,7 +231,7 @@ def test_c10d_keep_alive_keys_make_the_liveness_window_and_heartbeat_timeout_one
         params(keep_alive_interval="5", keep_alive_max_attempt="3", heartbeat_timeout="2"),
         "team-a",
     )
-    assert settings.configured_timeouts == {"heartbeatTimeoutSeconds": 15}
+    assert settings.configured_spec == {"heartbeatTimeoutSeconds": 15}
     assert settings.heartbeat_timeout == 2
     with pytest.raises(ValueError, match="keep_alive_interval x keep_alive_max_attempt=2 is below"):
         config.Settings.from_parameters(

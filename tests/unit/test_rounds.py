@@ -98,7 +98,11 @@ class World:
 
 
 def spec(
-    min_nodes: int, max_nodes: int, last_call: int = 30, heartbeat: int = 30
+    min_nodes: int,
+    max_nodes: int,
+    last_call: int = 30,
+    heartbeat: int = 30,
+    max_restarts: int | None = None,
 ) -> RendezvousSpec:
     return RendezvousSpec(
         min_nodes,
@@ -106,6 +110,7 @@ def spec(
         "run",
         last_call_timeout_seconds=last_call,
         heartbeat_timeout_seconds=heartbeat,
+        max_restarts=max_restarts,
     )
 
 
@@ -381,6 +386,85 @@ def test_rejoining_member_is_waiting_not_lost() -> None:
     assert world.status.state is RoundState.REFORMING
     world.join("a")
     assert world.decide().sealed
+
+
+def reseal(world: World, *nodes: str) -> None:
+    """``nodes`` join and the round seals: every survivor is back (a first round: the
+    workload expects just them)."""
+    for node in nodes:
+        world.join(node)
+    assert world.decide(expected_nodes=len(nodes)).sealed
+
+
+def test_failures_spend_the_restart_budget_and_planned_changes_do_not() -> None:
+    world = World(spec(2, 3, max_restarts=2))
+    reseal(world, "a", "b")
+    world.join("b")  # its agent restarts failed workers
+    world.decide()
+    assert (world.status.forming_cause, world.status.restarts) == (
+        reasons.CAUSE_MEMBER_REJOINED,
+        1,
+    )
+    reseal(world, "a")
+    world.join("c")  # a scale-up
+    world.decide()
+    reseal(world, "a", "b")
+    world.kill("c")  # deleted: a drain, a preemption, a scale-down
+    world.decide()
+    reseal(world, "a", "b")
+    assert world.status.restarts == 1, "planned changes spend nothing"
+    assert [record.world_size for record in world.status.history] == [2, 2, 3, 2]
+    world.kill("b", rounds.LOST_CONTAINER_RESTARTED)
+    world.decide()
+    assert world.status.restarts == 2
+    assert world.status.state is RoundState.REFORMING, "the last restart is still granted"
+
+
+def test_a_failure_with_the_budget_spent_closes_and_sends_every_member_into_the_closure() -> None:
+    world = World(spec(2, 3, max_restarts=1))
+    reseal(world, "a", "b", "c")
+    world.kill("c", rounds.LOST_POD_FAILED)
+    world.decide()
+    reseal(world, "a", "b")
+    world.kill("b", rounds.LOST_UNREACHABLE)
+    decision = world.decide()
+    assert decision.closed
+    assert [(loss.node, loss.reason) for loss in decision.losses] == [
+        ("b", rounds.LOST_UNREACHABLE)
+    ]
+    status = world.status
+    assert (status.state, status.closed_reason) == (
+        RoundState.CLOSED,
+        rounds.CLOSED_RESTARTS_EXHAUSTED,
+    )
+    assert status.closed_message is not None and "spec.maxRestarts" in status.closed_message
+    assert status.nodes_waiting >= 1, "running agents re-rendezvous into the closure"
+    assert status.restarts == 1, "the refused restart is not counted"
+    closed = next(c for c in status.conditions if c.type == rounds.CONDITION_CLOSED)
+    assert (closed.status, closed.reason) == ("True", rounds.CLOSED_RESTARTS_EXHAUSTED)
+    world.join("a")
+    world.join("d")
+    assert world.decide().status.state is RoundState.CLOSED
+
+
+def test_any_failed_member_spends_the_budget_even_when_another_loss_names_the_cause() -> None:
+    world = World(spec(1, 3, max_restarts=0))
+    reseal(world, "a", "b", "c")
+    world.kill("a")  # deleted, rank 0: it names the cause
+    world.kill("c", rounds.LOST_POD_FAILED)
+    decision = world.decide()
+    assert decision.closed
+    assert world.status.closed_reason == rounds.CLOSED_RESTARTS_EXHAUSTED
+
+
+def test_without_a_budget_failures_are_counted_and_never_close() -> None:
+    world = World(spec(2, 2))
+    reseal(world, "a", "b")
+    for expected in (1, 2, 3):
+        world.join("b")
+        world.decide()
+        assert world.status.restarts == expected
+        reseal(world, "a")
 
 
 def test_set_closed_closes_for_everyone() -> None:
@@ -684,11 +768,17 @@ operations = st.lists(
 @hypothesis.given(
     bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)).map(lambda b: (b[0], b[0] + b[1])),
     history=operations,
+    budget=st.none() | st.integers(0, 3),
 )
-def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list) -> None:  # type: ignore[type-arg]
-    world = World(spec(*bounds, last_call=10))
+def test_invariants_hold_over_any_history(
+    bounds: tuple[int, int],
+    history: list,  # type: ignore[type-arg]
+    budget: int | None,
+) -> None:
+    world = World(spec(*bounds, last_call=10, max_restarts=budget))
     sealed_rounds: dict[int, tuple[object, ...]] = {}
     last_round = 0
+    restarts = 0
     for op, node, seconds in history:
         if op == "join":
             world.join(node)
@@ -706,6 +796,9 @@ def test_invariants_hold_over_any_history(bounds: tuple[int, int], history: list
         assert world.decide().status == status, "decisions are a fixed point"
         assert status.round >= last_round, "rounds only increase"
         last_round = status.round
+        assert restarts <= status.restarts <= status.round, "restarts only increase"
+        restarts = status.restarts
+        assert budget is None or restarts <= budget, "the restart budget is never overspent"
         if status.round:
             members = tuple(status.members)
             assert sealed_rounds.setdefault(status.round, members) == members, (
