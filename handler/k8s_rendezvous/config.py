@@ -35,39 +35,31 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
 """With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
 renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
-JOB_MAX_RESTARTS: Final = "job_max_restarts"
-"""Not torchrun's ``--max-restarts`` (each agent's own budget), hence the prefix."""
-MAX_RESTARTS_FIELD: Final = "maxRestarts"
 
 
-def _timeout_meaning(timeout: state.SpecTimeout) -> str:
+def _tunable_meaning(tunable: state.SpecTunable) -> str:
     where = (
         "this node's own (the spec's if not given)"
-        if timeout.node_local
+        if tunable.node_local
         else "used if this node creates the Rendezvous, else its spec wins"
     )
-    return f"seconds, at least {timeout.minimum}: {timeout.meaning}; {where}"
+    return f"{tunable.unit}, at least {tunable.minimum}: {tunable.meaning}; {where}"
 
 
-_HEARTBEAT = next(t for t in state.SPEC_TIMEOUTS if t.conf_key is None)
+_HEARTBEAT = next(t for t in state.SPEC_TUNABLES if t.conf_key is None)
 CONFIG_KEYS: Final = {
     "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
     **{
-        timeout.conf_key: _timeout_meaning(timeout)
-        for timeout in state.SPEC_TIMEOUTS
-        if timeout.conf_key is not None
+        tunable.conf_key: _tunable_meaning(tunable)
+        for tunable in state.SPEC_TUNABLES
+        if tunable.conf_key is not None
     },
     "keep_alive_interval": "seconds between renewals of the node's Lease (10); times "
-    f"keep_alive_max_attempt (3), the liveness window: {_timeout_meaning(_HEARTBEAT)}",
+    f"keep_alive_max_attempt (3), the liveness window: {_tunable_meaning(_HEARTBEAT)}",
     "keep_alive_max_attempt": "renewals a node may miss before it is dropped (3); see "
     "keep_alive_interval",
     "heartbeat_timeout": "seconds one renewal of the node's Lease may take, retries "
     "included (5), as c10d bounds one keep-alive write",
-    JOB_MAX_RESTARTS: "the job's restart budget (the spec's maxRestarts): how many re-forms "
-    "after a failure of any node may follow the first round before the rendezvous closes "
-    "and every agent ends with RendezvousClosedError; torchrun's --max-restarts still bounds "
-    "each agent's own (default: no budget); used if this node creates the Rendezvous, else "
-    "its spec wins",
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
@@ -105,10 +97,9 @@ class Settings:
     """Seconds to retry the API server and to wait on the round's store: torch's own
     c10d backend waits as long on its store (``read_timeout``, 60 s)."""
     configured_spec: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """The spec fields given (the timeouts of :data:`state.SPEC_TIMEOUTS` and
-    ``maxRestarts``), by their field in the spec: the spec of a Rendezvous this node
-    creates, compared with (and, but for a node's own deadlines, overruled by) the spec of
-    one that exists."""
+    """The spec's tunables given (:data:`state.SPEC_TUNABLES`), by their field in the spec:
+    the spec of a Rendezvous this node creates, compared with (and, but for a node's own
+    deadlines, overruled by) the spec of one that exists."""
     in_place: bool = False
     """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
     workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
@@ -184,17 +175,9 @@ def _configured_spec(params: RendezvousParameters) -> dict[str, int]:
         ValueError: One out of its bounds, naming it and the fix.
     """
     configured: dict[str, int] = {}
-    max_restarts = params.get_as_int(JOB_MAX_RESTARTS)
-    if max_restarts is not None:
-        if not 0 <= max_restarts <= state.MAX_RESTARTS:
-            raise ValueError(
-                f"--rdzv-conf {JOB_MAX_RESTARTS}={max_restarts} is not a restart budget: give "
-                f"a whole number from 0 to {state.MAX_RESTARTS}, or leave it out for none."
-            )
-        configured[MAX_RESTARTS_FIELD] = max_restarts
-    for timeout in state.SPEC_TIMEOUTS:
-        if timeout.conf_key is not None:
-            value = params.get_as_int(timeout.conf_key)
+    for tunable in state.SPEC_TUNABLES:
+        if tunable.conf_key is not None:
+            value = params.get_as_int(tunable.conf_key)
         else:
             interval = params.get_as_int("keep_alive_interval")
             attempts = params.get_as_int("keep_alive_max_attempt")
@@ -210,19 +193,29 @@ def _configured_spec(params: RendezvousParameters) -> dict[str, int]:
             )
         if value is None:
             continue
-        if value < timeout.minimum:
+        if problem := _out_of_bounds(tunable, value):
             raise ValueError(
-                f"--rdzv-conf {given_as(timeout)}={value} is below its least value, "
-                f"{timeout.minimum} s ({timeout.meaning}); give {timeout.minimum} or more, "
-                f"or leave it out for {timeout.default}."
+                f"--rdzv-conf {given_as(tunable)}={value} is {problem} ({tunable.meaning}); "
+                f"leave it out for {'none' if tunable.default is None else tunable.default}."
             )
-        configured[timeout.field] = value
+        configured[tunable.field] = value
     return configured
 
 
-def given_as(timeout: state.SpecTimeout) -> str:
-    """How ``--rdzv-conf`` gives ``timeout``."""
-    return timeout.conf_key or _KEEP_ALIVE
+def _out_of_bounds(tunable: state.SpecTunable, value: int) -> str | None:
+    if value < tunable.minimum:
+        return (
+            f"below its least value, {tunable.minimum} {tunable.unit}: give "
+            f"{tunable.minimum} or more"
+        )
+    if tunable.maximum is not None and value > tunable.maximum:
+        return f"above its greatest value, {tunable.maximum} {tunable.unit}"
+    return None
+
+
+def given_as(tunable: state.SpecTunable) -> str:
+    """How ``--rdzv-conf`` gives ``tunable``."""
+    return tunable.conf_key or _KEEP_ALIVE
 
 
 def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, str]:
@@ -249,17 +242,11 @@ def spec_to_create(
 ) -> state.RendezvousSpec:
     """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
     ``--rdzv-id``, the ``configured`` fields, and the defaults for the others."""
-    timeouts: dict[str, Any] = {
-        timeout.attribute: configured.get(timeout.field, timeout.default)
-        for timeout in state.SPEC_TIMEOUTS
+    tunables: dict[str, Any] = {
+        tunable.attribute: configured.get(tunable.field, tunable.default)
+        for tunable in state.SPEC_TUNABLES
     }
-    return state.RendezvousSpec(
-        min_nodes,
-        max_nodes,
-        run_id,
-        max_restarts=configured.get(MAX_RESTARTS_FIELD),
-        **timeouts,
-    )
+    return state.RendezvousSpec(min_nodes, max_nodes, run_id, **tunables)
 
 
 def disagreements(
@@ -273,19 +260,13 @@ def disagreements(
             f"admits {spec.min_nodes}:{spec.max_nodes} nodes but torchrun was given "
             f"--nnodes={nnodes[0]}:{nnodes[1]}"
         )
-    found.extend(
-        f"sets {given_as(timeout)}={getattr(spec, timeout.attribute)} but --rdzv-conf gave "
-        f"{given_as(timeout)}={configured[timeout.field]}"
-        for timeout in state.SPEC_TIMEOUTS
-        if not timeout.node_local
-        and timeout.field in configured
-        and getattr(spec, timeout.attribute) != configured[timeout.field]
-    )
-    wanted_budget = configured.get(MAX_RESTARTS_FIELD)
-    if wanted_budget is not None and spec.max_restarts != wanted_budget:
+    for tunable in state.SPEC_TUNABLES:
+        value = getattr(spec, tunable.attribute)
+        if tunable.node_local or configured.get(tunable.field, value) == value:
+            continue
         found.append(
-            f"sets maxRestarts={spec.max_restarts} but --rdzv-conf gave "
-            f"{JOB_MAX_RESTARTS}={wanted_budget}"
+            f"sets {given_as(tunable)}={'none' if value is None else value} but --rdzv-conf "
+            f"gave {given_as(tunable)}={configured[tunable.field]}"
         )
     return found
 

@@ -87,10 +87,10 @@ exit of a spare that was not needed)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecTimeout:
-    """One timeout of a Rendezvous' spec, described once: the codec, the ``--rdzv-conf``
-    keys, the Job annotations and their checks are derived from :data:`SPEC_TIMEOUTS`,
-    and a test holds the CRD to it."""
+class SpecTunable:
+    """One number of a Rendezvous' spec that users tune, described once: the codec, the
+    ``--rdzv-conf`` keys, the Job annotations and their checks are derived from
+    :data:`SPEC_TUNABLES`, and a test holds the CRD to it."""
 
     attribute: str
     """The :class:`RendezvousSpec` attribute."""
@@ -101,17 +101,24 @@ class SpecTimeout:
     conf_key: str | None
     """torchrun's ``--rdzv-conf`` key that means the same as in torch's c10d, if one does
     (the liveness window is c10d's ``keep_alive_interval`` x ``keep_alive_max_attempt``)."""
-    default: int
+    default: int | None
+    """``None``: unset by default, and then nothing is bounded."""
     minimum: int
     meaning: str
     """What it bounds, and why the default is what it is."""
+    unit: str = "seconds"
+    maximum: int | None = None
     node_local: bool = False
     """Each node's own deadline, as in torch's c10d: a node's ``--rdzv-conf`` value holds
     for that node whatever the spec says (the spec's is the default)."""
 
+    @property
+    def in_seconds(self) -> bool:
+        return self.unit == "seconds"
 
-SPEC_TIMEOUTS: Final = (
-    SpecTimeout(
+
+SPEC_TUNABLES: Final = (
+    SpecTunable(
         "join_timeout_seconds",
         "joinTimeoutSeconds",
         "join-timeout",
@@ -123,7 +130,7 @@ SPEC_TIMEOUTS: Final = (
         "pulls and scheduling",
         node_local=True,
     ),
-    SpecTimeout(
+    SpecTunable(
         "last_call_timeout_seconds",
         "lastCallTimeoutSeconds",
         "last-call-timeout",
@@ -133,7 +140,7 @@ SPEC_TIMEOUTS: Final = (
         "after minNodes have joined, how long the operator waits for more before sealing "
         "(a stale round seals as soon as every survivor is back); c10d's default",
     ),
-    SpecTimeout(
+    SpecTunable(
         "close_timeout_seconds",
         "closeTimeoutSeconds",
         "close-timeout",
@@ -143,7 +150,7 @@ SPEC_TIMEOUTS: Final = (
         "how long set_closed() and shutdown() try to record themselves; c10d's default",
         node_local=True,
     ),
-    SpecTimeout(
+    SpecTunable(
         "heartbeat_timeout_seconds",
         "heartbeatTimeoutSeconds",
         "heartbeat-timeout",
@@ -156,8 +163,22 @@ SPEC_TIMEOUTS: Final = (
         "API server's default flow control admits), and pod deletion and failure are "
         "noticed at once",
     ),
+    SpecTunable(
+        "max_restarts",
+        "maxRestarts",
+        "max-restarts",
+        "job_max_restarts",  # not torchrun's --max-restarts, each agent's own budget
+        None,
+        0,
+        "the job's restart budget: how many re-forms after a failure of any node may follow "
+        "the first round before the rendezvous closes and every agent ends with "
+        "RendezvousClosedError; torchrun's --max-restarts still bounds each agent's own "
+        "(default: no budget, as with c10d)",
+        unit="restarts",
+        maximum=MAX_RESTARTS,
+    ),
 )
-"""Every timeout of the spec, in the CRD's order."""
+"""Every tunable number of the spec, in the CRD's order."""
 
 NODE_LABEL: Final = f"{GROUP}/rendezvous"
 """On a node's pod (set by the operator) and Lease (set by the node): the Rendezvous name."""
@@ -387,6 +408,22 @@ def _int(
     return value
 
 
+def _tunables(data: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """Each of :data:`SPEC_TUNABLES` by its attribute; one unset by default stays unset."""
+    return {
+        tunable.attribute: _int(
+            data,
+            tunable.field,
+            field,
+            default=tunable.default,
+            minimum=tunable.minimum,
+            maximum=tunable.maximum,
+        )
+        for tunable in SPEC_TUNABLES
+        if tunable.default is not None or data.get(tunable.field) is not None
+    }
+
+
 def _enum(enum_type: type[enum.Enum], data: Mapping[str, Any], key: str, field: str) -> Any:
     value = data.get(key)
     try:
@@ -536,17 +573,19 @@ class RendezvousSpec:
             else {"rankOrder": {"nodeLabel": self.rank_order_node_label}}
         )
         selector = {} if self.pod_selector is None else {"podSelector": self.pod_selector.to_dict()}
-        budget = {} if self.max_restarts is None else {"maxRestarts": self.max_restarts}
         return (
             order
             | selector
-            | budget
             | {
                 "minNodes": self.min_nodes,
                 "maxNodes": self.max_nodes,
                 "runId": self.run_id,
             }
-            | {timeout.field: getattr(self, timeout.attribute) for timeout in SPEC_TIMEOUTS}
+            | {
+                tunable.field: value
+                for tunable in SPEC_TUNABLES
+                if (value := getattr(self, tunable.attribute)) is not None
+            }
         )
 
     @classmethod
@@ -556,12 +595,7 @@ class RendezvousSpec:
             min_nodes=_int(data, "minNodes", field, minimum=1),
             max_nodes=_int(data, "maxNodes", field, minimum=1),
             run_id=_str(data, "runId", field),
-            **{
-                timeout.attribute: _int(
-                    data, timeout.field, field, default=timeout.default, minimum=timeout.minimum
-                )
-                for timeout in SPEC_TIMEOUTS
-            },
+            **_tunables(data, field),
             rank_order_node_label=(
                 None
                 if data.get("rankOrder") is None
@@ -575,11 +609,6 @@ class RendezvousSpec:
                 None
                 if data.get("podSelector") is None
                 else LabelSelector.from_dict(data["podSelector"], f"{field}.podSelector")
-            ),
-            max_restarts=(
-                None
-                if data.get("maxRestarts") is None
-                else _int(data, "maxRestarts", field, maximum=MAX_RESTARTS)
             ),
         )
         if spec.min_nodes > spec.max_nodes:

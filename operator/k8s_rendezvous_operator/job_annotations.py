@@ -17,29 +17,37 @@ from k8s_rendezvous import state
 
 PREFIX: Final = f"{state.GROUP}/"
 NODES: Final = f"{PREFIX}nodes"
-TIMEOUTS: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TIMEOUTS}
-"""The annotation of each spec timeout."""
+TUNABLES: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TUNABLES}
+"""The annotation of each tunable of the spec."""
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
-MAX_RESTARTS: Final = f"{PREFIX}max-restarts"
+
+
+def _accepted(tunable: state.SpecTunable) -> str:
+    if tunable.in_seconds:
+        example = f'"{tunable.default}" or "{tunable.default}s"'
+    else:
+        example = f'"{tunable.default or 10}"'
+    most = "" if tunable.maximum is None else f" and at most {tunable.maximum}"
+    default = "none" if tunable.default is None else tunable.default
+    return (
+        f"{tunable.unit}, e.g. {example}, at least {tunable.minimum}{most} (default {default}): "
+        f"{tunable.meaning}"
+    )
+
 
 ACCEPTED: Final = {
     NODES: 'a node count "N" or a range "MIN:MAX" (torchrun --nnodes), 1 <= MIN <= MAX <= 100000',
-    **{
-        key: f'seconds, e.g. "{t.default}" or "{t.default}s", at least {t.minimum} '
-        f"(default {t.default})"
-        for key, t in TIMEOUTS.items()
-    },
+    **{key: _accepted(t) for key, t in TUNABLES.items()},
     RUN_ID: "torchrun's --rdzv-id, 1 to 253 printable ASCII characters without spaces "
     "(default: the Job's name)",
     RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
-    MAX_RESTARTS: 'the job\'s restart budget, a whole number of re-forms after failures, e.g. "10" '
-    "(default: none; torchrun's --max-restarts still bounds each agent's own)",
 }
 """Every annotation we read, with its accepted forms: the one table the docs show."""
 
 # ASCII digits only: Python's \d and int() also take Arabic-Indic and full-width digits.
 _SECONDS = re.compile(r"^ *([0-9]{1,9}) *s? *\Z")
+_COUNT = re.compile(r"^ *([0-9]{1,10}) *\Z")
 _NODES = re.compile(r"^ *([0-9]{1,6}) *(?:: *([0-9]{1,6}) *)?\Z")
 _LABEL_KEY = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -48,7 +56,6 @@ _LABEL_KEY = re.compile(
 _LABEL_KEY_MAX = 253 + 1 + 63
 _RUN_ID = re.compile(r"^[!-~]{1,253}\Z")
 """Printable ASCII without spaces: it becomes PET_RDZV_ID and torch's store key prefix."""
-_COUNT = re.compile(r"^[0-9]{1,10}\Z")
 MAX_NODES: Final = 100_000
 """The CRD's bound on minNodes and maxNodes."""
 
@@ -99,15 +106,25 @@ def parse(
         else:
             bounds = (low, high)
 
-    def seconds(key: str, default: int, minimum: int) -> int:
+    def number(key: str, tunable: state.SpecTunable) -> int | None:
         raw = ours.get(key)
         if raw is None:
-            return default
-        match = _SECONDS.match(raw)
-        if match is None or int(match.group(1)) < minimum:
-            errors.append(AnnotationError(key, raw, f"not a whole number of seconds >= {minimum}"))
-            return default
-        return int(match.group(1))
+            return tunable.default
+        match = (_SECONDS if tunable.in_seconds else _COUNT).match(raw)
+        value = None if match is None else int(match.group(1))
+        if (
+            value is None
+            or value < tunable.minimum
+            or (tunable.maximum is not None and value > tunable.maximum)
+        ):
+            most = "" if tunable.maximum is None else f" and <= {tunable.maximum}"
+            errors.append(
+                AnnotationError(
+                    key, raw, f"not a whole number of {tunable.unit} >= {tunable.minimum}{most}"
+                )
+            )
+            return tunable.default
+        return value
 
     def text(key: str, valid: Callable[[str], bool], problem: str) -> str | None:
         raw = ours.get(key)
@@ -115,15 +132,8 @@ def parse(
             errors.append(AnnotationError(key, raw, problem))
         return raw
 
-    timeouts: dict[str, Any] = {
-        t.attribute: seconds(key, t.default, t.minimum) for key, t in TIMEOUTS.items()
-    }
+    tunables: dict[str, Any] = {t.attribute: number(key, t) for key, t in TUNABLES.items()}
     run_id = text(RUN_ID, lambda v: bool(_RUN_ID.match(v)), "not a run id")
-    raw_budget = text(
-        MAX_RESTARTS,
-        lambda v: bool(_COUNT.match(v)) and int(v) <= state.MAX_RESTARTS,
-        f"not a whole number from 0 to {state.MAX_RESTARTS}",
-    )
     rank_order = text(
         RANK_ORDER,
         lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
@@ -140,6 +150,5 @@ def parse(
         max_nodes=bounds[1],
         run_id=run_id or job_name,
         rank_order_node_label=rank_order,
-        max_restarts=None if raw_budget is None else int(raw_budget),
-        **timeouts,
+        **tunables,
     )

@@ -286,9 +286,8 @@ class Jobs:
         wanted = {k: v for k, v in spec.to_dict().items() if k != "runId"}
         current = existing.get("spec") or {}
         # An optional field whose annotation was removed is removed from the spec too.
-        removed = {
-            k: None for k in ("rankOrder", "maxRestarts") if k in current and k not in wanted
-        }
+        optional = ("rankOrder", *(t.field for t in state.SPEC_TUNABLES if t.default is None))
+        removed = {k: None for k in optional if k in current and k not in wanted}
         if removed or any(current.get(k) != v for k, v in wanted.items()):
             await asyncio.to_thread(
                 self._api.patch_rendezvous_spec, namespace, name, wanted | removed

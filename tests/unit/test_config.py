@@ -88,7 +88,7 @@ class SealsAlone(ScriptedRendezvousClient):
         )
 
 
-def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_differs(
+def test_a_node_given_every_spec_tunable_joins_and_says_where_the_resource_differs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     handler = KubernetesRendezvousHandler(
@@ -98,7 +98,7 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
         addr="127.0.0.1",
         min_nodes=1,
         max_nodes=1,
-        configured_spec={timeout.field: 45 for timeout in state.SPEC_TIMEOUTS},
+        configured_spec={tunable.field: 45 for tunable in state.SPEC_TUNABLES},
     )
     try:
         with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
@@ -107,6 +107,7 @@ def test_a_node_given_every_spec_timeout_joins_and_says_where_the_resource_diffe
         handler.shutdown()
     wins = sorted(r.getMessage() for r in caplog.records if "the resource wins" in r.getMessage())
     assert [message.split()[3] for message in wins] == [
+        "job_max_restarts=none",
         "keep_alive_interval",
         "last_call_timeout=30",
     ], "join and close timeouts are the node's own deadlines, as in c10d: nothing to overrule"

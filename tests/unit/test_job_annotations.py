@@ -81,9 +81,10 @@ def test_every_optional_key() -> None:
         ({"nodes": "2", "run_id": "exp\n7"}, "run-id", "printable ASCII characters"),
         ({"nodes": "2", "run_id": "exp\x007"}, "run-id", "printable ASCII characters"),
         ({"nodes": "2", "run_id": "exp 7"}, "run-id", "without spaces"),
-        ({"nodes": "2", "max_restarts": "-1"}, "max-restarts", "not a whole number from 0"),
-        ({"nodes": "2", "max_restarts": "2147483648"}, "max-restarts", "to 2147483647"),
+        ({"nodes": "2", "max_restarts": "-1"}, "max-restarts", "number of restarts >= 0"),
+        ({"nodes": "2", "max_restarts": "2147483648"}, "max-restarts", "<= 2147483647"),
         ({"nodes": "2", "max_restarts": "\u0663"}, "max-restarts", "not a whole number"),
+        ({"nodes": "2", "max_restarts": "5s"}, "max-restarts", "not a whole number"),
     ],
 )
 def test_bad_annotation_names_key_value_and_accepted_forms(

@@ -215,8 +215,8 @@ def test_the_jobs_restart_budget_is_its_own_key_not_torchruns_max_restarts(
     assert created.max_restarts == 7
     assert config.disagreements(
         dataclasses.replace(created, max_restarts=None), (2, 4), settings.configured_spec
-    ) == ["sets maxRestarts=None but --rdzv-conf gave job_max_restarts=7"]
-    with pytest.raises(ValueError, match="job_max_restarts=-1 is not a restart budget"):
+    ) == ["sets job_max_restarts=none but --rdzv-conf gave job_max_restarts=7"]
+    with pytest.raises(ValueError, match="job_max_restarts=-1 is below its least value, 0"):
         config.Settings.from_parameters(params(job_max_restarts="-1"), "team-a")
     with pytest.raises(ValueError, match=r"unknown --rdzv-conf key\(s\) max_restarts"):
         config.Settings.from_parameters(params(max_restarts="7"), "team-a")

@@ -357,9 +357,9 @@ def test_a_slice_that_names_no_rendezvous_is_refused_with_the_fix() -> None:
         state.rendezvous_uid(owned)
 
 
-def test_the_crd_holds_each_spec_timeout_as_the_table_describes_it() -> None:
+def test_the_crd_holds_each_spec_tunable_as_the_table_describes_it() -> None:
     """The CRD is written by hand; the codec, the ``--rdzv-conf`` keys and the Job
-    annotations are derived from :data:`state.SPEC_TIMEOUTS`: this keeps the four in step."""
+    annotations are derived from :data:`state.SPEC_TUNABLES`: this keeps the four in step."""
     crd_path = (
         pathlib.Path(__file__).parents[2]
         / "charts/k8s-rendezvous/crds/k8s-rendezvous.dev_rendezvous.yaml"
@@ -368,18 +368,25 @@ def test_the_crd_holds_each_spec_timeout_as_the_table_describes_it() -> None:
     properties = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
         "properties"
     ]
-    in_crd = {
-        name: (field.get("default"), field.get("minimum"))
-        for name, field in properties.items()
-        if name.endswith("TimeoutSeconds")
+    numbers = {t.field for t in state.SPEC_TUNABLES} | {
+        name for name in properties if name.endswith("TimeoutSeconds")
     }
-    assert in_crd == {t.field: (t.default, t.minimum) for t in state.SPEC_TIMEOUTS}
+    in_crd = {
+        name: tuple(properties[name].get(bound) for bound in ("default", "minimum", "maximum"))
+        for name in numbers
+    }
+    assert in_crd == {t.field: (t.default, t.minimum, t.maximum) for t in state.SPEC_TUNABLES}
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     for listed in ("members", "leftBehind"):
         attempt = status["properties"][listed]["items"]["properties"]["attempt"]
         assert attempt["maximum"] == state.MAX_ATTEMPT, "a request no status can hold is refused"
-    for timeout in state.SPEC_TIMEOUTS:
-        with pytest.raises(state.DecodeError, match=f"{timeout.field}: must be at least"):
-            state.RendezvousSpec.from_dict(
-                {"minNodes": 1, "maxNodes": 1, "runId": "r", timeout.field: timeout.minimum - 1}
-            )
+    for tunable in state.SPEC_TUNABLES:
+        base = {"minNodes": 1, "maxNodes": 1, "runId": "r"}
+        with pytest.raises(state.DecodeError, match=f"{tunable.field}: must be at least"):
+            state.RendezvousSpec.from_dict(base | {tunable.field: tunable.minimum - 1})
+        if tunable.maximum is not None:
+            with pytest.raises(state.DecodeError, match=f"{tunable.field}: must be at most"):
+                state.RendezvousSpec.from_dict(base | {tunable.field: tunable.maximum + 1})
+        unset = state.RendezvousSpec.from_dict(base)
+        assert getattr(unset, tunable.attribute) == tunable.default
+        assert (tunable.field in unset.to_dict()) == (tunable.default is not None)
