@@ -531,12 +531,16 @@ def main(argv: list[str] | None = None) -> int:
     unformed: dict[str, Json] = {}  # backend -> its run whose first world never formed
     started = time.time()
     try:
-        with plane.api_client() as api:
+        with (
+            plane.api_client() as api,
+            tempfile.TemporaryDirectory(prefix="helm-", ignore_cleanup_errors=True) as helm_home,
+            tempfile.TemporaryDirectory(
+                prefix="bench-nodes-", ignore_cleanup_errors=True
+            ) as nodes_home,
+        ):
             plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
-            helm = chart.Helm(
-                build_binaries() / "helm", Path(tempfile.mkdtemp(prefix="helm-")), plane.kubeconfig
-            )
-            pool = NodePool(plane, helm, api, images, Path(tempfile.mkdtemp(prefix="bench-nodes-")))
+            helm = chart.Helm(build_binaries() / "helm", Path(helm_home), plane.kubeconfig)
+            pool = NodePool(plane, helm, api, images, Path(nodes_home))
             pool.get(ipv6=False)
             try:
                 for rep in range(args.reps):
