@@ -412,8 +412,9 @@ def _config(workdir: Path, name: str, body: Mapping[str, Any]) -> Path:
 
 
 def kueue(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) -> Controller:
-    """Kueue, managing plain Jobs, with ``ElasticJobsViaWorkloadSlices`` on (alpha in
-    v0.17: off by default)."""
+    """Kueue, managing plain Jobs, with its default feature gates but VisibilityOnDemand:
+    ``ElasticJobsViaWorkloadSlices`` is beta and on by default since v0.18, so the elastic
+    Jobs run as a user's Kueue would run them, without turning anything on."""
     manifests = built / "kueue" / "manifests" / "config" / "components"
     health, webhook = free_port(), free_port()
     user = "kueue-controller-manager"
@@ -454,7 +455,7 @@ def kueue(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) 
             # VisibilityOnDemand serves pending-workload listings through an aggregated API
             # that nothing here registers, with a certificate from another fixed path
             # (/visibility): off.
-            "featureGates": {"ElasticJobsViaWorkloadSlices": True, "VisibilityOnDemand": False},
+            "featureGates": {"VisibilityOnDemand": False},
             "integrations": {"frameworks": ["batch/job"]},
         },
     )
