@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -245,7 +246,8 @@ class Controller:
             )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        """Until its /readyz answers 200 (its webhook server listens; its caches synced)."""
+        """Until its /readyz answers 200 (its webhook server listens; its caches synced)
+        and each of its webhooks is served (:meth:`wait_webhooks`)."""
 
         def ready() -> bool:
             if self.process is None or self.process.poll() is not None:
@@ -261,6 +263,40 @@ class Controller:
                 return False
 
         wait_for(ready, timeout, f"{self.name} ready (/readyz)\n{self.log_tail()}", interval=0.2)
+        self.wait_webhooks(timeout)
+
+    def wait_webhooks(self, timeout: float) -> None:
+        """Until every webhook URL of its configurations answers other than 404. JobSet
+        v0.12 reports ready once its webhook server listens, while a goroutine of its own
+        registers the handlers: until then the server answers 404, which the API server
+        turns into a 500 for the object (seen on busy cores: a JobSet created just after
+        /readyz went green was refused with "failed calling webhook mjobset.kb.io: ... could
+        not find the requested resource"). An empty POST reaches a registered handler,
+        which answers 200 with an error in its AdmissionReview, or an unregistered path."""
+        context = ssl.create_default_context(cafile=str(self.installed.webhook_ca))
+        pending = set(self.installed.webhook_urls)
+
+        def served() -> bool:
+            for url in sorted(pending):
+                request = urllib.request.Request(
+                    url, data=b"", headers={"Content-Type": "application/json"}, method="POST"
+                )
+                try:
+                    with urllib.request.urlopen(request, timeout=2, context=context):
+                        pending.discard(url)
+                except urllib.error.HTTPError as error:
+                    if error.code != 404:
+                        pending.discard(url)
+                except (urllib.error.URLError, OSError):
+                    pass
+            return not pending
+
+        wait_for(
+            served,
+            timeout,
+            f"{self.name}'s webhooks served: {sorted(pending)}\n{self.log_tail()}",
+            interval=0.2,
+        )
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after a grace period: by PID only."""
@@ -313,6 +349,10 @@ class Installed:
     """(kind, name) of each webhook configuration."""
     rbac: tuple[tuple[str, str, str], ...]
     """(kind, name, namespace) of each role and binding."""
+    webhook_urls: tuple[str, ...]
+    """The URL each webhook of the configurations calls (on the controller's server)."""
+    webhook_ca: Path
+    """The CA that signed the controller's serving certificate."""
 
 
 def install(
@@ -350,6 +390,8 @@ def install(
             for o in rbac
             if o["kind"] != "Namespace"
         ),
+        tuple(sorted({w["clientConfig"]["url"] for c in configurations for w in c["webhooks"]})),
+        certificates.webhook_ca,
     )
 
 
@@ -370,8 +412,9 @@ def _config(workdir: Path, name: str, body: Mapping[str, Any]) -> Path:
 
 
 def kueue(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) -> Controller:
-    """Kueue, managing plain Jobs, with ``ElasticJobsViaWorkloadSlices`` on (alpha in
-    v0.17: off by default)."""
+    """Kueue, managing plain Jobs, with its default feature gates but VisibilityOnDemand:
+    ``ElasticJobsViaWorkloadSlices`` is beta and on by default since v0.18, so the elastic
+    Jobs run as a user's Kueue would run them, without turning anything on."""
     manifests = built / "kueue" / "manifests" / "config" / "components"
     health, webhook = free_port(), free_port()
     user = "kueue-controller-manager"
@@ -412,7 +455,7 @@ def kueue(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) 
             # VisibilityOnDemand serves pending-workload listings through an aggregated API
             # that nothing here registers, with a certificate from another fixed path
             # (/visibility): off.
-            "featureGates": {"ElasticJobsViaWorkloadSlices": True, "VisibilityOnDemand": False},
+            "featureGates": {"VisibilityOnDemand": False},
             "integrations": {"frameworks": ["batch/job"]},
         },
     )

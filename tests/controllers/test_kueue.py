@@ -1,7 +1,8 @@
-"""Kueue's elastic Jobs (the ``kueue.x-k8s.io/elastic-job`` annotation, Kueue v0.17's
-ElasticJobsViaWorkloadSlices gate) with the real Kueue, Job controller, scheduler and
-operator: an annotated Job in a LocalQueue whose pods run plain ``torchrun train.py`` (the
-operator's webhook injects the rest), played by the stand-in kubelet.
+"""Kueue's elastic Jobs (the ``kueue.x-k8s.io/elastic-job`` annotation; Kueue v0.19's
+ElasticJobsViaWorkloadSlices gate, beta and on by default) with the real Kueue, Job
+controller, scheduler and operator: an annotated Job in a LocalQueue whose pods run plain
+``torchrun train.py`` (the operator's webhook injects the rest), played by the stand-in
+kubelet.
 
 Aspects:
 - Kueue admits the Job within its ClusterQueue's quota, and the world forms;
@@ -16,7 +17,7 @@ Aspects:
   Rendezvous stays open (Reforming, never Closed), and when Kueue admits the Job again its
   new pods form the world in the same Rendezvous.
 
-What Kueue v0.17 does not do, and so is not tested: it never changes a Job's parallelism
+What Kueue v0.19 does not do, and so is not tested: it never changes a Job's parallelism
 itself (the Job's owner or an autoscaler does; Kueue admits or holds the difference), and
 it preempts a resized Job only as a whole (KEP-77: no partial preemption of a slice).
 """
