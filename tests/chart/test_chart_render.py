@@ -5,6 +5,7 @@ generated copies and the README not drifting."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -15,11 +16,13 @@ import pytest
 import yaml
 from hack import chart_readme
 
+from devkit import dashboard
 from devkit.chart import (
     CHART,
     CREATOR_ROLE,
     NAMESPACE,
     OPERATOR,
+    RELEASE,
     WEBHOOK_CONFIG,
     WEBHOOK_SERVICE,
     WORKER_ROLE,
@@ -97,7 +100,7 @@ def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> Non
         ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
         ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
         ("FlowSchema", "k8s-rendezvous-pod-leases"),
-    }, "the metrics Service and ServiceMonitor are opt-in"
+    }, "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
     deployment = find(objects, "Deployment", OPERATOR)
     spec = deployment["spec"]
     assert spec["replicas"] == 1
@@ -301,6 +304,65 @@ def test_metrics_service_and_service_monitor_are_opt_in(helm: Helm) -> None:
     assert not [o for o in only_service if o["kind"] == "ServiceMonitor"]
 
 
+def test_the_grafana_dashboard_is_a_configmap_labelled_for_grafanas_sidecar(helm: Helm) -> None:
+    name = f"{RELEASE}-dashboard"
+    objects = helm.template_objects(*sets({"metrics.dashboard.enabled": "true"}))
+    configmap = find(objects, "ConfigMap", name)
+    assert configmap["metadata"]["namespace"] == NAMESPACE
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert "annotations" not in configmap["metadata"]
+    (key,) = configmap["data"]
+    assert json.loads(configmap["data"][key]) == dashboard.load(), "the chart's file, whole"
+    elsewhere = helm.template_objects(
+        *sets(
+            {
+                "metrics.dashboard.enabled": "true",
+                "metrics.dashboard.namespace": "monitoring",
+                "metrics.dashboard.labels.grafana_dashboard": "null",
+                "metrics.dashboard.labels.team": "training",
+                "metrics.dashboard.annotations.grafana_folder": "Training",
+            }
+        )
+    )
+    moved = find(elsewhere, "ConfigMap", name)["metadata"]
+    assert moved["namespace"] == "monitoring"
+    assert moved["labels"]["team"] == "training" and "grafana_dashboard" not in moved["labels"]
+    assert moved["annotations"] == {"grafana_folder": "Training"}
+    without_metrics = helm.template_objects(
+        *sets({"metrics.dashboard.enabled": "true", "metrics.enabled": "false"})
+    )
+    assert not [o for o in without_metrics if o["kind"] == "ConfigMap"], "nothing to show"
+
+
+def test_the_dashboard_queries_only_metrics_the_operator_exports() -> None:
+    """Every name a panel or variable asks for is one ``k8s_rendezvous_operator.metrics``
+    serves (a counter's ``_total``, a histogram's ``_bucket``, ``_sum``, ``_count``)."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from k8s_rendezvous_operator import metrics
+
+    served = {
+        f"{family.name}{suffix}"
+        for value in vars(metrics).values()
+        if isinstance(value, MetricWrapperBase)
+        for family in value.describe()
+        for suffix in {
+            "counter": ("_total",),
+            "gauge": ("",),
+            "histogram": ("_bucket", "_sum", "_count"),
+        }[family.type]
+    }
+    assert {"k8s_rendezvous_rounds_sealed_total", "k8s_rendezvous_nodes_waiting"} <= served
+    board = dashboard.load()
+    asked = " ".join(
+        [t.expr for t in dashboard.targets(board)]
+        + [v.get("definition", "") for v in board["templating"]["list"]]
+    )
+    names = set(re.findall(r"\bk8s_rendezvous_\w+", asked))
+    assert names, asked
+    assert names <= served, names - served
+
+
 def test_the_network_policy_is_off_by_default_and_admits_to_the_webhook_only_the_sources_named(
     helm: Helm,
 ) -> None:
@@ -397,6 +459,14 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
             "- at '/webhook/certManager': additional properties 'issuer' not allowed",
         ),
         (
+            ["--set", "metrics.dashboard.enable=true"],
+            "- at '/metrics/dashboard': additional properties 'enable' not allowed",
+        ),
+        (
+            ["--set", "metrics.dashboard.labels.grafana_dashboard=1"],
+            "- at '/metrics/dashboard/labels/grafana_dashboard': got number, want string",
+        ),
+        (
             ["--set", "webhook.certificate.existingSecret=Webhook_TLS"],
             "- at '/webhook/certificate/existingSecret': 'Webhook_TLS' does not match pattern",
         ),
@@ -416,6 +486,8 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
         "cert-manager-bool-string",
         "cert-manager-issuer-kind",
         "cert-manager-unknown-key",
+        "dashboard-misspelt-key",
+        "dashboard-label-not-a-string",
         "existing-secret-not-a-name",
     ],
 )

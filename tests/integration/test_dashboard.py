@@ -1,0 +1,180 @@
+"""The chart's Grafana dashboard against a real Prometheus (Grafana's server is not one the
+project may use): Prometheus scrapes the operator while a short job seals rounds, loses a
+member, leaves nodes waiting and spends a Warning budget; then every query of every panel,
+its variables put as Grafana puts them, must answer with a number.
+
+K8S_RDZV_DASHBOARD_ANSWERS=<file> also saves each query's answer over the job
+(``query_range``) there, for hack/dashboard_picture.py to draw, after Prometheus has
+scraped on for K8S_RDZV_DASHBOARD_HOLD more seconds (default 0): what the rates do once
+the job is over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import kubernetes.client
+import pytest
+from tests.support import fixtures
+from tests.support.fixtures import Node, Rendezvous, delete_pod
+
+from devkit import dashboard
+from devkit.operator import OperatorProcess
+from devkit.prometheus import Prometheus, binary, has_data
+from devkit.waiting import wait_for
+from k8s_rendezvous import state
+
+pytestmark = pytest.mark.usefixtures("operator_process")
+
+ANSWERS_ENV = "K8S_RDZV_DASHBOARD_ANSWERS"
+HOLD_ENV = "K8S_RDZV_DASHBOARD_HOLD"
+SCRAPE_JOB = "k8s-rendezvous-operator"
+
+
+def metrics_port(operator: OperatorProcess) -> int:
+    return next(
+        int(arg.split("=", 1)[1])
+        for arg in operator.extra_args
+        if arg.startswith("--metrics-port=")
+    )
+
+
+def write_unreadable_requests(
+    api: kubernetes.client.ApiClient, rendezvous: Rendezvous, count: int
+) -> None:
+    """``count`` Leases in the shape of nodes' requests whose entries cannot be read: one
+    Warning each (InvalidEntry), more than the rendezvous' budget allows in a minute."""
+    coordination = kubernetes.client.CoordinationV1Api(api)
+    for i in range(count):
+        node = f"unreadable-{i}"
+        coordination.create_namespaced_lease(
+            rendezvous.namespace,
+            {
+                "metadata": {
+                    "name": state.lease_name(rendezvous.name, node),
+                    "labels": {state.NODE_LABEL: rendezvous.name},
+                    "annotations": {state.ENTRY_ANNOTATION: '{"instance": 7}'},
+                },
+                "spec": {"holderIdentity": node},
+            },
+        )
+
+
+def run_short_job(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    prometheus: Prometheus,
+) -> None:
+    """Two rounds of three then two nodes, the member lost between them seen waiting by
+    Prometheus, and a rendezvous flooded with unreadable requests."""
+    rdzv = make_rendezvous(2, 3)
+    nodes = make_nodes(rdzv, 3)
+    fixtures.join_all(nodes)
+    delete_pod(admin_api, rdzv.namespace, nodes[2].pod)
+    fixtures.wait_told_to_rejoin(nodes[:2], "survivors told to re-rendezvous")
+    # The survivors' rejoin ends the wait: first let a scrape see it.
+    wait_for(
+        lambda: prometheus.query(
+            f'max_over_time(k8s_rendezvous_nodes_waiting{{job="{SCRAPE_JOB}"}}[1m]) > 0'
+        ),
+        20,
+        "Prometheus saw nodes waiting",
+    )
+    fixtures.join_all(nodes[:2])
+    flooded = make_rendezvous(1, 1)
+    write_unreadable_requests(admin_api, flooded, 11)
+
+
+QUIET_PANELS = {"Reconcile queue depth"}
+"""Panels the job need not move (a queue drained between two scrapes): they must only
+answer. Every other panel must have shown more than zero at some point of the job."""
+
+
+def panel_queries(
+    targets: list[dashboard.Target], variables: dict[str, str]
+) -> dict[str, list[str]]:
+    panels: dict[str, list[str]] = {}
+    for target in targets:
+        panels.setdefault(target.panel, []).append(dashboard.promql(target.expr, variables))
+    return panels
+
+
+@pytest.mark.metrics
+def test_every_panel_of_the_dashboard_answers_after_a_short_job(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    operator_process: OperatorProcess,
+    tmp_path: Path,
+) -> None:
+    board = dashboard.load()
+    targets = dashboard.targets(board)
+    scraped = {SCRAPE_JOB: [f"127.0.0.1:{metrics_port(operator_process)}"]}
+    with Prometheus(binary(), tmp_path / "prometheus", scraped) as prometheus:
+        began = time.time()
+        wait_for(
+            lambda: prometheus.query(f'up{{job="{SCRAPE_JOB}"}} == 1'),
+            30,
+            f"Prometheus scraping the operator (log: {prometheus.log_tail()})",
+        )
+        run_short_job(make_rendezvous, make_nodes, admin_api, prometheus)
+
+        # As Grafana fills the job variable: label_values() over what was scraped.
+        selector, label = dashboard.variable_query(board, "job")
+        jobs = prometheus.label_values(label, selector)
+        assert jobs == [SCRAPE_JOB]
+        variables = {"__rate_interval": dashboard.RATE_INTERVAL, "job": dashboard.multi_value(jobs)}
+        panels = panel_queries(targets, variables)
+        assert len(panels) == 8, list(panels)
+        for panel, queries in panels.items():
+            for query in queries:
+                wait_for(
+                    lambda query=query: has_data(prometheus.query(query)),
+                    20,
+                    f"panel {panel!r}: {query} answered with a number",
+                )
+            if panel in QUIET_PANELS:
+                continue
+            # The highest point each query drew over the job, as the panel's graph shows it.
+            peaks = [f"max_over_time(({query})[1m:1s]) > 0" for query in queries]
+            wait_for(
+                lambda peaks=peaks: any(prometheus.query(peak) for peak in peaks),
+                20,
+                f"panel {panel!r} showed more than zero: {peaks}",
+            )
+        # Each cause and budget is drawn as itself.
+        lost = prometheus.query(
+            "sum by (reason) (increase(k8s_rendezvous_members_lost_total"
+            f'{{job="{SCRAPE_JOB}"}}[1m])) > 0'
+        )
+        assert {s["metric"]["reason"] for s in lost} <= {"PodDeleted", "PodTerminating"}, lost
+        assert lost, "the deleted pod's loss"
+        suppressed = prometheus.query(
+            f'increase(k8s_rendezvous_events_suppressed_total{{job="{SCRAPE_JOB}"}}[1m]) > 0'
+        )
+        assert [s["metric"]["budget"] for s in suppressed] == ["rendezvous"], suppressed
+
+        if answers := os.environ.get(ANSWERS_ENV):
+            hold = float(os.environ.get(HOLD_ENV, "0"))
+            ended = time.time() + hold
+            wait_for(
+                lambda: prometheus.query(f'timestamp(up{{job="{SCRAPE_JOB}"}}) >= {ended}'),
+                hold + 30,
+                f"Prometheus scraping on for {hold} s after the job",
+                max_interval=5,
+            )
+            recorded = [
+                {
+                    "panel": target.panel,
+                    "legend": target.legend,
+                    "query": (query := dashboard.promql(target.expr, variables)),
+                    "result": prometheus.query_range(query, began, ended, 1),
+                }
+                for target in targets
+            ]
+            Path(answers).write_text(json.dumps({"start": began, "series": recorded}))

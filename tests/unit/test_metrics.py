@@ -1,0 +1,35 @@
+"""The operator's Prometheus metrics (``k8s_rendezvous_operator.metrics``), without a server."""
+
+from __future__ import annotations
+
+import importlib
+
+from prometheus_client import Counter
+
+from k8s_rendezvous_operator import events, metrics, rounds
+
+
+def served_labels(counter: Counter, label: str) -> set[str]:
+    return {
+        sample.labels[label]
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def test_every_loss_reason_is_listed() -> None:
+    constants = {
+        value
+        for name, value in vars(rounds).items()
+        if name.startswith("LOST_") and isinstance(value, str)
+    }
+    assert set(rounds.LOST_REASONS) == constants
+
+
+def test_each_cause_and_budget_is_served_before_it_first_counts() -> None:
+    """A series Prometheus first scrapes at 1 shows no increase: the first loss of a
+    reason, or the first suppression of a budget, would be missing from the dashboard."""
+    importlib.import_module("k8s_rendezvous_operator.reconciler")  # declares the loss series
+    assert served_labels(metrics.MEMBERS_LOST, "reason") >= set(rounds.LOST_REASONS)
+    assert served_labels(metrics.EVENTS_SUPPRESSED, "budget") >= set(events.WARNING_BUDGETS)
