@@ -71,7 +71,8 @@ def run_short_job(
     prometheus: Prometheus,
 ) -> None:
     """Two rounds of three then two nodes, the member lost between them seen waiting by
-    Prometheus, and a rendezvous flooded with unreadable requests."""
+    Prometheus, a third round after a worker failure, and a rendezvous flooded with
+    unreadable requests."""
     rdzv = make_rendezvous(2, 3)
     nodes = make_nodes(rdzv, 3)
     fixtures.join_all(nodes)
@@ -86,6 +87,12 @@ def run_short_job(
         "Prometheus saw nodes waiting",
     )
     fixtures.join_all(nodes[:2])
+    # The second node's workers fail: its agent re-rendezvouses, a restart after a failure.
+    rejoining = nodes[1].join_in_background()
+    fixtures.wait_told_to_rejoin(nodes[:1], "the survivor told to re-rendezvous")
+    fixtures.join_all(nodes[:1])
+    rejoining.wait(30)
+    assert rdzv.status().restarts == 1
     flooded = make_rendezvous(1, 1)
     write_unreadable_requests(admin_api, flooded, 11)
 
@@ -130,7 +137,7 @@ def test_every_panel_of_the_dashboard_answers_after_a_short_job(
         assert jobs == [SCRAPE_JOB]
         variables = {"__rate_interval": dashboard.RATE_INTERVAL, "job": dashboard.multi_value(jobs)}
         panels = panel_queries(targets, variables)
-        assert len(panels) == 8, list(panels)
+        assert len(panels) == 9, list(panels)
         for panel, queries in panels.items():
             for query in queries:
                 wait_for(
