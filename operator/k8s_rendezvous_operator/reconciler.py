@@ -32,10 +32,13 @@ from k8s_rendezvous_operator.events import Key
 log = logging.getLogger(__name__)
 
 # Each reason's series is served at 0 from the start: Prometheus counts an increase only
-# from an earlier sample, so a series first scraped at 1 would hide the first loss of its
-# reason from every rate() (the dashboard's "Members lost by cause").
+# from an earlier sample, so a series first scraped at 1 would hide the first loss or
+# closure of its reason from every rate() (the dashboard's "Members lost by cause" and
+# "closed, budget spent").
 for _reason in rounds.LOST_REASONS:
     metrics.MEMBERS_LOST.labels(_reason)
+for _reason in rounds.CLOSED_REASONS:
+    metrics.CLOSED.labels(_reason)
 
 
 def _utcnow() -> datetime.datetime:

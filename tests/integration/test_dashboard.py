@@ -21,6 +21,7 @@ import kubernetes.client
 import pytest
 from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, delete_pod
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from devkit import dashboard
 from devkit.operator import OperatorProcess
@@ -71,8 +72,8 @@ def run_short_job(
     prometheus: Prometheus,
 ) -> None:
     """Two rounds of three then two nodes, the member lost between them seen waiting by
-    Prometheus, a third round after a worker failure, and a rendezvous flooded with
-    unreadable requests."""
+    Prometheus, a third round after a worker failure, a rendezvous closed by its first
+    failure (a restart budget of 0), and one flooded with unreadable requests."""
     rdzv = make_rendezvous(2, 3)
     nodes = make_nodes(rdzv, 3)
     fixtures.join_all(nodes)
@@ -93,6 +94,11 @@ def run_short_job(
     fixtures.join_all(nodes[:1])
     rejoining.wait(30)
     assert rdzv.status().restarts == 1
+    no_budget = make_rendezvous(1, 1, maxRestarts=0)
+    (alone,) = make_nodes(no_budget, 1)
+    fixtures.join_all([alone])
+    with pytest.raises(RendezvousClosedError):
+        alone.handler.next_rendezvous()  # its workers failed: the budget of 0 is spent
     flooded = make_rendezvous(1, 1)
     write_unreadable_requests(admin_api, flooded, 11)
 
@@ -165,6 +171,13 @@ def test_every_panel_of_the_dashboard_answers_after_a_short_job(
             f'increase(k8s_rendezvous_events_suppressed_total{{job="{SCRAPE_JOB}"}}[1m]) > 0'
         )
         assert [s["metric"]["budget"] for s in suppressed] == ["rendezvous"], suppressed
+        closed = prometheus.query(
+            f'increase(k8s_rendezvous_closed_total{{job="{SCRAPE_JOB}"}}[1m]) > 0'
+        )
+        assert [s["metric"]["reason"] for s in closed] == ["RestartsExhausted"], closed
+        (spent,) = [t for t in targets if t.legend == "closed, budget spent"]
+        spent_peak = f"max_over_time(({dashboard.promql(spent.expr, variables)})[1m:1s]) > 0"
+        assert prometheus.query(spent_peak), f"the spent budget drawn: {spent_peak}"
 
         if answers := os.environ.get(ANSWERS_ENV):
             hold = float(os.environ.get(HOLD_ENV, "0"))
