@@ -157,45 +157,8 @@ class Run:
             "torchrun_args": TORCHRUN_ARGS,
         }
         manifest = job_manifest(self.name, trainer, **common)
-        spec = manifest["spec"]["template"]["spec"]
-        container = spec["containers"][0]
         if self.backend == "c10d":
-            # Not annotated: the operator leaves it alone. The endpoint arrives in a file.
-            manifest["metadata"]["annotations"] = {}
-            torchrun = container["command"]
-            command = " ".join(
-                [
-                    torchrun[0],
-                    "--rdzv-backend=c10d",
-                    '--rdzv-endpoint="$(cat /bench/endpoint)"',
-                    # c10d hands out each node's hostname, which only a cluster DNS (a
-                    # headless Service) resolves; without one, users give the pod's IP.
-                    '--local-addr="$POD_IP"',
-                    f"--rdzv-id={self.name}",
-                    f"--nnodes=2:{PODS}",
-                    *torchrun[1:],
-                ]
-            )
-            container["command"] = [
-                "/bin/sh",
-                "-c",
-                f"while [ ! -s /bench/endpoint ]; do sleep 0.1; done; exec {command}",
-            ]
-            container["env"] += [
-                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                # A store per round: with c10d's shared one, a new world's gloo group reads
-                # the last world's addresses and never forms (bench/recovery.py).
-                *(
-                    {"name": name, "value": value}
-                    for name, value in recovery.C10D_OWN_STORE_ENV.items()
-                ),
-            ]
-            spec["volumes"].append(
-                {"name": "bench", "hostPath": {"path": str(self.shared), "type": "Directory"}}
-            )
-            container["volumeMounts"].append(
-                {"name": "bench", "mountPath": "/bench", "readOnly": True}
-            )
+            as_c10d(manifest, self.name, f"2:{PODS}", self.shared)
         return manifest
 
     def start(self) -> tuple[TrainingJob, World, str]:
@@ -401,6 +364,47 @@ class Run:
         with contextlib.suppress(kubernetes.client.exceptions.ApiException):
             self.core.delete_namespace(self.namespace, grace_period_seconds=0)
         shutil.rmtree(self.shared, ignore_errors=True)
+
+
+def as_c10d(manifest: Json, run_id: str, nnodes: str, shared: Path, conf: str = "") -> None:
+    """``manifest`` (a Job of :func:`devkit.training.job_manifest`) changed in place to run
+    torch's c10d backend as users run it without a cluster DNS: not annotated (the operator
+    leaves it alone), its endpoint the host pod's IP, read from ``shared``/endpoint once
+    the harness writes it there, each node's pod IP as ``--local-addr``, a store per round;
+    ``conf`` is its ``--rdzv-conf``."""
+    spec = manifest["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    manifest["metadata"]["annotations"] = {}
+    torchrun = container["command"]
+    command = " ".join(
+        [
+            torchrun[0],
+            "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$(cat /bench/endpoint)"',
+            # c10d hands out each node's hostname, which only a cluster DNS (a headless
+            # Service) resolves; without one, users give the pod's IP.
+            '--local-addr="$POD_IP"',
+            f"--rdzv-id={run_id}",
+            f"--nnodes={nnodes}",
+            *([f"--rdzv-conf={conf}"] if conf else []),
+            *torchrun[1:],
+        ]
+    )
+    container["command"] = [
+        "/bin/sh",
+        "-c",
+        f"while [ ! -s /bench/endpoint ]; do sleep 0.1; done; exec {command}",
+    ]
+    container["env"] += [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # A store per round: with c10d's shared one, a new world's gloo group reads the
+        # last world's addresses and never forms (bench/recovery.py).
+        *({"name": name, "value": value} for name, value in recovery.C10D_OWN_STORE_ENV.items()),
+    ]
+    spec["volumes"].append(
+        {"name": "bench", "hostPath": {"path": str(shared), "type": "Directory"}}
+    )
+    container["volumeMounts"].append({"name": "bench", "mountPath": "/bench", "readOnly": True})
 
 
 def _bracketed(address: str) -> str:

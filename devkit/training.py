@@ -333,9 +333,26 @@ def agent_pid(pod: dict[str, Any]) -> int:
 
 
 def worker_pid(pod: dict[str, Any]) -> int:
-    (pid,) = [
-        p
-        for p, cmd in pod_processes(pod).items()
-        if "elastic_train.py" in cmd and "/torchrun " not in cmd
-    ]
+    """The pod's worker: the process running the training script or, started warm
+    (k8s_rendezvous.warm), the zygote's fork that runs it (the client the agent started
+    only stands in for it)."""
+    processes = pod_processes(pod)
+    zygotes = {pid for pid, cmd in processes.items() if "k8s_rendezvous.warm --zygote" in cmd}
+    forks = [pid for pid in zygotes if _parent(pid) in zygotes]
+    if not forks:
+        forks = [
+            pid
+            for pid, cmd in processes.items()
+            if "elastic_train" in cmd and "/torchrun " not in cmd
+        ]
+    (pid,) = forks
     return pid
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command in parentheses may hold spaces: the fields after its ")" are fixed.
+    return int(stat.rpartition(")")[2].split()[1])

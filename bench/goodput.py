@@ -1,0 +1,854 @@
+"""Goodput under a fault schedule, on real nodes, ours beside torch's c10d.
+
+    python bench/goodput.py                               # every configuration, 20 min each
+    python bench/goodput.py --minutes 4 --configs ours    # a short look at one
+
+Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
+real nodes, installs the chart with the operator image built here, and for each
+configuration trains examples/elastic_train.py (gloo, one worker per pod, 4 pods in the
+world) for ``--minutes`` while the same seeded schedule injects a fault every 60-90 s,
+drawn in turn from a shuffled deck of every kind (:data:`FAULTS`). Configurations
+(:data:`CONFIGS`): torch's c10d tuned as users run it without a cluster DNS; ours by
+default; ours with warm worker starts, in-place re-forming and one spare pod.
+
+The workers append one JSON line per step to a file per pod on a hostPath, so that what a
+deleted pod or a lost node trained is still counted. From those lines, for each
+configuration:
+
+- **goodput**: the steps trained, each weighed by its world's size over the full world's,
+  over what the undisturbed pace (measured from the first full world's first step to the
+  first fault) trains in the same wall time;
+- per fault: the **stall** (from the fault to the first step after the longest pause it
+  caused; 0 when training never paused), the **full world** (to the first step of a world
+  of 4 again), the **steps lost** (the undisturbed pace's steps until the next fault, less
+  those trained), and the **rank churn** (ranks held by another pod in the first full
+  world after the fault than before it: 1 when a newcomer takes the lost rank);
+- the **invariant checks**: every world's ranks dense and each held by one pod; no two
+  worlds training at once; for ours, the recorded Rendezvous history (tests/support/
+  invariants.py) and no sealed round keeping a member whose Pod is gone or terminal for
+  more than :data:`DEAD_MEMBER_GRACE` s; at the end, a full world training (no agent
+  stuck).
+
+Rank 0 (and c10d's store host) is never a victim, nor is its node drained or lost: c10d's
+rendezvous does not survive losing its store. Every torchrun runs with
+``--max-restarts=100`` (a budget for hours, as long runs set it) and Jobs with
+``backoffLimit: 100``.
+
+Results: bench/results/goodput/ (results.json, results.md, timeline.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import kubernetes.client  # noqa: E402
+from tests.support import invariants  # noqa: E402
+
+from bench import real_nodes  # noqa: E402
+from devkit import chart, namespaces  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
+from devkit.nodepool import NodePool, build_node_images  # noqa: E402
+from devkit.training import (  # noqa: E402
+    TrainingJob,
+    agent_pid,
+    create_job,
+    job_manifest,
+    operator_leader,
+    pod_processes,
+    wait_webhook_served_by_leader_alone,
+    worker_pid,
+)
+from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
+from k8s_rendezvous import state  # noqa: E402
+
+FAULTS = {
+    "worker": "a worker SIGKILLed",
+    "container": "an agent's container SIGKILLed (restartPolicy Never: the pod fails)",
+    "pod": "a pod deleted",
+    "drain": "a node cordoned and the Job's pods on it evicted; uncordoned after REPAIR_SECONDS",
+    "node": "a node lost (kubelet killed, network cut); restored after REPAIR_SECONDS",
+    "leader": "the operator's leader SIGKILLed",
+    "apiserver": "the API server stopped and started again",
+}
+NODE_FAULTS = ("drain", "node")
+POD_FAULTS = ("worker", "container", "pod", *NODE_FAULTS)
+"""Faults that take a pod of the Job (the others take the control plane's)."""
+GAP_SECONDS = (60.0, 90.0)
+REPAIR_SECONDS = 45.0
+FULL = 4
+STEP_SECONDS = 0.25
+TORCHRUN_ARGS = ("--max-restarts=100",)
+DEAD_MEMBER_GRACE = 5.0
+"""A sealed round may name a member whose pod just went for as long as the operator takes
+to notice (milliseconds; a few seconds while its leader or the API server restarts)."""
+OUT = REPO / "bench" / "results" / "goodput"
+IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
+Json = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    description: str
+    pods: int = FULL
+    rdzv_conf: str = ""
+    in_place: bool = False
+    """Workers re-form in place (examples/elastic_train_in_place.py)."""
+    warm: bool = False
+    """Workers forked from the agent's zygote (``-m k8s_rendezvous.warm``)."""
+
+    @property
+    def c10d(self) -> bool:
+        return self.name == "c10d"
+
+
+CONFIGS = {
+    "c10d": Config(
+        "c10d",
+        "torch's c10d: the store host's pod IP, pod IPs as --local-addr, a store per round, "
+        "last_call_timeout=5",
+        rdzv_conf="last_call_timeout=5",
+    ),
+    "ours": Config("ours", "ours by default"),
+    "ours-spare": Config(
+        "ours-spare",
+        "ours with warm worker starts, in-place re-forming and one spare pod",
+        pods=FULL + 1,
+        rdzv_conf="warm_start=1,in_place=1",
+        in_place=True,
+        warm=True,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    at: float
+    """Seconds after the schedule starts."""
+    kind: str
+
+
+def schedule(seed: int, seconds: float, kinds: Sequence[str]) -> list[Fault]:
+    """A fault every GAP_SECONDS (uniform) within ``seconds``, each kind in turn from a
+    deck shuffled anew once dealt, so that every kind comes about as often."""
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    deck: list[str] = []
+    at = rng.uniform(*GAP_SECONDS)
+    while at < seconds:
+        if not deck:
+            deck = list(kinds)
+            rng.shuffle(deck)
+        faults.append(Fault(round(at, 1), deck.pop()))
+        at += rng.uniform(*GAP_SECONDS)
+    return faults
+
+
+# -- what the workers' lines say (pure) -----------------------------------------------
+
+
+def world_key(line: Json) -> tuple[str, int, int | None]:
+    """A world: its master, its size and, re-formed in place, its round (the master
+    stays while the world changes)."""
+    return (str(line["master"]), int(line["world_size"]), line.get("round"))
+
+
+def rank_zero_steps(lines: Iterable[Json]) -> list[Json]:
+    """Rank 0's lines, by time: one per step every rank completed (its all-reduce)."""
+    return sorted((line for line in lines if line["rank"] == 0), key=lambda line: line["time"])
+
+
+def weighed(steps: Iterable[Json], full: int = FULL) -> float:
+    return sum(int(line["world_size"]) / full for line in steps)
+
+
+def undisturbed_pace(steps: Sequence[Json], until: float, full: int = FULL) -> tuple[float, float]:
+    """(when the first full world took its first step, its steps per second until
+    ``until``)."""
+    full_steps = [line for line in steps if line["world_size"] == full]
+    if not full_steps:
+        raise ValueError("no world of the full size ever trained")
+    began = full_steps[0]["time"]
+    trained = [line for line in full_steps if began <= line["time"] < until]
+    if until <= began or len(trained) < 2:
+        raise ValueError("the first full world did not train before the first fault")
+    return began, (len(trained) - 1) / (trained[-1]["time"] - began)
+
+
+def trained_full_world(lines: Sequence[Json], full: int = FULL) -> dict[int, str] | None:
+    """The pod of each rank of the latest world of ``full``, if every rank has trained."""
+    steps = [line for line in rank_zero_steps(lines) if line["world_size"] == full]
+    if not steps:
+        return None
+    ranks = ranks_at(lines, world_key(steps[-1]))
+    return ranks if len(ranks) == full else None
+
+
+def latest_world(lines: Sequence[Json]) -> dict[int, str] | None:
+    """The pod of each rank of the world rank 0 trained in last."""
+    steps = rank_zero_steps(lines)
+    return ranks_at(lines, world_key(steps[-1])) if steps else None
+
+
+def ranks_at(lines: Iterable[Json], key: tuple[str, int, int | None]) -> dict[int, str]:
+    return {int(line["rank"]): str(line["pod"]) for line in lines if world_key(line) == key}
+
+
+def fault_effect(
+    steps: Sequence[Json],
+    lines: Sequence[Json],
+    at: float,
+    until: float,
+    pace: float,
+    full: int = FULL,
+) -> Json:
+    """What a fault at ``at`` cost until ``until`` (the next fault or the end)."""
+    before = [line for line in steps if line["time"] <= at]
+    after = [line for line in steps if at < line["time"] < until]
+    effect: Json = {
+        "stall": None,
+        "full_world": None,
+        "steps_lost": round(pace * (until - at) - weighed(after, full), 1),
+        "rank_churn": None,
+        "world_before": before[-1]["world_size"] if before else None,
+        "world_after": after[-1]["world_size"] if after else None,
+    }
+    if not after:
+        return effect
+    # The longest pause from the fault on: a pause shorter than three steps is the pace.
+    previous = before[-1]["time"] if before else at
+    longest, resumed = 0.0, after[0]["time"]
+    for line in after:
+        if line["time"] - previous > longest:
+            longest, resumed = line["time"] - previous, line["time"]
+        previous = line["time"]
+    effect["stall"] = round(resumed - at, 3) if longest > 3 * STEP_SECONDS else 0.0
+    first_full = next((line for line in after if line["world_size"] == full), None)
+    if first_full is not None:
+        effect["full_world"] = round(first_full["time"] - at, 3)
+        if before:
+            held = ranks_at(lines, world_key(before[-1]))
+            now = ranks_at(lines, world_key(first_full))
+            effect["rank_churn"] = sum(
+                1 for rank in set(held) | set(now) if held.get(rank) != now.get(rank)
+            )
+    return effect
+
+
+def world_violations(lines: Sequence[Json], overlap: float = 1.0) -> list[str]:
+    """Worlds whose ranks are not 0..n-1 each held by one pod, and two worlds training at
+    once (rank 0 of each within the other's span by more than ``overlap`` s)."""
+    found: list[str] = []
+    holders: dict[tuple[str, int, int | None], dict[int, set[str]]] = {}
+    spans: dict[tuple[str, int, int | None], list[float]] = {}
+    for line in lines:
+        key = world_key(line)
+        holders.setdefault(key, {}).setdefault(int(line["rank"]), set()).add(str(line["pod"]))
+        if line["rank"] == 0:
+            span = spans.setdefault(key, [line["time"], line["time"]])
+            span[0], span[1] = min(span[0], line["time"]), max(span[1], line["time"])
+    for key, ranks in holders.items():
+        if sorted(ranks) != list(range(key[1])):
+            found.append(f"world {key}: ranks {sorted(ranks)}")
+        for rank, pods in ranks.items():
+            if len(pods) > 1:
+                found.append(f"world {key}: rank {rank} held by {sorted(pods)}")
+    ordered = sorted(spans.items(), key=lambda item: item[1][0])
+    for (key, span), (other, later) in itertools.pairwise(ordered):
+        if later[0] < span[1] - overlap:
+            found.append(f"worlds {key} and {other} trained at once until {span[1]:.1f}")
+    return found
+
+
+def worlds(lines: Sequence[Json]) -> list[Json]:
+    """Each world, in order: its key, the pod of each rank, when rank 0 trained in it."""
+    spans: dict[tuple[str, int, int | None], list[float]] = {}
+    for line in rank_zero_steps(lines):
+        spans.setdefault(world_key(line), []).append(line["time"])
+    return [
+        {
+            "world": list(key),
+            "ranks": ranks_at(lines, key),
+            "first": min(times),
+            "last": max(times),
+            "steps": len(times),
+        }
+        for key, times in sorted(spans.items(), key=lambda item: min(item[1]))
+    ]
+
+
+def summarize(faults: Sequence[Json]) -> dict[str, Json]:
+    """Per fault kind: median and max of stall and full world, median steps lost and
+    rank churn."""
+
+    def stats(values: list[float]) -> Json:
+        if not values:
+            return {"median": None, "max": None}
+        return {"median": round(statistics.median(values), 2), "max": round(max(values), 2)}
+
+    by_kind: dict[str, Json] = {}
+    for kind in sorted({fault["kind"] for fault in faults}):
+        of_kind = [fault for fault in faults if fault["kind"] == kind]
+        by_kind[kind] = {
+            "count": len(of_kind),
+            "unresolved": sum(1 for fault in of_kind if fault["full_world"] is None),
+            **{
+                name: stats([f[name] for f in of_kind if f[name] is not None])
+                for name in ("sealed", "stall", "full_world", "steps_lost", "rank_churn")
+            },
+        }
+    return by_kind
+
+
+def read_lines(directory: Path) -> list[Json]:
+    """Every whole line the workers wrote (one being written when read is left out)."""
+    lines: list[Json] = []
+    for path in sorted(directory.glob("*.jsonl")):
+        for text in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                lines.append(json.loads(text))
+    return lines
+
+
+def sealed_after(rounds: Sequence[tuple[float, str, int]], at: float, until: float) -> float | None:
+    """From ``at`` to the first round sealed before ``until`` after the one of that time
+    (ours only)."""
+    before = [round_ for seen, _, round_ in rounds if seen <= at]
+    current = before[-1] if before else 0
+    return next(
+        (
+            round(seen - at, 3)
+            for seen, phase, round_ in rounds
+            if at < seen < until and phase == state.RoundState.SEALED.value and round_ > current
+        ),
+        None,
+    )
+
+
+def analyze(
+    lines: list[Json],
+    faults: Sequence[Json],
+    began: float,
+    ended: float,
+    rounds: Sequence[tuple[float, str, int]] = (),
+) -> Json:
+    """Goodput, per-fault effects and the workers' invariants of one run; fault times
+    are host clock, ``rounds`` the Rendezvous' (host clock, state, round) as seen."""
+    steps = rank_zero_steps(line for line in lines if line["time"] >= began)
+    first_fault = faults[0]["at"] if faults else ended
+    start, pace = undisturbed_pace(steps, first_fault)
+    trained = [line for line in steps if start <= line["time"] <= ended]
+    effects = []
+    for index, fault in enumerate(faults):
+        until = faults[index + 1]["at"] if index + 1 < len(faults) else ended
+        effect = fault_effect(steps, lines, fault["at"], until, pace)
+        effect["sealed"] = sealed_after(rounds, fault["at"], until) if rounds else None
+        effects.append({**fault, **effect})
+    return {
+        "pace": round(pace, 3),
+        "goodput": round(weighed(trained) / (pace * (ended - start)), 4),
+        "steps": len(trained),
+        "seconds": round(ended - start, 1),
+        "faults": effects,
+        "by_kind": summarize(effects),
+        "violations": world_violations(lines),
+        "worlds": worlds(lines),
+    }
+
+
+# -- the run on real nodes --------------------------------------------------------------
+
+
+class Run:
+    """One configuration: its Job training through the schedule."""
+
+    def __init__(
+        self, pool: NodePool, api: kubernetes.client.ApiClient, config: Config, seed: int
+    ) -> None:
+        self.pool = pool
+        self.api = api
+        self.config = config
+        self.seed = seed
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.namespace = f"goodput-{uuid.uuid4().hex[:8]}"
+        self.name = config.name
+        self.shared = Path(tempfile.mkdtemp(prefix="k8s-rdzv-goodput-"))
+        self.shared.chmod(0o755)
+        self.progress = self.shared / "progress"
+        self.progress.mkdir()
+        self.progress.chmod(0o777)  # the workers' user writes its pod's file here
+        self.violations: list[str] = []
+        self._dead_members: dict[tuple[int, str], float] = {}
+        self._repairs: list[tuple[float, str, str]] = []
+        self._rounds: list[tuple[float, str, int]] = []
+        """(host clock, state, round) of each version of the Rendezvous seen."""
+
+    def manifest(self) -> Json:
+        script = str(IN_PLACE_SCRIPT) if self.config.in_place else "train.py"
+        words = [
+            "torchrun",
+            "--nproc-per-node=1",
+            *TORCHRUN_ARGS,
+            *([f"--rdzv-conf={self.config.rdzv_conf}"] if not self.config.c10d else []),
+            *(["-m", "k8s_rendezvous.warm"] if self.config.warm else []),
+            script,
+            "--steps",
+            "10000000",
+            "--step-seconds",
+            str(STEP_SECONDS),
+        ]
+        manifest = job_manifest(
+            self.name,
+            self.pool.images["trainer"].reference,
+            parallelism=self.config.pods,
+            nodes=f"2:{FULL}",
+            backoff_limit=100,
+            command=words,
+        )
+        pod_spec = manifest["spec"]["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        container["env"] = [
+            variable for variable in container["env"] if variable["name"] != "TRAIN_PROGRESS_FILE"
+        ] + [
+            {"name": "BENCH_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "TRAIN_PROGRESS_FILE", "value": "/progress/$(BENCH_POD).jsonl"},
+        ]
+        pod_spec["volumes"].append(
+            {"name": "progress", "hostPath": {"path": str(self.progress), "type": "Directory"}}
+        )
+        container["volumeMounts"].append({"name": "progress", "mountPath": "/progress"})
+        if self.config.c10d:
+            real_nodes.as_c10d(manifest, self.name, f"2:{FULL}", self.shared, self.config.rdzv_conf)
+        return manifest
+
+    def run(self, minutes: float) -> Json:
+        namespaces.create(self.api, self.namespace)
+        job = create_job(self.api, self.namespace, self.manifest())
+        recorder = None
+        stop = threading.Event()
+        if not self.config.c10d:
+            recorder = invariants.Recorder(self.api, self.namespace, self.name)
+            threading.Thread(target=self._watch_members, args=(stop,), daemon=True).start()
+            custom = kubernetes.client.CustomObjectsApi(self.api)
+            real_nodes.watch_in_thread(
+                stop,
+                lambda: (
+                    custom.list_namespaced_custom_object,
+                    (state.GROUP, state.VERSION, self.namespace, state.PLURAL),
+                    {"field_selector": f"metadata.name={self.name}"},
+                ),
+                self._on_rendezvous,
+            )
+        try:
+            protected = self._start(job)
+            began = time.time()
+            planned = schedule(self.seed, minutes * 60, list(FAULTS))
+            injected = self._follow(job, protected, planned, began, minutes * 60)
+            ended = time.time()
+            self._check_end()
+        finally:
+            stop.set()
+            while self._repairs:
+                self._repair(self._repairs[0][2])
+            if recorder is not None:
+                with contextlib.suppress(Exception):
+                    recorder.catch_up()
+                recorder.stop()
+            with contextlib.suppress(kubernetes.client.exceptions.ApiException):
+                self.core.delete_namespace(self.namespace, grace_period_seconds=0)
+            # Its workers write into the directory until their kubelets have stopped them.
+            with contextlib.suppress(WaitTimeout):
+                wait_for(
+                    lambda: not job.pods(),
+                    120,
+                    "the Job's pods gone",
+                    max_interval=2.0,
+                    ignore=(kubernetes.client.exceptions.ApiException,),
+                )
+            lines = read_lines(self.progress)
+            shutil.rmtree(self.shared, ignore_errors=True)
+        if recorder is not None and recorder.spec is not None:
+            try:
+                invariants.check(state.RendezvousSpec.from_dict(recorder.spec), recorder.statuses())
+            except invariants.Violation as violation:
+                self.violations.append(f"rendezvous history: {violation}")
+        result = analyze(lines, injected, began, ended, self._rounds)
+        result["violations"] += self.violations + [
+            f"round {round_}: member {pod} dead for more than {DEAD_MEMBER_GRACE} s"
+            for (round_, pod), seen in self._dead_members.items()
+            if seen > DEAD_MEMBER_GRACE
+        ]
+        return {
+            "config": self.name,
+            "description": self.config.description,
+            "began": began,
+            "ended": ended,
+            **result,
+            "timeline": [
+                [line["time"] - began, line["world_size"]] for line in rank_zero_steps(lines)
+            ],
+        }
+
+    def _start(self, job: TrainingJob) -> str:
+        """Until a world of FULL trains; returns the pod never to be a victim."""
+        protected = ""
+        if self.config.c10d:
+            pods = wait_for(
+                lambda: pods if len(pods := job.running_pods()) == self.config.pods else None,
+                180,
+                "the Job's pods running",
+                ignore=(kubernetes.client.exceptions.ApiException,),
+            )
+            host = pods[0]
+            protected = host["metadata"]["name"]
+            address = host["status"]["podIP"]
+            host_address = f"[{address}]" if ":" in address else address
+            (self.shared / "endpoint").write_text(f"{host_address}:{real_nodes.C10D_PORT}\n")
+        ranks = wait_for(
+            lambda: trained_full_world(read_lines(self.progress)),
+            300,
+            f"a world of {FULL} training (lines in {self.progress})",
+            max_interval=2.0,
+        )
+        return protected or ranks[0]
+
+    def _follow(
+        self, job: TrainingJob, protected: str, planned: list[Fault], began: float, seconds: float
+    ) -> list[Json]:
+        """Inject each planned fault at its time and each repair at its own; returns the
+        faults as injected (host clock, victim, what was done)."""
+        injected: list[Json] = []
+        pending = list(planned)
+        while True:
+            now = time.time() - began
+            for node in {node for at, _, node in self._repairs if at <= now}:
+                self._repair(node)
+            if pending and pending[0].at <= now:
+                fault = pending.pop(0)
+                injected.append(self._inject(job, protected, fault, began))
+                print(f"[goodput] {self.name}: {json.dumps(injected[-1])}", flush=True)
+                continue
+            if now >= seconds:
+                return injected
+            wakes = [seconds, *(r[0] for r in self._repairs), *(f.at for f in pending[:1])]
+            time.sleep(max(0.0, min(wakes) - now))
+
+    def _inject(self, job: TrainingJob, protected: str, fault: Fault, began: float) -> Json:
+        running = job.running_pods()
+        # A member of the world training now (a waiting spare has no worker to lose).
+        members = set((latest_world(read_lines(self.progress)) or {}).values())
+        pods = [
+            p
+            for p in running
+            if p["metadata"]["name"] in members and p["metadata"]["name"] != protected
+        ]
+        guarded = next((p for p in running if p["metadata"]["name"] == protected), None)
+        kind = fault.kind
+        rng = random.Random(f"{self.seed}-{fault.at}")
+        if kind in NODE_FAULTS:
+            away = [
+                p
+                for p in pods
+                if guarded is not None
+                and p["spec"]["nodeName"] != guarded["spec"]["nodeName"]
+                and not any(r[2] == p["spec"]["nodeName"] for r in self._repairs)
+            ]
+            if not away:
+                kind = "pod"  # every pod is on rank 0's node: nothing else to lose
+            else:
+                pods = away
+        victim = None
+        if kind in POD_FAULTS and pods:
+            victim = rng.choice(sorted(pods, key=lambda p: p["metadata"]["name"]))
+        record: Json = {"planned": fault.kind, "kind": kind, "victim": None, "node": None}
+        if kind in POD_FAULTS and victim is None:
+            record["at"] = time.time()
+            record["kind"] = "none (no pod to take)"
+            return record
+        if victim is not None:
+            record["victim"] = victim["metadata"]["name"]
+            record["node"] = victim["spec"]["nodeName"]
+        nodes = self.pool.nodes
+        assert nodes is not None
+        if kind == "worker":
+            assert victim is not None
+            pid = worker_pid(victim)
+            record["at"] = time.time()
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "container":
+            assert victim is not None
+            pid = agent_pid(victim)
+            record["at"] = time.time()
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "pod":
+            record["at"] = time.time()
+            self.core.delete_namespaced_pod(record["victim"], self.namespace)
+        elif kind == "drain":
+            node = record["node"]
+            record["at"] = time.time()
+            self.pool.control_plane.kubectl("cordon", node)
+            for pod in job.running_pods():
+                if pod["spec"]["nodeName"] == node:
+                    name = pod["metadata"]["name"]
+                    with contextlib.suppress(kubernetes.client.exceptions.ApiException):
+                        self.core.create_namespaced_pod_eviction(
+                            name,
+                            self.namespace,
+                            {"metadata": {"name": name, "namespace": self.namespace}},
+                        )
+            self._repairs.append((record["at"] - began + REPAIR_SECONDS, "drain", node))
+        elif kind == "node":
+            node = record["node"]
+            record["at"] = time.time()
+            nodes.kill_kubelet(node)
+            nodes.cut_network(node)
+            self._repairs.append((record["at"] - began + REPAIR_SECONDS, "node", node))
+        elif kind == "leader":
+            leader = operator_leader(self.api).partition("_")[0]
+            pod = read_object(self.core.read_namespaced_pod, leader, chart.NAMESPACE)
+            pids = [p for p, cmd in pod_processes(pod).items() if "rendezvous" in cmd]
+            record["victim"], record["node"] = leader, dig(pod, "spec", "nodeName")
+            record["at"] = time.time()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        else:
+            record["at"] = time.time()
+            self.pool.control_plane.stop_apiserver()
+            self.pool.control_plane.start_apiserver()
+        return record
+
+    def _repair(self, node: str) -> None:
+        nodes = self.pool.nodes
+        assert nodes is not None
+        lost = [r for r in self._repairs if r[2] == node]
+        for repair in lost:
+            self._repairs.remove(repair)
+        with contextlib.suppress(Exception):
+            nodes.restore_network(node)
+        with contextlib.suppress(Exception):
+            nodes.start_kubelet(node)
+        with contextlib.suppress(Exception):
+            self.pool.control_plane.kubectl("uncordon", node)
+        with contextlib.suppress(Exception):
+            wait_webhook_served_by_leader_alone(self.api)
+
+    def _on_rendezvous(self, event: Json) -> None:
+        status = event["object"].get("status") or {}
+        self._rounds.append((time.time(), str(status.get("state")), int(status.get("round") or 0)))
+
+    def _watch_members(self, stop: threading.Event) -> None:
+        """Sample the sealed round's members against their Pods every second."""
+        custom = kubernetes.client.CustomObjectsApi(self.api)
+        first_seen: dict[tuple[int, str], float] = {}
+        while not stop.wait(1.0):
+            try:
+                body: Json = custom.get_namespaced_custom_object(
+                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+                )
+                pods = {
+                    p["metadata"]["name"]: p
+                    for p in read_object(self.core.list_namespaced_pod, self.namespace)["items"]
+                }
+            except Exception:
+                continue  # the API server restarting: the next sample sees
+            status = state.RendezvousStatus.from_dict(body.get("status"))
+            if status.state is not state.RoundState.SEALED:
+                continue
+            now = time.time()
+            for member in status.members:
+                pod = pods.get(member.node)
+                dead = (
+                    pod is None
+                    or pod["metadata"].get("deletionTimestamp")
+                    or dig(pod, "status", "phase") in ("Failed", "Succeeded")
+                )
+                key = (status.round, member.node)
+                if dead:
+                    since = first_seen.setdefault(key, now)
+                    self._dead_members[key] = now - since
+
+    def _check_end(self) -> None:
+        """With every node repaired, a world of FULL trains within two minutes: no agent
+        is stuck."""
+        while self._repairs:
+            self._repair(self._repairs[0][2])
+        after = time.time()
+        try:
+            wait_for(
+                lambda: any(
+                    line["time"] > after and line["world_size"] == FULL
+                    for line in rank_zero_steps(read_lines(self.progress))
+                ),
+                120,
+                "a full world training after the last repair",
+                max_interval=2.0,
+            )
+        except WaitTimeout:
+            self.violations.append("no world of the full size trained within 120 s of the end")
+
+
+def table(results: Sequence[Json]) -> str:
+    lines = [
+        "| configuration | goodput | steps | pace (steps/s) | faults | violations |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        if "error" in result:
+            lines.append(f"| {result['config']} | error: {result['error'][:200]} | | | | |")
+            continue
+        lines.append(
+            f"| {result['config']} | {result['goodput']:.1%} | {result['steps']} | "
+            f"{result['pace']} | {len(result['faults'])} | {len(result['violations'])} |"
+        )
+    lines += [
+        "",
+        "Per fault kind, seconds from the fault (median / max): the round sealed (ours), "
+        "the stall, the full world training again; steps lost and rank churn (median).",
+        "",
+        "| fault | configuration | n | sealed | stall | full world | steps lost | rank churn |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def spread(row: Json, name: str) -> str:
+        value = row[name]
+        return "-" if value["median"] is None else f"{value['median']} / {value['max']}"
+
+    shown = [r for r in results if "error" not in r]
+    for kind in sorted({k for r in shown for k in r["by_kind"]}):
+        for result in shown:
+            row = result["by_kind"].get(kind)
+            if row is None:
+                continue
+            full = spread(row, "full_world")
+            if row["unresolved"]:
+                full += f" ({row['unresolved']} never)"
+            lines.append(
+                f"| {kind} | {result['config']} | {row['count']} | {spread(row, 'sealed')} | "
+                f"{spread(row, 'stall')} | {full} | {row['steps_lost']['median']} | "
+                f"{row['rank_churn']['median']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Json], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    shown = [r for r in results if "error" not in r]
+    figure, axes = plt.subplots(len(shown), 1, figsize=(11, 2.6 * len(shown)), squeeze=False)
+    colors = dict(zip(FAULTS, plt.get_cmap("tab10").colors, strict=False))  # type: ignore[attr-defined]
+    for axis, result in zip(axes[:, 0], shown, strict=True):
+        total = 0.0
+        xs, ys = [], []
+        for at, size in result["timeline"]:
+            total += size / FULL
+            xs.append(at / 60)
+            ys.append(total)
+        axis.plot(xs, ys, color="black", linewidth=1)
+        for fault in result["faults"]:
+            kind = fault["kind"] if fault["kind"] in FAULTS else "pod"
+            axis.axvline((fault["at"] - result["began"]) / 60, color=colors[kind], linewidth=1)
+        axis.set_title(f"{result['config']}: goodput {result['goodput']:.1%}", fontsize=10)
+        axis.set_ylabel("steps (full-world)")
+    axes[-1, 0].set_xlabel("minutes")
+    handles = [Line2D([], [], color=colors[kind], label=kind) for kind in FAULTS]
+    figure.legend(handles=handles, loc="upper center", ncol=len(FAULTS), fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 0.96))
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    configs = [CONFIGS[name] for name in args.configs.split(",")]
+    images = build_node_images()
+    plane = ControlPlane(build_binaries())
+    plane.start()
+    results: list[Json] = []
+    started = time.time()
+    try:
+        with (
+            plane.api_client() as api,
+            tempfile.TemporaryDirectory(prefix="helm-", ignore_cleanup_errors=True) as helm_home,
+            tempfile.TemporaryDirectory(
+                prefix="bench-nodes-", ignore_cleanup_errors=True
+            ) as nodes_home,
+        ):
+            plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
+            helm = chart.Helm(build_binaries() / "helm", Path(helm_home), plane.kubeconfig)
+            pool = NodePool(plane, helm, api, images, Path(nodes_home))
+            pool.get(ipv6=False)
+            try:
+                for config in configs:
+                    print(f"[goodput] {config.name}: {args.minutes} min", flush=True)
+                    try:
+                        result = Run(pool, api, config, args.seed).run(args.minutes)
+                    except Exception as error:
+                        result = {
+                            "config": config.name,
+                            "error": f"{type(error).__name__}: {error}",
+                        }
+                    shown = {k: v for k, v in result.items() if k != "timeline"}
+                    print(f"[goodput] {json.dumps(shown)[:2000]}", flush=True)
+                    results.append(result)
+            finally:
+                pool.close()
+    finally:
+        plane.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python bench/goodput.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seconds": round(time.time() - started, 1),
+        "schedule": [
+            dataclasses.asdict(f) for f in schedule(args.seed, args.minutes * 60, list(FAULTS))
+        ],
+    }
+    (args.out / "results.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
+    )
+    plot(results, args.out / "timeline.png")
+    (args.out / "results.md").write_text(
+        f"# Goodput under a fault schedule, on real nodes\n\n{meta['date']}, `{meta['command']}` "
+        f"({meta['seconds']:.0f} s); how it is measured: bench/goodput.py.\n\n"
+        + table(results)
+        + "\n\n![timeline](timeline.png)\n"
+    )
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

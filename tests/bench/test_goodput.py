@@ -1,0 +1,141 @@
+"""bench/goodput.py's schedule and its reading of the workers' lines (pure): goodput, each
+fault's stall, time to the full world, steps lost and rank churn, and the worlds'
+invariants. The run on real nodes is the benchmark itself (bench/results/goodput)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from bench import goodput
+
+STEP = goodput.STEP_SECONDS
+
+
+def world(
+    master: str, pods: Sequence[str], began: float, ended: float, round_: int | None = None
+) -> list[dict[str, Any]]:
+    """The lines of a world whose rank r is ``pods[r]``, one step every STEP from
+    ``began`` until before ``ended``."""
+    lines = []
+    step = 0
+    while began + step * STEP < ended:
+        for rank, pod in enumerate(pods):
+            lines.append(
+                {
+                    "pod": pod,
+                    "rank": rank,
+                    "world_size": len(pods),
+                    "master": master,
+                    "step": step,
+                    "time": began + step * STEP,
+                    **({"round": round_} if round_ is not None else {}),
+                }
+            )
+        step += 1
+    return lines
+
+
+def test_the_schedule_is_seeded_spaced_and_deals_every_kind_in_turn() -> None:
+    kinds = list(goodput.FAULTS)
+    faults = goodput.schedule(7, 20 * 60, kinds)
+    assert faults == goodput.schedule(7, 20 * 60, kinds)
+    assert faults != goodput.schedule(8, 20 * 60, kinds)
+    low, high = goodput.GAP_SECONDS
+    assert low <= faults[0].at <= high
+    for earlier, later in itertools.pairwise(faults):
+        assert low - 0.1 <= later.at - earlier.at <= high + 0.1
+    assert faults[-1].at < 20 * 60
+    # Each whole deck holds every kind once.
+    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
+        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+
+
+def test_an_undisturbed_run_has_a_goodput_of_one() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 100.0, 400.0)
+    result = goodput.analyze(lines, [], 100.0, 400.0)
+    assert result["goodput"] == pytest.approx(1.0, abs=0.002)
+    assert result["pace"] == pytest.approx(1 / STEP, rel=1e-3)
+    assert result["violations"] == []
+
+
+def test_a_replacement_at_the_lost_rank_churns_one_rank_and_costs_its_pause() -> None:
+    pods = ["p0", "p1", "p2", "p3"]
+    lines = world("a:1", pods, 0.0, 100.0) + world("a:2", ["p0", "new", "p2", "p3"], 110.0, 200.0)
+    fault = {"kind": "pod", "at": 100.0}
+    result = goodput.analyze(lines, [fault], 0.0, 200.0)
+    (effect,) = result["faults"]
+    assert effect["stall"] == pytest.approx(10.0)
+    assert effect["full_world"] == pytest.approx(10.0)
+    assert effect["rank_churn"] == 1
+    assert effect["steps_lost"] == pytest.approx(10.0 / STEP, abs=2)
+    assert result["goodput"] == pytest.approx(190 / 200, abs=0.005)
+
+
+def test_survivors_compacted_with_the_newcomer_appended_churn_every_moved_rank() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0)
+    lines += world("a:2", ["p0", "p2", "p3"], 101.0, 130.0)
+    lines += world("a:3", ["p0", "p2", "p3", "new"], 131.0, 200.0)
+    (effect,) = goodput.analyze(lines, [{"kind": "pod", "at": 100.0}], 0.0, 200.0)["faults"]
+    assert effect["full_world"] == pytest.approx(31.0)
+    assert effect["rank_churn"] == 3  # ranks 1 and 2 moved, rank 3 is the newcomer
+    # The world of 3 trained three quarters of a full world's samples per step.
+    assert effect["steps_lost"] == pytest.approx((1 + 1 + 29 * 0.25) / STEP, abs=2)
+
+
+def test_a_fault_that_never_paused_training_has_no_stall() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 200.0)
+    (effect,) = goodput.analyze(lines, [{"kind": "leader", "at": 100.0}], 0.0, 200.0)["faults"]
+    assert (effect["stall"], effect["full_world"], effect["rank_churn"]) == (0.0, 0.25, 0)
+
+
+def test_a_full_world_that_never_came_back_is_counted_unresolved() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0)
+    lines += world("a:2", ["p0", "p1", "p2"], 105.0, 200.0)
+    result = goodput.analyze(lines, [{"kind": "node", "at": 100.0}], 0.0, 200.0)
+    assert result["faults"][0]["full_world"] is None
+    assert result["by_kind"]["node"]["unresolved"] == 1
+
+
+def test_two_worlds_at_once_and_a_rank_held_twice_are_violations() -> None:
+    lines = world("a:1", ["p0", "p1"], 0.0, 50.0) + world("b:1", ["p2", "p3"], 20.0, 60.0)
+    assert any("trained at once" in v for v in goodput.world_violations(lines))
+    twice = world("a:1", ["p0", "p1"], 0.0, 10.0) + world("a:1", ["p0", "p9"], 10.0, 20.0)
+    assert any("rank 1 held by" in v for v in goodput.world_violations(twice))
+    gap = [line for line in world("a:1", ["p0", "p1", "p2"], 0.0, 10.0) if line["rank"] != 1]
+    assert any("ranks [0, 2]" in v for v in goodput.world_violations(gap))
+
+
+def test_worlds_re_formed_in_place_are_told_apart_by_their_round() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0, round_=1)
+    lines += world("a:1", ["p0", "new", "p2", "p3"], 100.5, 200.0, round_=2)
+    result = goodput.analyze(lines, [{"kind": "pod", "at": 100.0}], 0.0, 200.0)
+    assert result["violations"] == []
+    (effect,) = result["faults"]
+    assert (effect["stall"], effect["rank_churn"]) == (0.0, 1)
+    assert [(w["world"][2], w["ranks"][1], w["steps"]) for w in result["worlds"]] == [
+        (1, "p1", 400),
+        (2, "new", 398),
+    ]
+
+
+def test_the_seal_is_timed_from_the_fault_to_the_next_round_sealed() -> None:
+    rounds = [(10.0, "Sealed", 1), (100.2, "Reforming", 1), (100.4, "Joining", 2)]
+    rounds += [(100.9, "Sealed", 2)]
+    assert goodput.sealed_after(rounds, 100.0, 200.0) == pytest.approx(0.9)
+    assert goodput.sealed_after(rounds, 100.0, 100.5) is None  # the next fault came first
+    assert goodput.sealed_after(rounds, 150.0, 200.0) is None
+
+
+def test_the_report_has_a_row_per_fault_kind_and_configuration() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0)
+    lines += world("a:2", ["p0", "new", "p2", "p3"], 110.0, 200.0)
+    rounds = [(0.0, "Sealed", 1), (100.5, "Sealed", 2)]
+    result = goodput.analyze(lines, [{"kind": "pod", "at": 100.0}], 0.0, 200.0, rounds)
+    report = goodput.table([{"config": "ours", **result}, {"config": "c10d", "error": "boom"}])
+    assert "| ours | 95.0% | 760 |" in report
+    assert "| c10d | error: boom |" in report
+    assert "| pod | ours | 1 | 0.5 / 0.5 | 10.0 / 10.0 | 10.0 / 10.0 | 40.0 | 1 |" in report
