@@ -2,6 +2,8 @@
 
     python bench/goodput.py                               # every configuration, 20 min each
     python bench/goodput.py --minutes 4 --configs ours    # a short look at one
+    python bench/goodput.py --configs ours-spare --gap 10,15 --rounds 1000 --minutes 180 \
+        --out bench/results/soak                          # the soak: dense faults, 1,000 rounds
 
 Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
 real nodes, installs the chart with the operator image built here, and for each
@@ -27,7 +29,8 @@ configuration:
   worlds training at once; for ours, the recorded Rendezvous history (tests/support/
   invariants.py) and no sealed round keeping a member whose Pod is gone or terminal for
   more than :data:`DEAD_MEMBER_GRACE` s; at the end, a full world training (no agent
-  stuck).
+  stuck); and what the run left behind once its pods are gone (processes in their
+  cgroups, network namespaces, k8s-rdzv-* entries of /tmp).
 
 Rank 0 (and c10d's store host) is never a victim, nor is its node drained or lost: c10d's
 rendezvous does not survive losing its store. Every torchrun runs with
@@ -150,19 +153,21 @@ class Fault:
     kind: str
 
 
-def schedule(seed: int, seconds: float, kinds: Sequence[str]) -> list[Fault]:
-    """A fault every GAP_SECONDS (uniform) within ``seconds``, each kind in turn from a
+def schedule(
+    seed: int, seconds: float, kinds: Sequence[str], gap: tuple[float, float] = GAP_SECONDS
+) -> list[Fault]:
+    """A fault every ``gap`` seconds (uniform) within ``seconds``, each kind in turn from a
     deck shuffled anew once dealt, so that every kind comes about as often."""
     rng = random.Random(seed)
     faults: list[Fault] = []
     deck: list[str] = []
-    at = rng.uniform(*GAP_SECONDS)
+    at = rng.uniform(*gap)
     while at < seconds:
         if not deck:
             deck = list(kinds)
             rng.shuffle(deck)
         faults.append(Fault(round(at, 1), deck.pop()))
-        at += rng.uniform(*GAP_SECONDS)
+        at += rng.uniform(*gap)
     return faults
 
 
@@ -381,13 +386,31 @@ def analyze(
 # -- the run on real nodes --------------------------------------------------------------
 
 
+def host_leftovers() -> dict[str, set[str]]:
+    """Network namespaces and k8s-rdzv-* entries of /tmp on this host (the real nodes')."""
+    netns = Path("/var/run/netns")
+    return {
+        "netns": {p.name for p in netns.iterdir()} if netns.is_dir() else set(),
+        "tmp": {p.name for p in Path(tempfile.gettempdir()).glob("k8s-rdzv-*")},
+    }
+
+
 class Run:
     """One configuration: its Job training through the schedule."""
 
     def __init__(
-        self, pool: NodePool, api: kubernetes.client.ApiClient, config: Config, seed: int
+        self,
+        pool: NodePool,
+        api: kubernetes.client.ApiClient,
+        config: Config,
+        seed: int,
+        gap: tuple[float, float] = GAP_SECONDS,
+        rounds: int | None = None,
     ) -> None:
         self.pool = pool
+        self.gap = gap
+        self.rounds = rounds
+        """Ours: end once the Rendezvous has sealed this many rounds (a soak)."""
         self.api = api
         self.config = config
         self.seed = seed
@@ -401,6 +424,7 @@ class Run:
         self.progress.chmod(0o777)  # the workers' user writes its pod's file here
         self.violations: list[str] = []
         self._dead_members: dict[tuple[int, str], float] = {}
+        self._pod_uids: set[str] = set()
         self._repairs: list[tuple[float, str, str]] = []
         self._rounds: list[tuple[float, str, int]] = []
         """(host clock, state, round) of each version of the Rendezvous seen."""
@@ -448,9 +472,10 @@ class Run:
         job = create_job(self.api, self.namespace, self.manifest())
         recorder = None
         stop = threading.Event()
+        before = host_leftovers()
+        threading.Thread(target=self._sample, args=(stop,), daemon=True).start()
         if not self.config.c10d:
             recorder = invariants.Recorder(self.api, self.namespace, self.name)
-            threading.Thread(target=self._watch_members, args=(stop,), daemon=True).start()
             custom = kubernetes.client.CustomObjectsApi(self.api)
             real_nodes.watch_in_thread(
                 stop,
@@ -464,7 +489,7 @@ class Run:
         try:
             protected = self._start(job)
             began = time.time()
-            planned = schedule(self.seed, minutes * 60, list(FAULTS))
+            planned = schedule(self.seed, minutes * 60, list(FAULTS), self.gap)
             injected = self._follow(job, protected, planned, began, minutes * 60)
             ended = time.time()
             self._check_end()
@@ -489,12 +514,15 @@ class Run:
                 )
             lines = read_lines(self.progress)
             shutil.rmtree(self.shared, ignore_errors=True)
+            leaks = self._leaks(before)
         if recorder is not None and recorder.spec is not None:
             try:
                 invariants.check(state.RendezvousSpec.from_dict(recorder.spec), recorder.statuses())
             except invariants.Violation as violation:
                 self.violations.append(f"rendezvous history: {violation}")
         result = analyze(lines, injected, began, ended, self._rounds)
+        result["leaks"] = leaks
+        result["rounds"] = max((round_ for _, _, round_ in self._rounds), default=None)
         result["violations"] += self.violations + [
             f"round {round_}: member {pod} dead for more than {DEAD_MEMBER_GRACE} s"
             for (round_, pod), seen in self._dead_members.items()
@@ -550,10 +578,14 @@ class Run:
                 injected.append(self._inject(job, protected, fault, began))
                 print(f"[goodput] {self.name}: {json.dumps(injected[-1])}", flush=True)
                 continue
-            if now >= seconds:
+            if now >= seconds or (
+                self.rounds is not None
+                and self._rounds
+                and max(round_ for _, _, round_ in self._rounds) >= self.rounds
+            ):
                 return injected
             wakes = [seconds, *(r[0] for r in self._repairs), *(f.at for f in pending[:1])]
-            time.sleep(max(0.0, min(wakes) - now))
+            time.sleep(min(max(0.0, min(wakes) - now), 1.0))
 
     def _inject(self, job: TrainingJob, protected: str, fault: Fault, began: float) -> Json:
         running = job.running_pods()
@@ -659,19 +691,23 @@ class Run:
         status = event["object"].get("status") or {}
         self._rounds.append((time.time(), str(status.get("state")), int(status.get("round") or 0)))
 
-    def _watch_members(self, stop: threading.Event) -> None:
-        """Sample the sealed round's members against their Pods every second."""
+    def _sample(self, stop: threading.Event) -> None:
+        """Every second: the uid of every pod of the run (for the leak check) and, ours,
+        the sealed round's members against their Pods."""
         custom = kubernetes.client.CustomObjectsApi(self.api)
         first_seen: dict[tuple[int, str], float] = {}
         while not stop.wait(1.0):
             try:
-                body: Json = custom.get_namespaced_custom_object(
-                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
-                )
                 pods = {
                     p["metadata"]["name"]: p
                     for p in read_object(self.core.list_namespaced_pod, self.namespace)["items"]
                 }
+                self._pod_uids |= {p["metadata"]["uid"] for p in pods.values()}
+                if self.config.c10d:
+                    continue
+                body: Json = custom.get_namespaced_custom_object(
+                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+                )
             except Exception:
                 continue  # the API server restarting: the next sample sees
             status = state.RendezvousStatus.from_dict(body.get("status"))
@@ -689,6 +725,29 @@ class Run:
                 if dead:
                     since = first_seen.setdefault(key, now)
                     self._dead_members[key] = now - since
+
+    def _leaks(self, before: dict[str, set[str]]) -> Json:
+        """What the run left once its pods are gone: processes in their cgroups, network
+        namespaces and k8s-rdzv-* entries of /tmp that were not there before it."""
+        processes = sorted(
+            int(pid)
+            for uid in self._pod_uids
+            for procs in Path("/sys/fs/cgroup/pids").rglob(f"pod{uid}/*/cgroup.procs")
+            for pid in procs.read_text().split()
+        )
+        try:
+            left = wait_for(
+                lambda: None if (now := host_leftovers())["netns"] - before["netns"] else now,
+                60,
+                "the pods' network namespaces removed",
+                max_interval=2.0,
+            )
+        except WaitTimeout:
+            left = host_leftovers()
+        return {
+            "processes": processes,
+            **{kind: sorted(left[kind] - before[kind]) for kind in left},
+        }
 
     def _check_end(self) -> None:
         """With every node repaired, a world of FULL trains within two minutes: no agent
@@ -712,16 +771,19 @@ class Run:
 
 def table(results: Sequence[Json]) -> str:
     lines = [
-        "| configuration | goodput | steps | pace (steps/s) | faults | violations |",
-        "|---|---|---|---|---|---|",
+        "| configuration | goodput | steps | pace (steps/s) | faults | rounds | violations "
+        "| left behind |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         if "error" in result:
-            lines.append(f"| {result['config']} | error: {result['error'][:200]} | | | | |")
+            lines.append(f"| {result['config']} | error: {result['error'][:200]} | | | | | | |")
             continue
         lines.append(
             f"| {result['config']} | {result['goodput']:.1%} | {result['steps']} | "
-            f"{result['pace']} | {len(result['faults'])} | {len(result['violations'])} |"
+            f"{result['pace']} | {len(result['faults'])} | {result.get('rounds') or '-'} | "
+            f"{len(result['violations'])} | "
+            f"{sum(len(found) for found in result.get('leaks', {}).values())} |"
         )
     lines += [
         "",
@@ -761,7 +823,8 @@ def plot(results: Sequence[Json], path: Path) -> None:
     from matplotlib.lines import Line2D
 
     shown = [r for r in results if "error" not in r]
-    figure, axes = plt.subplots(len(shown), 1, figsize=(11, 2.6 * len(shown)), squeeze=False)
+    height = 2.6 * len(shown) + 0.5
+    figure, axes = plt.subplots(len(shown), 1, figsize=(11, height), squeeze=False)
     colors = dict(zip(FAULTS, plt.get_cmap("tab10").colors, strict=False))  # type: ignore[attr-defined]
     for axis, result in zip(axes[:, 0], shown, strict=True):
         total = 0.0
@@ -779,7 +842,7 @@ def plot(results: Sequence[Json], path: Path) -> None:
     axes[-1, 0].set_xlabel("minutes")
     handles = [Line2D([], [], color=colors[kind], label=kind) for kind in FAULTS]
     figure.legend(handles=handles, loc="upper center", ncol=len(FAULTS), fontsize=8)
-    figure.tight_layout(rect=(0, 0, 1, 0.96))
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))  # room for the legend
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
@@ -789,9 +852,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--gap",
+        default=",".join(f"{g:g}" for g in GAP_SECONDS),
+        help="seconds between faults, MIN,MAX (default: %(default)s; a soak: 10,15)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="ours: end a configuration once this many rounds sealed"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     configs = [CONFIGS[name] for name in args.configs.split(",")]
+    low, high = (float(value) for value in args.gap.split(","))
     images = build_node_images()
     plane = ControlPlane(build_binaries())
     plane.start()
@@ -813,7 +885,8 @@ def main(argv: list[str] | None = None) -> int:
                 for config in configs:
                     print(f"[goodput] {config.name}: {args.minutes} min", flush=True)
                     try:
-                        result = Run(pool, api, config, args.seed).run(args.minutes)
+                        run = Run(pool, api, config, args.seed, (low, high), args.rounds)
+                        result = run.run(args.minutes)
                     except Exception as error:
                         result = {
                             "config": config.name,
@@ -833,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "seconds": round(time.time() - started, 1),
         "schedule": [
-            dataclasses.asdict(f) for f in schedule(args.seed, args.minutes * 60, list(FAULTS))
+            dataclasses.asdict(f)
+            for f in schedule(args.seed, args.minutes * 60, list(FAULTS), (low, high))
         ],
     }
     (args.out / "results.json").write_text(

@@ -136,6 +136,6 @@ def test_the_report_has_a_row_per_fault_kind_and_configuration() -> None:
     rounds = [(0.0, "Sealed", 1), (100.5, "Sealed", 2)]
     result = goodput.analyze(lines, [{"kind": "pod", "at": 100.0}], 0.0, 200.0, rounds)
     report = goodput.table([{"config": "ours", **result}, {"config": "c10d", "error": "boom"}])
-    assert "| ours | 95.0% | 760 |" in report
+    assert "| ours | 95.0% | 760 | 4.0 | 1 | - | 0 | 0 |" in report
     assert "| c10d | error: boom |" in report
     assert "| pod | ours | 1 | 0.5 / 0.5 | 10.0 / 10.0 | 10.0 / 10.0 | 40.0 | 1 |" in report
