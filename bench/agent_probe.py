@@ -37,6 +37,16 @@ def record(event: str, **fields: Any) -> None:
             events.write(line + "\n")
 
 
+class ReformRecorder:
+    """Records the steps of ours on the in-place path (a reformer's observer)."""
+
+    def rejoining(self) -> None:
+        record("reform")
+
+    def published(self, round_number: int, in_place: bool) -> None:
+        record("published", round=round_number, in_place=in_place)
+
+
 class ProbedAgent(launcher.LocalElasticAgent):  # type: ignore[misc, name-defined]
     """torch's local agent, unchanged but for the records around its steps."""
 
@@ -56,20 +66,10 @@ class ProbedAgent(launcher.LocalElasticAgent):  # type: ignore[misc, name-define
 
         handler.num_nodes_waiting = num_nodes_waiting
         # Ours on the in-place path: when its reformer acts on a change, and when it
-        # publishes a round to the workers (private attributes: a measurement's hooks).
-        reformer = getattr(handler, "_reformer", None)
+        # publishes a round to the workers.
+        reformer = getattr(handler, "reformer", None)
         if reformer is not None:
-            rejoin, publish = reformer._rejoin, reformer._publish
-
-            def rejoin_recorded() -> Any:
-                record("reform")
-                return rejoin()
-
-            def publish_recorded(joined: Any, first: Any) -> None:
-                publish(joined, first)
-                record("published", round=joined.status.round, in_place=first is not None)
-
-            reformer._rejoin, reformer._publish = rejoin_recorded, publish_recorded
+            reformer.observer = ReformRecorder()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
         result = super()._monitor_workers(worker_group)
