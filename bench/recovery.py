@@ -2,7 +2,7 @@
 
 A real elastic job, as the README's demo runs it: ``torchrun`` on 4 local nodes of 2 gloo
 workers each (``--nnodes=3:4``) running examples/elastic_train.py, every node a process
-tree of its own at its own loopback address, under :mod:`bench.agent_probe` (torch's
+tree of its own at its own loopback address, under :mod:`bench.probes.agent` (torch's
 launcher with its agent's steps recorded). Each trial:
 
 1. starts 4 nodes and waits until the world of 8 has trained a few steps;
@@ -121,7 +121,7 @@ their group; every worker had reconfigured the group; every rank had completed a
 
 
 class Node(LocalProcess):
-    """One node: a ``torchrun`` process tree under :mod:`bench.agent_probe` (for ours, the
+    """One node: a ``torchrun`` process tree under :mod:`bench.probes.agent` (for ours, the
     container of a Running Pod), in the environment :meth:`Trial.make_nodes` gives it."""
 
     def __init__(self, name: str, addr: str, directory: Path) -> None:
@@ -136,7 +136,7 @@ class Node(LocalProcess):
 
     def start(self, args: Sequence[str]) -> None:
         self.spawn(
-            [sys.executable, "-m", "bench.agent_probe", *args],
+            [sys.executable, "-m", "bench.probes.agent", *args],
             {
                 "LOGLEVEL": "INFO",
                 "TRAIN_PROGRESS_FILE": str(self.progress_path),

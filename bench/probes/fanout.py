@@ -1,6 +1,6 @@
 """One sealed round of 1000 members delivered to 1000 watching nodes, and nothing else.
 
-``python -m bench.fanout`` (output committed as ``results/fanout.json``) isolates the part
+``python -m bench.probes.fanout`` (output committed as ``results/fanout.json``) isolates the part
 of the 1000-node round that comes after the seal: every node's watch receives the sealed
 status (about 124 kB) and the node reads its own entry from it
 (:class:`k8s_rendezvous.state.NodeView`), exactly as the handler's round watcher does,
@@ -33,7 +33,7 @@ MEMBERS = 1000
 LAYOUTS = ((1, 1, 0), (1, 125, 0), (8, 125, 0), (16, 63, 0), (8, 125, 10), (16, 63, 10))
 """(processes, watching nodes in each, slices: 0 for the round whole)"""
 REPEATS = 2
-RESULTS = Path(__file__).parent / "results" / "fanout.json"
+RESULTS = Path(__file__).parents[1] / "results" / "fanout.json"
 
 
 def watch_in_threads(
@@ -178,7 +178,7 @@ def measure(
 
     configuration = admin.configuration
     found: dict[str, Any] = {
-        "command": ".venv/bin/python -m bench.fanout",
+        "command": ".venv/bin/python -m bench.probes.fanout",
         "members": members,
         "layouts": [],
     }
@@ -191,7 +191,7 @@ def measure(
                     [
                         sys.executable,
                         "-m",
-                        "bench.fanout",
+                        "bench.probes.fanout",
                         "child",
                         configuration.host,
                         configuration.ssl_ca_cert,

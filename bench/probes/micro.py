@@ -131,6 +131,10 @@ def _best_ms(step: Callable[[], object], repeats: int) -> float:
     return round(min(batches) * 1000, 3)
 
 
-if __name__ == "__main__":
+def main() -> None:
     found = {"tcpstore_connect": tcpstore_connect(), "sealed_status_decode": sealed_status_decode()}
     print(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()

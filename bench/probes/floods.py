@@ -1,6 +1,6 @@
 """What one hostile pod can make the operator spend, flood by flood (#30's findings 2, 3, 5).
 
-    python -m bench.floods --label after    # into results/floods.json, under "after"
+    python -m bench.probes.floods --label after    # into results/floods.json, under "after"
 
 The figures "before" are this script run from a checkout of the commit before #30's fixes
 (1173ab1) with that tree on PYTHONPATH, the repository's --out given.
@@ -57,7 +57,7 @@ from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import state
 
-RESULTS = Path(__file__).parent / "results" / "floods.json"
+RESULTS = Path(__file__).parents[1] / "results" / "floods.json"
 WINDOW_SECONDS = 30.0
 LEASES = 2000
 WARNINGS = 300
@@ -316,7 +316,7 @@ def main() -> None:
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
-            cwd=Path(__file__).parent,
+            cwd=Path(__file__).parents[1],
             check=False,
         ).stdout.strip()
         results = {"commit": commit, "window_seconds": WINDOW_SECONDS} | run(

@@ -1,5 +1,5 @@
 """The steady-state cost of the operator's reachability probes at scale, and how soon they
-drop a member that goes silent (``python -m bench.probe_cost``, about 45 s).
+drop a member that goes silent (``python -m bench.probes.reachability``, about 45 s).
 
 A real :class:`~k8s_rendezvous_operator.probing.Prober` probes N members (1,000 by default)
 once a second; their answers come from one child process, one UDP socket per member on
@@ -30,7 +30,7 @@ from k8s_rendezvous import state
 from k8s_rendezvous_operator.probing import Prober
 from k8s_rendezvous_operator.reachability import Target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench/results/probe-cost"
 INTERVAL, WINDOW = 1.0, 3.0
 COUNTS = ("requests", "replies", "bytes_in", "bytes_out")
@@ -89,7 +89,7 @@ def responders(count: int) -> None:
 
 async def measure(nodes: int, warmup: float, seconds: float) -> dict[str, Any]:
     child = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bench.probe_cost", "--child", str(nodes)),
+        *(sys.executable, "-m", "bench.probes.reachability", "--child", str(nodes)),
         cwd=ROOT,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
@@ -226,7 +226,7 @@ def main() -> None:
         responders(args.child)
         return
     found = asyncio.run(measure(args.nodes, args.warmup, args.seconds))
-    text = report(found, " ".join([".venv/bin/python -m bench.probe_cost", *sys.argv[1:]]))
+    text = report(found, " ".join([".venv/bin/python -m bench.probes.reachability", *sys.argv[1:]]))
     print(text)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(found, indent=1) + "\n")

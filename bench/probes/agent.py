@@ -1,6 +1,6 @@
 """``torchrun`` whose elastic agent records when each of its steps begins and ends.
 
-    RECOVERY_EVENTS=/path/events.jsonl python -m bench.agent_probe <torchrun arguments>
+    RECOVERY_EVENTS=/path/events.jsonl python -m bench.probes.agent <torchrun arguments>
 
 Runs exactly what ``python -m torch.distributed.run`` runs (its argument parser and
 ``run``), with the agent ``launch_agent`` builds subclassed to append one JSON line per
