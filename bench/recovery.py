@@ -2,7 +2,7 @@
 
 A real elastic job, as the README's demo runs it: ``torchrun`` on 4 local nodes of 2 gloo
 workers each (``--nnodes=3:4``) running examples/elastic_train.py, every node a process
-tree of its own at its own loopback address, under :mod:`bench.agent_probe` (torch's
+tree of its own at its own loopback address, under :mod:`bench.probes.agent` (torch's
 launcher with its agent's steps recorded). Each trial:
 
 1. starts 4 nodes and waits until the world of 8 has trained a few steps;
@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Cluster
-from devkit.processes import LOCAL_PROCESS_ENV, container_environment, kill_tree
+from devkit.processes import LocalProcess, container_environment, local_environment
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -122,64 +120,35 @@ world. In place: a survivor's collective failed (kill) or its handler began re-j
 their group; every worker had reconfigured the group; every rank had completed a step."""
 
 
-class Node:
-    """One node: a ``torchrun`` process tree (for ours, the container of a Running Pod)."""
+class Node(LocalProcess):
+    """One node: a ``torchrun`` process tree under :mod:`bench.probes.agent` (for ours, the
+    container of a Running Pod), in the environment :meth:`Trial.make_nodes` gives it."""
 
     def __init__(self, name: str, addr: str, directory: Path) -> None:
-        self.name = name
+        super().__init__(name, directory, log_name="torchrun.log")
         self.addr = addr
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
         self.progress_path = directory / "progress.jsonl"
         self.events_path = directory / "events.jsonl"
-        self.log_path = directory / "torchrun.log"
         self.env: dict[str, str] = {}
-        self.started_at: float | None = None
-        self._process: subprocess.Popen[bytes] | None = None
+
+    def environment(self) -> dict[str, str]:
+        return self.env
 
     def start(self, args: Sequence[str]) -> None:
-        # A container's /tmp is its own: torchrun's log directory, and the in-place
-        # hand-off directory of an agent the trial kills, go with the trial's logs.
-        temporary = self.directory / "tmp"
-        temporary.mkdir(exist_ok=True)
-        env = {
-            **self.env,
-            "TMPDIR": str(temporary),
-            "LOGLEVEL": "INFO",
-            "TRAIN_PROGRESS_FILE": str(self.progress_path),
-            "RECOVERY_EVENTS": str(self.events_path),
-        }
-        with self.log_path.open("ab") as log:
-            self.started_at = time.time()
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "bench.agent_probe", *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=env,
-                start_new_session=True,
-            )
-
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the whole tree, by PID. Idempotent."""
-        if self._process is not None:
-            kill_tree(self._process)
+        self.spawn(
+            [sys.executable, "-m", "bench.probes.agent", *args],
+            {
+                "LOGLEVEL": "INFO",
+                "TRAIN_PROGRESS_FILE": str(self.progress_path),
+                "RECOVERY_EVENTS": str(self.events_path),
+            },
+        )
 
     def lines(self) -> list[Json]:
         return _read_lines(self.progress_path)
 
     def events(self) -> list[Json]:
         return _read_lines(self.events_path)
-
-    def log_tail(self, count: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-count:])
-        except OSError:
-            return ""
 
 
 def _read_lines(path: Path) -> list[Json]:
@@ -214,7 +183,7 @@ def world_after(nodes: Sequence[Node], size: int, after: float, timeout: float) 
             return lines
         exited = [node.name for node in nodes if not node.running()]
         if exited or time.monotonic() > deadline:
-            tails = "\n".join(f"=== {node.name}\n{node.log_tail()}" for node in nodes)
+            tails = "\n".join(f"=== {node.name}\n{node.log_tail(15)}" for node in nodes)
             raise RuntimeError(
                 f"no world of {size} on {sorted(names)} after the event"
                 + (f" ({exited} exited)" if exited else f" within {timeout:.0f} s")
@@ -344,13 +313,7 @@ class Trial:
 
     def make_nodes(self, names_and_addresses: Mapping[str, str]) -> list[Node]:
         made = [Node(name, addr, self.work / name) for name, addr in names_and_addresses.items()]
-        base = {
-            key: value
-            for key, value in os.environ.items()
-            if key not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")
-        }
-        if self.preload:
-            base["LD_PRELOAD"] = self.preload
+        preload = {"LD_PRELOAD": self.preload} if self.preload else {}
         if self.namespace is not None:
             assert self.cluster.plane is not None
             pods = self.cluster.create_pods(
@@ -367,19 +330,15 @@ class Trial:
                     node.addr,
                     node.directory / "serviceaccount",
                 )
-                if self.preload:
-                    node.env["LD_PRELOAD"] = self.preload
+                node.env.update(preload)
         else:
             for node in made:
                 # POD_NAME: each node's name, as its pod's hostname would give it (the
                 # progress lines tell the nodes apart by it). C10D_OWN_STORE_ENV: c10d's
                 # default, one store shared by every round, never resumed training here.
-                node.env = {
-                    **base,
-                    **LOCAL_PROCESS_ENV,
-                    "POD_NAME": node.name,
-                    **C10D_OWN_STORE_ENV,
-                }
+                node.env = local_environment(
+                    {**preload, "POD_NAME": node.name, **C10D_OWN_STORE_ENV}
+                )
         self.nodes.extend(made)
         return made
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,122 @@ def _cell(stats: Json | None, digits: int = 3) -> str:
     return text
 
 
+Row = Json
+Column = tuple[str, Callable[[Row], str]]
+"""A table's column: its header, and its cell from a row."""
+
+
+def _table(columns: Sequence[Column], rows: Iterable[Row]) -> list[str]:
+    """A markdown table: one line per row, each cell from its column."""
+    return [
+        "| " + " | ".join(header for header, _ in columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows),
+    ]
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _key(key: str, digits: int | None = None) -> Callable[[Row], str]:
+    """A cell showing ``row[key]``, as it is or with ``digits`` decimals."""
+    if digits is None:
+        return lambda row: f"{row[key]}"
+    return lambda row: _number(row.get(key), digits)
+
+
+def _stats(key: str | None = None) -> Callable[[Row], str]:
+    """A cell showing the statistics in ``row[key]`` (the row itself without a key)."""
+    return lambda row: _cell(row if key is None else row.get(key))
+
+
+def _backend(row: Row) -> str:
+    return str(BACKEND_STYLE[row["backend"]][2])
+
+
+def _seal_rows(seal: Json, backends: Sequence[str], sizes: Sequence[int]) -> list[Row]:
+    rows = []
+    for count in sizes:
+        ours = seal.get("ours", {}).get(str(count)) or {}
+        c10d = (seal.get("c10d", {}).get(str(count)) or {}).get("median")
+        rows.append(
+            {
+                "nodes": count,
+                **{backend: seal[backend].get(str(count)) for backend in backends},
+                "ratio": f"{c10d / ours['median']:.1f}x" if ours.get("median") and c10d else "-",
+                "busy": ours.get("machine_busy_share"),
+            }
+        )
+    return rows
+
+
+def _seal_cpu_rows(seal: Json, backends: Sequence[str], sizes: Sequence[int]) -> list[Row]:
+    rows = []
+    for count in sizes:
+        for backend in backends:
+            stats = seal[backend].get(str(count)) or {}
+            by_process = stats.get("cpu_seconds_by_process") or {}
+            if by_process:
+                rows.append(
+                    {
+                        "nodes": count,
+                        "backend": backend,
+                        "busy": (stats.get("machine_busy_cpu_seconds") or {}).get("median") or 0.0,
+                        "by_process": ", ".join(
+                            f"{name} {(v or {}).get('median') or 0:.2f}"
+                            for name, v in by_process.items()
+                        ),
+                    }
+                )
+    return rows
+
+
+def _failure_note(row: Row) -> str:
+    if row["name"] == "ours" and row.get("from_pod_deletion"):
+        return (
+            f"from pod deletion {_cell(row['from_pod_deletion'])}; all survivors "
+            f"noticed after {_cell(row.get('notice'))}"
+        )
+    return ""
+
+
+COST_COLUMNS: tuple[Column, ...] = (
+    ("N", _key("nodes")),
+    ("requests", _key("requests", 0)),
+    ("per N", _key("requests_per_node", 2)),
+    ("watch events", _key("watch_events", 0)),
+    ("watch bytes", _key("watch_bytes", 0)),
+    ("bytes / N", _key("watch_bytes_per_node", 0)),
+    ("bytes / N^2", _key("watch_bytes_per_node_squared", 1)),
+    ("etcd attempts per PATCH", _key("attempts_per_patch", 2)),
+    ("mean PATCH s", _key("patch_mean_seconds", 3)),
+)
+FAILURE_COLUMNS: tuple[Column, ...] = (
+    ("configuration", _key("name")),
+    ("from the kill", _stats()),
+    ("notes", _failure_note),
+)
+SCALEUP_COLUMNS: tuple[Column, ...] = (
+    ("backend", _backend),
+    ("every running node sees num_nodes_waiting() > 0", _stats()),
+    ("first node", _stats("first_node")),
+)
+SEAL_CPU_COLUMNS: tuple[Column, ...] = (
+    ("N", _key("nodes")),
+    ("backend", _backend),
+    ("machine busy", _key("busy", 2)),
+    ("by process", _key("by_process")),
+)
+PROCESS_COLUMNS: tuple[Column, ...] = (
+    ("process", _key("name")),
+    ("CPU seconds", _key("cpu_seconds")),
+    ("mean CPU %", _key("mean_cpu_percent")),
+    ("peak CPU %", _key("peak_cpu_percent")),
+    ("peak RSS MB", _key("peak_rss_mb")),
+)
+
+
 def markdown(results: Json) -> str:
     meta = results["meta"]
     lines = [
@@ -228,72 +345,47 @@ def markdown(results: Json) -> str:
         ),
         "## Targets",
         "",
-        "| target | verdict |",
-        "|---|---|",
+        *_table(
+            (("target", _key("name")), ("verdict", _key("verdict"))), results.get("targets", [])
+        ),
     ]
-    lines += [f"| {t['name']} | {t['verdict']} |" for t in results.get("targets", [])]
     seal = results.get("seal_latency") or {}
     backends = [b for b in ("ours", "c10d", "etcd-v2") if b in seal]
     sizes = sorted({int(n) for b in backends for n in seal[b]})
+    seal_columns: list[Column] = [
+        ("N", _key("nodes")),
+        *((BACKEND_STYLE[b][2], _stats(b)) for b in backends),
+        ("c10d / ours", _key("ratio")),
+        ("machine CPU busy, ours", lambda row: _cell(row["busy"], digits=2)),
+    ]
     lines += [
         "",
         "## 1. Seal latency (min = max = N; last call to last return)",
         "",
-        "| N | " + " | ".join(BACKEND_STYLE[b][2] for b in backends) + " | c10d / ours "
-        "| machine CPU busy, ours |",
-        "|---|" + "---|" * (len(backends) + 2),
-    ]
-    for count in sizes:
-        cells = [_cell(seal[b].get(str(count))) for b in backends]
-        ours_stats = seal.get("ours", {}).get(str(count)) or {}
-        ours = ours_stats.get("median")
-        c10d = (seal.get("c10d", {}).get(str(count)) or {}).get("median")
-        ratio = f"{c10d / ours:.1f}x" if ours and c10d else "-"
-        busy = _cell(ours_stats.get("machine_busy_share"), digits=2)
-        lines.append(f"| {count} | " + " | ".join(cells) + f" | {ratio} | {busy} |")
-    lines += [
+        *_table(seal_columns, _seal_rows(seal, backends, sizes)),
         "",
         "Machine CPU busy: the share of all cores busy from the go to the last return "
         "(`/proc/stat`; 1.00 = every core busy the whole time), on a machine running "
         "nothing but the benchmark.",
     ]
-    cpu_rows = []
-    for count in sizes:
-        for backend in backends:
-            stats = seal[backend].get(str(count)) or {}
-            by_process = stats.get("cpu_seconds_by_process") or {}
-            if by_process:
-                cells = ", ".join(
-                    f"{name} {(v or {}).get('median') or 0:.2f}" for name, v in by_process.items()
-                )
-                busy = (stats.get("machine_busy_cpu_seconds") or {}).get("median") or 0.0
-                cpu_rows.append(f"| {count} | {BACKEND_STYLE[backend][2]} | {busy:.2f} | {cells} |")
+    cpu_rows = _seal_cpu_rows(seal, backends, sizes)
     if cpu_rows:
         lines += [
             "",
             "CPU seconds from the go to the last return (medians): the whole machine, and by "
             "process.",
             "",
-            "| N | backend | machine busy | by process |",
-            "|---|---|---|---|",
-            *cpu_rows,
+            *_table(SEAL_CPU_COLUMNS, cpu_rows),
         ]
     failure = results.get("failure_to_new_world") or {}
     lines += [
         "",
         "## 2. Failure to new world (8 nodes, min 7; one killed)",
         "",
-        "| configuration | from the kill | notes |",
-        "|---|---|---|",
+        *_table(
+            FAILURE_COLUMNS, ({**(stats or {}), "name": name} for name, stats in failure.items())
+        ),
     ]
-    for name, stats in failure.items():
-        note = ""
-        if name == "ours" and stats.get("from_pod_deletion"):
-            note = (
-                f"from pod deletion {_cell(stats['from_pod_deletion'])}; all survivors "
-                f"noticed after {_cell(stats.get('notice'))}"
-            )
-        lines.append(f"| {name} | {_cell(stats)} | {note} |")
     ours_requests = (failure.get("ours") or {}).get("requests")
     if ours_requests and ours_requests.get("median") is not None:
         by = (failure["ours"].get("requests_by") or [{}])[0]
@@ -306,38 +398,20 @@ def markdown(results: Json) -> str:
             + ".",
         ]
     scaleup = results.get("scaleup_notice") or {}
+    analysis = results.get("cost_analysis") or {}
     lines += [
         "",
         "## 3. Scale-up notice (4 running, maxNodes 5; a fifth calls next_rendezvous())",
         "",
-        "| backend | every running node sees num_nodes_waiting() > 0 | first node |",
-        "|---|---|---|",
-    ]
-    for backend, stats in scaleup.items():
-        lines.append(
-            f"| {BACKEND_STYLE[backend][2]} | {_cell(stats)} | {_cell(stats.get('first_node'))} |"
-        )
-    analysis = results.get("cost_analysis") or {}
-    lines += [
+        *_table(
+            SCALEUP_COLUMNS,
+            ({**(stats or {}), "backend": backend} for backend, stats in scaleup.items()),
+        ),
         "",
         "## 4. Cost per round (ours, API server /metrics)",
         "",
-        "| N | requests | per N | watch events | watch bytes | bytes / N | bytes / N^2 "
-        "| etcd attempts per PATCH | mean PATCH s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *_table(COST_COLUMNS, analysis.get("rows", [])),
     ]
-
-    def number(value: float | None, digits: int) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    for row in analysis.get("rows", []):
-        lines.append(
-            f"| {row['nodes']} | {row['requests']:.0f} | {row['requests_per_node']:.2f} | "
-            f"{row['watch_events']:.0f} | {row['watch_bytes']:.0f} | "
-            f"{row['watch_bytes_per_node']:.0f} | {row['watch_bytes_per_node_squared']:.1f} | "
-            f"{number(row.get('attempts_per_patch'), 2)} | "
-            f"{number(row.get('patch_mean_seconds'), 3)} |"
-        )
 
     def slope(key: str) -> str:
         value = analysis.get(key)
@@ -356,6 +430,8 @@ def markdown(results: Json) -> str:
         lines += ["", f"Requests at N={last['nodes']} by verb and resource: {by}."]
     scale = results.get("scale") or {}
     if scale:
+        runs = scale.get("runs") or []
+        processes = (runs[0].get("processes") or {}) if runs else {}
         lines += [
             "",
             f"## 5. Scale: {scale['nodes']} nodes, min = max = {scale['nodes']}",
@@ -363,16 +439,10 @@ def markdown(results: Json) -> str:
             f"Sealed and released (last call to last return): {_cell(scale.get('seal'))}; "
             f"first call to last return: {_cell(scale.get('first_call_to_last_return'))}.",
             "",
-            "| process | CPU seconds | mean CPU % | peak CPU % | peak RSS MB |",
-            "|---|---|---|---|---|",
+            *_table(
+                PROCESS_COLUMNS, ({**usage, "name": name} for name, usage in processes.items())
+            ),
         ]
-        runs = scale.get("runs") or []
-        if runs and runs[0].get("processes"):
-            for name, usage in runs[0]["processes"].items():
-                lines.append(
-                    f"| {name} | {usage['cpu_seconds']} | {usage['mean_cpu_percent']} | "
-                    f"{usage['peak_cpu_percent']} | {usage['peak_rss_mb']} |"
-                )
         together = scale.get("concurrent") or {}
         lines += [
             "",

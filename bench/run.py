@@ -182,7 +182,8 @@ class Runner:
     # -- sections ------------------------------------------------------------------------
 
     def run(self) -> Json:
-        from bench import etcdv2, importcost, probes
+        from bench import etcdv2, importcost
+        from bench.probes import micro
 
         cluster = Cluster(self.work, self.log)
         etcd: etcdv2.EtcdV2 | None = None
@@ -191,7 +192,7 @@ class Runner:
                 self.log("import cost of the torchrun plugin")
                 self.results["import"] = importcost.measure(self.plan.import_reps)
                 self.log("probe: concurrent TCPStore client connects")
-                self.results["tcpstore_connect"] = probes.tcpstore_connect()
+                self.results["tcpstore_connect"] = micro.tcpstore_connect()
             cluster.start()
             env = self.env = Env(cluster, self.work, self.log, self.plan.max_workers)
             if self.py_spy:

@@ -3,6 +3,7 @@
 kwok runs no containers: a pod's container is a local process started with the environment
 the container would see (:func:`container_environment`). Killing a node is what a node
 failure looks like to Kubernetes: the whole process tree dies at once (:func:`kill_tree`).
+:class:`LocalProcess` is such a stand-in, for the benchmark and the end-to-end tests alike.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from devkit.cluster.controlplane import ControlPlane
+from devkit.paths import REPO
 
 LOCAL_PROCESS_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 """For every local stand-in of a node: gloo on the loopback interface the nodes' addresses
@@ -82,3 +86,104 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def local_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a local node that is no pod (torch's own backends): this
+    process's, without its credentials or in-cluster address, with :data:`LOCAL_PROCESS_ENV`
+    and ``extra``."""
+    env = {**os.environ, **LOCAL_PROCESS_ENV, **(extra or {})}
+    env.pop("KUBECONFIG", None)
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    return env
+
+
+class LocalProcess:
+    """A node's container run locally: a command in a session of its own, its output in
+    :attr:`log_path`, ended with everything it started (:func:`kill_tree`).
+
+    The environment is :meth:`environment` (a pod's stand-in overrides it with
+    :func:`container_environment`), a ``TMPDIR`` of its own (a container's /tmp is its own:
+    torchrun's log directory and the in-place hand-off directory of a killed node stay with
+    its files), and what :meth:`spawn` adds.
+
+    Users: the benchmark's nodes (bench/recovery.py), tests/e2e's pods and tests/contract's
+    c10d nodes.
+    """
+
+    def __init__(self, name: str, directory: Path, log_name: str = "output.log") -> None:
+        self.name = name
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.log_path = directory / log_name
+        self.started_at: float | None = None
+        self.exited_at: float | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def environment(self) -> dict[str, str]:
+        """What the process sees before :meth:`spawn`'s additions."""
+        return local_environment()
+
+    def spawn(self, args: Sequence[str], container_env: Mapping[str, str] | None = None) -> None:
+        """Start ``args`` from the repository root with :meth:`environment` plus
+        ``container_env``, output to :attr:`log_path`."""
+        assert self._process is None, f"{self.name} was started already"
+        temporary = self.directory / "tmp"
+        temporary.mkdir(exist_ok=True)
+        env = {**self.environment(), "TMPDIR": str(temporary), **(container_env or {})}
+        with self.log_path.open("ab") as log:
+            self.started_at = time.time()
+            self._process = subprocess.Popen(
+                list(args),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once it has exited (and :attr:`exited_at`, when first seen)."""
+        if self._process is None:
+            return None
+        code = self._process.poll()
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.time()
+        return code
+
+    def running(self) -> bool:
+        return self._process is not None and self.returncode is None
+
+    def still_running_after(self, seconds: float) -> bool:
+        """Whether it is still running ``seconds`` from now (answers as soon as it exits)."""
+        assert self._process is not None, f"{self.name} was never started"
+        try:
+            self._process.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return True
+        return False
+
+    def stop(self) -> None:
+        """SIGKILL it and everything it started, by PID. Idempotent."""
+        if self._process is not None:
+            kill_tree(self._process)
+        self.returncode  # noqa: B018  (records exited_at)
+
+    def kill(self) -> None:
+        """Node failure: it and its workers die at once."""
+        self.stop()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])

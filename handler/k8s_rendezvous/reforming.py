@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
@@ -60,6 +60,18 @@ class Joined:
     """Of the Rendezvous the round belongs to."""
     store: Store
     """The round's store with the agents' prefix."""
+
+
+class Observer(Protocol):
+    """Told of a reformer's steps as they happen (a measurement's hook: the benchmark
+    times recoveries with it); it decides nothing and must return at once."""
+
+    def rejoining(self) -> None:
+        """A change is being re-formed in place: the next round's join begins."""
+
+    def published(self, round_number: int, in_place: bool) -> None:
+        """Round ``round_number`` was published to the workers: to re-form around in
+        place, or (``in_place`` false) for the workers ``next_rendezvous()`` starts."""
 
 
 class Reformer:
@@ -96,6 +108,7 @@ class Reformer:
         self._busy = False
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self.observer: Observer | None = None
 
     # -- called by the handler -----------------------------------------------------------
 
@@ -199,6 +212,8 @@ class Reformer:
         started = time.monotonic()
         assert self._agent is not None and self._store is not None
         log.info("node %s re-forms its round in place; its workers keep running", self._node)
+        if self.observer is not None:
+            self.observer.rejoining()
         joined = self._rejoin()
         # Its fields are typed as torch's __init__ leaves them (None): Any to set them.
         group: Any = self._agent.get_worker_group()
@@ -246,6 +261,8 @@ class Reformer:
                 world_size=None if first is None else first.world_size,
             ),
         )
+        if self.observer is not None:
+            self.observer.published(status.round, in_place=first is not None)
 
     def _give_up(self, reason: str) -> None:
         """Leave this change to torch's restart: say so, and tell the workers."""

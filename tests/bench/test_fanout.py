@@ -1,4 +1,4 @@
-"""The fanout probe works: ``bench.fanout`` delivers one sealed round to watchers running
+"""The fanout probe works: ``bench.probes.fanout`` delivers one sealed round to watchers running
 the handler's own watch and node view, in worker processes, on the real API server, and
 reports a figure for each layout, the round whole or in slices each watcher watches its
 own of, only when every watcher held its own rank in it."""
@@ -6,8 +6,7 @@ own of, only when every watcher held its own rank in it."""
 from __future__ import annotations
 
 import kubernetes
-
-from bench import fanout
+from bench.probes import fanout
 
 
 def test_every_watcher_holds_its_rank_in_the_delivered_round(

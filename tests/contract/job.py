@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -27,8 +25,7 @@ from tests.e2e.harness import LocalPod
 from tests.support.fixtures import Rendezvous, create_pods, free_port
 
 from devkit.cluster.controlplane import ControlPlane
-from devkit.paths import REPO
-from devkit.processes import LOCAL_PROCESS_ENV, kill_tree
+from devkit.processes import LocalProcess
 from devkit.waiting import wait_for
 
 BACKENDS = ("kubernetes", "c10d")
@@ -76,48 +73,9 @@ class Container(Protocol):
         """The end of the agent's output."""
 
 
-class LocalProcess:
-    """A c10d node: just the agent process (no pod), in its own session."""
-
-    def __init__(self, name: str, directory: Path) -> None:
-        self.name = name
-        directory.mkdir(parents=True, exist_ok=True)
-        self.log_path = directory / "agent.log"
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def spawn(self, args: Sequence[str], container_env: Mapping[str, str] | None = None) -> None:
-        assert self._process is None, f"{self.name} was started already"
-        # As the pods' containers get it (tests/e2e/harness.py), minus the pod.
-        env = {**os.environ, **LOCAL_PROCESS_ENV, **(container_env or {})}
-        env.pop("KUBECONFIG", None)
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                list(args),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=env,
-                start_new_session=True,
-            )
-
-    def stop(self) -> None:
-        if self._process is not None:
-            kill_tree(self._process)
-
-    def kill(self) -> None:
-        self.stop()
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self._process is None else self._process.poll()
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+def c10d_container(name: str, directory: Path) -> Container:
+    """A c10d node: just the agent process (no pod), with a local node's environment."""
+    return LocalProcess(name, directory, log_name="agent.log")
 
 
 @dataclasses.dataclass
@@ -300,4 +258,4 @@ class C10dPlace:
         return f"127.0.0.1:{free_port()}", f"contract-{uuid.uuid4().hex[:8]}"
 
     def containers(self, indices: Sequence[int]) -> list[Container]:
-        return [LocalProcess(f"agent-{i}", self.workdir / f"agent-{i}") for i in indices]
+        return [c10d_container(f"agent-{i}", self.workdir / f"agent-{i}") for i in indices]

@@ -13,15 +13,15 @@ dies at once (SIGKILL) and the kubelet reports the pod gone (deleted, grace peri
 torchrun starts its workers in sessions of their own, so they are found through
 ``/proc`` and killed by PID with the agent.
 
-The pod's environment and :func:`~devkit.processes.kill_tree` are the kit's
-(:mod:`devkit.processes`); tests/e2e, tests/contract and tests/controllers use this module.
+The process is the kit's :class:`~devkit.processes.LocalProcess` (the benchmark's nodes
+are too), started with the pod's environment (:func:`~devkit.processes.container_environment`);
+tests/e2e, tests/contract and tests/controllers use this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,8 +32,8 @@ import kubernetes.client
 from tests.support.fixtures import create_pods, delete_pod
 
 from devkit.cluster.controlplane import ControlPlane
-from devkit.paths import REPO, TRAIN_SCRIPT
-from devkit.processes import container_environment, kill_tree
+from devkit.paths import TRAIN_SCRIPT
+from devkit.processes import LocalProcess, container_environment
 from devkit.waiting import wait_for
 
 PROGRESS_ENV = "TRAIN_PROGRESS_FILE"
@@ -89,7 +89,7 @@ class World:
         return next(pod for pod, rank in self.group_ranks.items() if rank == 0)
 
 
-class LocalPod:
+class LocalPod(LocalProcess):
     """One node: a Running Pod object and the local torchrun standing in for its container.
 
     Args:
@@ -110,18 +110,13 @@ class LocalPod:
     ) -> None:
         self.control_plane = control_plane
         self.admin_api = admin_api
-        self.name: str = pod["metadata"]["name"]
         self.namespace: str = pod["metadata"]["namespace"]
         self.uid: str = pod["metadata"]["uid"]
         self.addr = addr
-        self.directory: Path = workdir / self.name
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.log_path: Path = self.directory / "torchrun.log"
+        name: str = pod["metadata"]["name"]
+        super().__init__(name, workdir / name, log_name="torchrun.log")
         self.progress_path = self.directory / "progress.jsonl"
         self.service_account_dir = self.directory / "serviceaccount"
-        self.started_at: float | None = None
-        self.exited_at: float | None = None
-        self._process: subprocess.Popen[bytes] | None = None
 
     # -- the container -------------------------------------------------------------------
 
@@ -180,38 +175,17 @@ class LocalPod:
             {**container_env, "LOGLEVEL": "INFO", PROGRESS_ENV: str(self.progress_path)},
         )
 
-    def spawn(self, args: Sequence[str], container_env: Mapping[str, str] | None = None) -> None:
-        """Start ``args`` as this pod's container: in its own session, with the pod's
-        environment (:func:`container_environment`) plus ``container_env``, output to
-        :attr:`log_path`. :meth:`stop` and :meth:`kill` end it and everything it started."""
-        assert self._process is None, f"{self.name} was started already"
-        # A container's /tmp is its own: torchrun's log directory and the in-place hand-off
-        # directory of a process killed by the test go with the test's directory.
-        temporary = self.directory / "tmp"
-        temporary.mkdir(exist_ok=True)
-        env = {
-            **container_environment(
-                self.control_plane,
-                self.namespace,
-                self.name,
-                self.uid,
-                self.addr,
-                self.service_account_dir,
-            ),
-            "TMPDIR": str(temporary),
-            **(container_env or {}),
-        }
-        with self.log_path.open("ab") as log:
-            self.started_at = time.time()
-            self._process = subprocess.Popen(
-                list(args),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=env,
-                start_new_session=True,
-            )
+    def environment(self) -> dict[str, str]:
+        """The pod's container's (:func:`container_environment`): its bound token, POD_NAME,
+        POD_NAMESPACE and POD_IP."""
+        return container_environment(
+            self.control_plane,
+            self.namespace,
+            self.name,
+            self.uid,
+            self.addr,
+            self.service_account_dir,
+        )
 
     def start_container(
         self, pod: Mapping[str, Any], *, max_restarts: int = 3, script_args: Sequence[str] = ()
@@ -241,25 +215,9 @@ class LocalPod:
             script_args,
         )
 
-    @property
-    def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        if self._process is None:
-            return None
-        code = self._process.poll()
-        if code is not None and self.exited_at is None:
-            self.exited_at = time.time()
-        return code
-
-    def running(self) -> bool:
-        return self._process is not None and self.returncode is None
-
     def wait_exit(self, timeout: float) -> int:
         """Wait for torchrun to exit; its exit code. Fails with the log's tail on timeout."""
-        assert self._process is not None, f"{self.name} was never started"
+        assert self.pid is not None, f"{self.name} was never started"
         code = wait_for(
             lambda: (self.returncode,) if self.returncode is not None else None,
             timeout,
@@ -270,37 +228,12 @@ class LocalPod:
         assert code is not None
         return code
 
-    def still_running_after(self, seconds: float) -> bool:
-        """Whether torchrun is still running ``seconds`` from now (answers as soon as it
-        exits)."""
-        assert self._process is not None, f"{self.name} was never started"
-        try:
-            self._process.wait(seconds)
-        except subprocess.TimeoutExpired:
-            return True
-        return False
-
     def kill(self) -> None:
         """Node failure: SIGKILL the agent and its workers, then delete the Pod (grace 0)."""
         self.stop()
         delete_pod(self.admin_api, self.namespace, self.name)
 
-    def stop(self) -> None:
-        """SIGKILL everything this node's torchrun started, by PID. Idempotent."""
-        if self._process is not None:
-            kill_tree(self._process)
-        self.returncode  # noqa: B018  (records exited_at)
-
     # -- what it produced -----------------------------------------------------------------
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
 
     def progress(self) -> list[Step]:
         return [
