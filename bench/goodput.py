@@ -71,8 +71,8 @@ from tests.support import invariants  # noqa: E402
 
 from bench import real_nodes  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
-from devkit.nodepool import NodePool, build_node_images  # noqa: E402
+from devkit.cluster.controlplane import dig, read_object  # noqa: E402
+from devkit.nodepool import NodePool  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
     agent_pid,
@@ -864,41 +864,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configs = [CONFIGS[name] for name in args.configs.split(",")]
     low, high = (float(value) for value in args.gap.split(","))
-    images = build_node_images()
-    plane = ControlPlane(build_binaries())
-    plane.start()
     results: list[Json] = []
     started = time.time()
-    try:
-        with (
-            plane.api_client() as api,
-            tempfile.TemporaryDirectory(prefix="helm-", ignore_cleanup_errors=True) as helm_home,
-            tempfile.TemporaryDirectory(
-                prefix="bench-nodes-", ignore_cleanup_errors=True
-            ) as nodes_home,
-        ):
-            plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
-            helm = chart.Helm(build_binaries() / "helm", Path(helm_home), plane.kubeconfig)
-            pool = NodePool(plane, helm, api, images, Path(nodes_home))
-            pool.get(ipv6=False)
+    with real_nodes.real_node_pool() as (api, pool):
+        for config in configs:
+            print(f"[goodput] {config.name}: {args.minutes} min", flush=True)
             try:
-                for config in configs:
-                    print(f"[goodput] {config.name}: {args.minutes} min", flush=True)
-                    try:
-                        run = Run(pool, api, config, args.seed, (low, high), args.rounds)
-                        result = run.run(args.minutes)
-                    except Exception as error:
-                        result = {
-                            "config": config.name,
-                            "error": f"{type(error).__name__}: {error}",
-                        }
-                    shown = {k: v for k, v in result.items() if k != "timeline"}
-                    print(f"[goodput] {json.dumps(shown)[:2000]}", flush=True)
-                    results.append(result)
-            finally:
-                pool.close()
-    finally:
-        plane.stop()
+                result = Run(pool, api, config, args.seed, (low, high), args.rounds).run(
+                    args.minutes
+                )
+            except Exception as error:
+                result = {"config": config.name, "error": f"{type(error).__name__}: {error}"}
+            shown = {k: v for k, v in result.items() if k != "timeline"}
+            print(f"[goodput] {json.dumps(shown)[:2000]}", flush=True)
+            results.append(result)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -519,21 +519,13 @@ def plot(results: list[Json], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--faults", default=",".join(FAULTS))
-    parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
-    faults = args.faults.split(",")
-    backends = args.backends.split(",")
+@contextlib.contextmanager
+def real_node_pool() -> Iterator[tuple[kubernetes.client.ApiClient, NodePool]]:
+    """A control plane with two real nodes and the chart installed with the operator image
+    built here; everything stopped on the way out."""
     images = build_node_images()
     plane = ControlPlane(build_binaries())
     plane.start()
-    results: list[Json] = []
-    unformed: dict[str, Json] = {}  # backend -> its run whose first world never formed
-    started = time.time()
     try:
         with (
             plane.api_client() as api,
@@ -547,22 +539,38 @@ def main(argv: list[str] | None = None) -> int:
             pool = NodePool(plane, helm, api, images, Path(nodes_home))
             pool.get(ipv6=False)
             try:
-                for rep in range(args.reps):
-                    for fault in faults:
-                        for backend in backends:
-                            print(f"[real-nodes] rep {rep + 1}: {fault} / {backend}", flush=True)
-                            if backend in unformed:  # minutes each, to fail the same way
-                                results.append({**unformed[backend], "fault": fault})
-                                continue
-                            result = Run(pool, api, backend, fault).measure_or_error()
-                            if result.get("formed") is False:
-                                unformed[backend] = result
-                            print(f"[real-nodes]   {json.dumps(result)[:600]}", flush=True)
-                            results.append(result)
+                yield api, pool
             finally:
                 pool.close()
     finally:
         plane.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    faults = args.faults.split(",")
+    backends = args.backends.split(",")
+    results: list[Json] = []
+    unformed: dict[str, Json] = {}  # backend -> its run whose first world never formed
+    started = time.time()
+    with real_node_pool() as (api, pool):
+        for rep in range(args.reps):
+            for fault in faults:
+                for backend in backends:
+                    print(f"[real-nodes] rep {rep + 1}: {fault} / {backend}", flush=True)
+                    if backend in unformed:  # minutes each, to fail the same way
+                        results.append({**unformed[backend], "fault": fault})
+                        continue
+                    result = Run(pool, api, backend, fault).measure_or_error()
+                    if result.get("formed") is False:
+                        unformed[backend] = result
+                    print(f"[real-nodes]   {json.dumps(result)[:600]}", flush=True)
+                    results.append(result)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
