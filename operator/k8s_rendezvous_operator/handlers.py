@@ -194,6 +194,5 @@ async def _inject_torchrun_env(
     )
     if found is not None:
         name, spec = found
-        excluded = reconciler.excluded_nodes((namespace or body.metadata.namespace or "", name))
-        for key, value in injection.inject(body, name, spec, excluded).items():
+        for key, value in injection.inject(body, name, spec).items():
             patch[key] = value
