@@ -70,6 +70,13 @@ MAX_REFUSAL_MESSAGE: Final = 1024
 """The CRD's bound on the message of a refusal or a round in the history (longer ones are cut)."""
 MAX_HISTORY: Final = 10
 """Sealed rounds kept in ``status.history``, newest last: enough to read a bad hour."""
+MAX_EXCLUDED_NODES: Final = 8
+"""The most Kubernetes nodes ``status.excludedNodes`` keeps out, newest kept: enough for a
+few bad machines, and few enough that a small pool always keeps nodes to schedule on
+(each failure past it frees the oldest)."""
+EXCLUDED_NODE_TTL: Final = datetime.timedelta(hours=24)
+"""How long a node stays out after its last failure: a node repaired overnight comes back
+without anyone clearing the list."""
 MAX_SLICES: Final = 1000
 """The CRD's bound on ``status.slices``: 100000 nodes (maxNodes' bound) in slices of 100."""
 
@@ -186,6 +193,10 @@ INSTANCE_ANNOTATION: Final = f"{GROUP}/instance"
 """On a node's Lease: the agent instance that renews it."""
 ENTRY_ANNOTATION: Final = f"{GROUP}/entry"
 """On a node's Lease: its :class:`NodeEntry` as JSON, the node's request to the operator."""
+CLEAR_EXCLUDED_NODES_ANNOTATION: Final = f"{GROUP}/clear-excluded-nodes"
+"""On a Rendezvous, an RFC 3339 time: the operator forgets the nodes it keeps out that
+failed at or before it (``status.excludedNodes``). The user writes the annotation; the
+operator alone writes the status."""
 CREATED_BY_ANNOTATION: Final = f"{GROUP}/created-by-pod"
 """On a Rendezvous a pod made (not an annotated Job's): that pod's name. The admission
 policy holds it to the creator's token; the operator then sets the Rendezvous' owner to
@@ -1011,6 +1022,39 @@ class RoundRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExcludedNode:
+    """A Kubernetes node in ``status.excludedNodes``: a member failed on it, so the pods the
+    workload makes next are kept off it."""
+
+    node: str
+    """The Kubernetes node's name, from the Pod object the operator observed."""
+    reason: str
+    """The loss reason (``PodFailed``, ``HeartbeatExpired``, ...)."""
+    pod: str
+    """The member's pod, for people to find its logs."""
+    failed_at: datetime.datetime
+    """When the operator noticed the failure (its own clock)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "reason": self.reason,
+            "pod": self.pod,
+            "failedAt": format_time(self.failed_at),
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> ExcludedNode:
+        data = _mapping(value, field)
+        return cls(
+            node=_str(data, "node", field),
+            reason=_str(data, "reason", field),
+            pod=_str(data, "pod", field, default=""),
+            failed_at=parse_time(data.get("failedAt"), f"{field}.failedAt"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Condition:
     """A ``metav1.Condition``."""
 
@@ -1097,6 +1141,10 @@ class RendezvousStatus:
     """The last :data:`MAX_HISTORY` sealed rounds, oldest first."""
     restarts: int = 0
     """Re-forms caused by a failure so far, each spending one of ``spec.maxRestarts``."""
+    excluded_nodes: tuple[ExcludedNode, ...] = ()
+    """Kubernetes nodes on which a member failed, oldest first, at most
+    :data:`MAX_EXCLUDED_NODES` and none older than :data:`EXCLUDED_NODE_TTL`: the webhook
+    keeps the workload's new pods off them."""
 
     @property
     def world_size(self) -> int:
@@ -1148,6 +1196,7 @@ class RendezvousStatus:
             "formingCauseMessage": self.forming_cause_message,
             "history": [record.to_dict() for record in self.history],
             "restarts": self.restarts,
+            "excludedNodes": [excluded.to_dict() for excluded in self.excluded_nodes],
         }
 
     def slice_fields(self, indexes: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
@@ -1247,6 +1296,10 @@ class RendezvousStatus:
                 for index, item in enumerate(_list(data, "history", field))
             ),
             restarts=_int(data, "restarts", field, default=0, maximum=MAX_RESTARTS),
+            excluded_nodes=tuple(
+                ExcludedNode.from_dict(item, f"{field}.excludedNodes[{index}]")
+                for index, item in enumerate(_list(data, "excludedNodes", field))
+            )[-MAX_EXCLUDED_NODES:],
         )
 
 

@@ -194,5 +194,6 @@ async def _inject_torchrun_env(
     )
     if found is not None:
         name, spec = found
-        for key, value in injection.inject(body, name, spec).items():
+        excluded = reconciler.excluded_nodes((namespace or body.metadata.namespace or "", name))
+        for key, value in injection.inject(body, name, spec, excluded).items():
             patch[key] = value

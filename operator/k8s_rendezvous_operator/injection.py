@@ -7,7 +7,7 @@ still wins, and so does any variable the container already sets.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from k8s_rendezvous import BACKEND_NAME, state
@@ -30,9 +30,38 @@ def torchrun_environment(rendezvous: str, spec: state.RendezvousSpec) -> list[di
     ]
 
 
-def inject(pod: Mapping[str, Any], rendezvous: str, spec: state.RendezvousSpec) -> dict[str, Any]:
+KUBE_NODE_NAME_LABEL = "kubernetes.io/hostname"
+"""The node label the exclusion matches: the kubelet sets it to the node's name unless
+told otherwise (``--hostname-override``), and node affinity cannot match
+``metadata.name`` in a ``matchExpressions`` term."""
+
+
+def keep_off(pod: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
+    """The pod's ``affinity`` with ``nodes`` kept out: a required ``NotIn`` added to each
+    of its required node selector terms (terms are ORed, so each must say it), or one term
+    of its own when it has none; its other affinities are kept."""
+    affinity = dict((pod.get("spec") or {}).get("affinity") or {})
+    node_affinity = dict(affinity.get("nodeAffinity") or {})
+    required = dict(node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    keep_out = {"key": KUBE_NODE_NAME_LABEL, "operator": "NotIn", "values": sorted(set(nodes))}
+    terms = [dict(term) for term in required.get("nodeSelectorTerms") or []] or [{}]
+    for term in terms:
+        term["matchExpressions"] = [*(term.get("matchExpressions") or []), keep_out]
+    required["nodeSelectorTerms"] = terms
+    node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = required
+    affinity["nodeAffinity"] = node_affinity
+    return affinity
+
+
+def inject(
+    pod: Mapping[str, Any],
+    rendezvous: str,
+    spec: state.RendezvousSpec,
+    excluded_nodes: Sequence[str] = (),
+) -> dict[str, Any]:
     """A merge patch for ``pod``: the env in every container (what a container already
-    defines is kept) and the label the operator watches node pods by."""
+    defines is kept), the label the operator watches node pods by, and, when the
+    rendezvous keeps Kubernetes nodes out, a node affinity that keeps the pod off them."""
     additions = torchrun_environment(rendezvous, spec)
     containers = []
     for container in (pod.get("spec") or {}).get("containers") or []:
@@ -40,10 +69,10 @@ def inject(pod: Mapping[str, Any], rendezvous: str, spec: state.RendezvousSpec) 
         defined = {variable.get("name") for variable in env}
         env += [variable for variable in additions if variable["name"] not in defined]
         containers.append({**container, "env": env})
-    return {
-        "metadata": {"labels": {state.NODE_LABEL: rendezvous}},
-        "spec": {"containers": containers},
-    }
+    pod_spec: dict[str, Any] = {"containers": containers}
+    if excluded_nodes:
+        pod_spec["affinity"] = keep_off(pod, excluded_nodes)
+    return {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}, "spec": pod_spec}
 
 
 def configured_for_rendezvous(pod: Mapping[str, Any]) -> bool:

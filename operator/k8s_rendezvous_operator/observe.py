@@ -4,6 +4,7 @@ itself (:class:`k8s_rendezvous.state.NodeLease`)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,59 @@ def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.Pod
         gone = rounds.LOST_POD_FAILED
     elif status.get("phase") == "Succeeded":
         gone = rounds.LOST_POD_SUCCEEDED
-    return rounds.PodObservation(gone, restarts, identity=identity)
+    node_name = (body.get("spec") or {}).get("nodeName")
+    return rounds.PodObservation(
+        gone,
+        restarts,
+        identity=identity,
+        kube_node=node_name if isinstance(node_name, str) and node_name else None,
+    )
+
+
+def excluded_kube_nodes(
+    rendezvous: Mapping[str, Any],
+    now: datetime.datetime,
+    pods: Mapping[str, rounds.PodObservation] | None = None,
+) -> tuple[str, ...]:
+    """The Kubernetes nodes a Rendezvous keeps its workload's new pods off: its
+    ``status.excludedNodes`` not expired nor cleared, and the nodes of the sealed round's
+    members whose pods ``pods`` (as the operator observed them, by pod name) show failed.
+
+    The second part is the decision ahead of its write: a Job makes the replacement of a
+    failed pod as soon as it sees it fail, often before the operator's write of the status
+    lands, and that replacement must be kept off the node all the same. A status or
+    annotation that does not decode keeps nobody out; the reconciler reports it.
+    """
+    observed = pods or {}
+    try:
+        excluded = tuple(
+            state.ExcludedNode.from_dict(item, f"status.excludedNodes[{index}]")
+            for index, item in enumerate(
+                ((rendezvous.get("status") or {}).get("excludedNodes") or [])[
+                    -state.MAX_EXCLUDED_NODES :
+                ]
+            )
+        )
+        annotations = (rendezvous.get("metadata") or {}).get("annotations") or {}
+        raw = annotations.get(state.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        cleared_at = None if raw is None else state.parse_time(raw, "annotation")
+        members = [
+            member.get("node")
+            for member in (rendezvous.get("status") or {}).get("members") or []
+            if isinstance(member, Mapping)
+        ]
+    except state.DecodeError:
+        return ()
+    recorded = [entry.node for entry in rounds.still_excluded(excluded, now, cleared_at)]
+    failing = [
+        pod.kube_node
+        for name in members
+        if isinstance(name, str)
+        and (pod := observed.get(name)) is not None
+        and pod.kube_node
+        and pod.gone_reason in rounds.KEEPS_NODE_OUT
+    ]
+    return tuple(dict.fromkeys([*recorded, *failing]))
 
 
 @dataclasses.dataclass(frozen=True)

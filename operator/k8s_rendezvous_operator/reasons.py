@@ -288,3 +288,16 @@ def pod_not_injected(pod: object, job: str) -> str:
         f"Rendezvous to exist). A plain torchrun in it trains alone. Delete pod {pod}: the Job "
         "replaces it, with the env."
     )
+
+
+CLEAR_EXCLUDED_NODES_UNREADABLE: Final = "ClearExcludedNodesUnreadable"
+"""The clear annotation of a Rendezvous is not a time: the excluded nodes stay."""
+
+
+def clear_excluded_nodes_unreadable(problem: str) -> str:
+    return (
+        f"{problem}; the Kubernetes nodes in status.excludedNodes are kept out until it is "
+        "fixed. Write the time to clear up to, e.g. "
+        f"kubectl annotate rdzv NAME --overwrite {state.CLEAR_EXCLUDED_NODES_ANNOTATION}="
+        '"$(date -u +%Y-%m-%dT%H:%M:%SZ)"'
+    )

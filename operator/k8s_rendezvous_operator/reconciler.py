@@ -179,6 +179,22 @@ class Reconciler:
         memory = self._pods.get(pod)
         return None if memory is None else memory.observation
 
+    def excluded_nodes(self, key: Key) -> tuple[str, ...]:
+        """The Kubernetes nodes the workload of Rendezvous ``key`` is kept off (for the
+        webhook), from what the watches showed: never a request to the API."""
+        body = self._as_jobs_see_it(key)
+        if body is None:
+            return ()
+        members = (body.get("status") or {}).get("members") or []
+        pods = {
+            name: observation
+            for member in members
+            if isinstance(member, Mapping)
+            and isinstance(name := member.get("node"), str)
+            and (observation := self.observed((key[0], name))) is not None
+        }
+        return observe.excluded_kube_nodes(body, self._clock(), pods)
+
     # -- observations ------------------------------------------------------------------
 
     async def rendezvous_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
@@ -457,6 +473,7 @@ class Reconciler:
         requests, pods, refused = await self._gather(key, body, spec, current)
         job = self.jobs.owning(key, body)
         now = self._clock()
+        cleared_at = self._exclusions_cleared_at(key, body)
         decision = rounds.decide(
             spec,
             current,
@@ -482,6 +499,7 @@ class Reconciler:
             forming_since=memory.forming_since,
             first_write="state" not in (body.get("status") or {}),
             refused=refused,
+            exclusions_cleared_at=cleared_at,
         )
         if looking := self._looking_at(namespace, decision.awaiting):
             await asyncio.wait(looking, timeout=10)
@@ -496,6 +514,24 @@ class Reconciler:
         await self._publish_slices(key, memory, spec, decision.status, requests)
         self._wake_at(key, decision.wake_at)
         return True
+
+    def _exclusions_cleared_at(self, key: Key, body: Mapping[str, Any]) -> datetime.datetime | None:
+        """The user's clear annotation; one that is not a time clears nothing and is
+        reported, as a typo there must not stop the rendezvous."""
+        annotations = (body.get("metadata") or {}).get("annotations") or {}
+        raw = annotations.get(state.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        if raw is None:
+            return None
+        try:
+            return state.parse_time(raw, state.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        except state.DecodeError as error:
+            self._warn(
+                key,
+                body,
+                reasons.CLEAR_EXCLUDED_NODES_UNREADABLE,
+                reasons.clear_excluded_nodes_unreadable(str(error)),
+            )
+            return None
 
     async def _gather(
         self,

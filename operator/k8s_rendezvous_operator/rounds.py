@@ -69,10 +69,13 @@ from typing import Final
 
 from k8s_rendezvous import state
 from k8s_rendezvous.state import (
+    EXCLUDED_NODE_TTL,
+    MAX_EXCLUDED_NODES,
     MAX_HISTORY,
     MAX_REFUSAL_MESSAGE,
     SLICE_MEMBERS,
     Condition,
+    ExcludedNode,
     Master,
     Member,
     NodeEntry,
@@ -152,6 +155,19 @@ evicted (a drain, a preemption, a scale-down), nodes joining and a spec change a
 and spend nothing; so is an entry removed by hand. A member rejoining a sealed round is its
 agent restarting failed workers, as torch's agent counts it against ``--max-restarts``."""
 
+KEEPS_NODE_OUT: Final = frozenset(
+    {
+        LOST_POD_FAILED,
+        LOST_CONTAINER_RESTARTED,
+        LOST_HEARTBEAT_EXPIRED,
+        LOST_UNREACHABLE,
+    }
+)
+"""Losses that say the member's Kubernetes node may be bad, so the workload's next pods
+are kept off it (``status.excludedNodes``): the one place a reason is classified so. A
+planned removal (deleted, evicted, left, entry removed) says nothing about the machine,
+and neither does an agent restarting inside a running container."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PodObservation:
@@ -165,6 +181,9 @@ class PodObservation:
     """The value of the spec's ``rankOrder.nodeLabel`` on the pod's node, if any."""
     identity: PodIdentity | None = None
     """Who the pod is and where it can be reached (``None``: never observed)."""
+    kube_node: str | None = None
+    """The Kubernetes node the pod was scheduled to (its ``spec.nodeName``), never what
+    the pod says."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +514,9 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
                 losses=ctx.losses,
             )
         restarts += 1
+    status = dataclasses.replace(
+        status, excluded_nodes=excluded_after(ctx.losses, ctx.pods, status.excluded_nodes, ctx.now)
+    )
     return dataclasses.replace(
         status,
         state=RoundState.REFORMING,
@@ -504,6 +526,40 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
         forming_cause=cause[0],
         forming_cause_message=cause[1],
         restarts=restarts,
+    )
+
+
+def excluded_after(
+    losses: Sequence[MemberLoss],
+    pods: Mapping[str, PodObservation],
+    excluded: tuple[ExcludedNode, ...],
+    now: datetime.datetime,
+) -> tuple[ExcludedNode, ...]:
+    """The Kubernetes nodes kept out once ``losses`` are counted: each node a member was
+    lost from to a failure (:data:`KEEPS_NODE_OUT`) moves to the end with this failure,
+    and the oldest go past :data:`MAX_EXCLUDED_NODES`. A loss whose pod was never seen
+    scheduled names no node and keeps none out."""
+    for loss in losses:
+        pod = pods.get(loss.node)
+        if loss.reason not in KEEPS_NODE_OUT or pod is None or not pod.kube_node:
+            continue
+        entry = ExcludedNode(pod.kube_node, loss.reason, loss.node, now)
+        excluded = (*(e for e in excluded if e.node != pod.kube_node), entry)
+    return excluded[-MAX_EXCLUDED_NODES:]
+
+
+def still_excluded(
+    excluded: tuple[ExcludedNode, ...],
+    now: datetime.datetime,
+    cleared_at: datetime.datetime | None,
+) -> tuple[ExcludedNode, ...]:
+    """The entries not yet expired (:data:`EXCLUDED_NODE_TTL`) nor cleared by the user
+    (failed at or before ``cleared_at``, the Rendezvous' clear annotation)."""
+    return tuple(
+        entry
+        for entry in excluded
+        if now < entry.failed_at + EXCLUDED_NODE_TTL
+        and (cleared_at is None or entry.failed_at > cleared_at)
     )
 
 
@@ -819,6 +875,7 @@ def decide(
     forming_since: datetime.datetime | None = None,
     first_write: bool = False,
     refused: tuple[Refusal, ...] = (),
+    exclusions_cleared_at: datetime.datetime | None = None,
 ) -> Decision:
     """Decide the next status of a rendezvous: apply :data:`RULES` in order.
 
@@ -841,6 +898,8 @@ def decide(
             the slice count (``status.slices``) for good, so a node's slice never moves.
         refused: The requests not counted, with why, for the refused nodes to read
             (``status.refused``).
+        exclusions_cleared_at: The Rendezvous' clear annotation: the Kubernetes nodes
+            that failed at or before it are no longer kept out.
 
     Returns:
         The new status (unchanged fields included), whether to write it, what to look at
@@ -862,7 +921,12 @@ def decide(
         generation,
         first_write,
     )
-    status = dataclasses.replace(status, refused=refused)  # after ctx: a change is a write
+    # After ctx, as both are compared with what is stored: a change is a write.
+    status = dataclasses.replace(
+        status,
+        refused=refused,
+        excluded_nodes=still_excluded(status.excluded_nodes, now, exclusions_cleared_at),
+    )
     for rule in RULES:
         settled = rule(ctx, status)
         if isinstance(settled, Verdict):

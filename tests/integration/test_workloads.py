@@ -27,7 +27,13 @@ from tests.support.fixtures import (
     statefulset_pods,
     wait_told_to_rejoin,
 )
-from tests.support.jobs import job_events, make_job, running_pods, wait_webhook_registered
+from tests.support.jobs import (
+    job_events,
+    job_pods,
+    make_job,
+    running_pods,
+    wait_webhook_registered,
+)
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from devkit.cluster.controlplane import ControlPlane, read_object, set_pod_phase
@@ -546,3 +552,81 @@ def test_pods_made_without_the_webhook_are_reported_on_the_job_and_the_pod(
         assert wait_for(on_pod, 10, f"the Warning on pod {name}") == ["PodNotInjected"]
     # The Job that sets the env itself was looked at first, and is not reported.
     assert reported("by-hand") == []
+
+
+def _keep_out_values(pod: dict[str, Any]) -> list[list[str]]:
+    """The hostnames each required node selector term of ``pod`` keeps it off."""
+    affinity = (pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}
+    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    return [
+        [
+            value
+            for expression in term.get("matchExpressions") or []
+            if expression["key"] == "kubernetes.io/hostname" and expression["operator"] == "NotIn"
+            for value in expression["values"]
+        ]
+        for term in required.get("nodeSelectorTerms") or []
+    ]
+
+
+@pytest.mark.webhook
+def test_a_failed_members_node_is_recorded_and_the_jobs_next_pods_are_kept_off_it(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    control_plane: ControlPlane,
+    attach_nodes: AttachNodes,
+    recorded: Callable[[str], Rendezvous],
+) -> None:
+    wait_webhook_registered(control_plane, workers_namespace)
+    make_job(
+        admin_api,
+        workers_namespace,
+        "keepout",
+        2,
+        {"k8s-rendezvous.dev/nodes": "2:3"},
+        backoffLimit=3,
+    )
+    rdzv = recorded("keepout")
+    wait_for(lambda: _get(rdzv), 30, "Rendezvous created")
+    pods = running_pods(admin_api, workers_namespace, "keepout", 2)
+    assert all(not _keep_out_values(pod) for pod in pods), "nothing is kept out at first"
+    nodes = attach_nodes(rdzv, pods)
+    join_all(nodes)
+    failed = next(pod for pod in pods if pod["metadata"]["name"] == nodes[1].pod)
+    bad_node = failed["spec"]["nodeName"]
+    set_pod_phase(admin_api, workers_namespace, nodes[1].pod, "Failed", exit_code=1)
+    status = rdzv.wait(lambda s: bool(s.excluded_nodes), "the failed member's node recorded")
+    (entry,) = status.excluded_nodes
+    assert (entry.node, entry.reason, entry.pod) == (bad_node, "PodFailed", nodes[1].pod)
+    # A pod the Job makes from now on is kept off the node (the replacement the Job made
+    # at once may have been admitted before the status was written).
+    kubernetes.client.BatchV1Api(admin_api).patch_namespaced_job(
+        "keepout", workers_namespace, {"spec": {"parallelism": 3}}
+    )
+    known = {pod["metadata"]["name"] for pod in pods}
+    newest = wait_for(
+        lambda: next(
+            (
+                pod
+                for pod in job_pods(admin_api, workers_namespace, "keepout")
+                if pod["metadata"]["name"] not in known and _keep_out_values(pod)
+            ),
+            None,
+        ),
+        60,
+        "a new pod kept off the failed node",
+    )
+    assert _keep_out_values(newest) == [[bad_node]]
+    assert newest["spec"].get("nodeName") != bad_node
+    # The user clears the list: the operator empties the status, and pods made next are
+    # not kept off anything.
+    cleared_at = status.excluded_nodes[0].failed_at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object(
+        state.GROUP,
+        state.VERSION,
+        workers_namespace,
+        state.PLURAL,
+        "keepout",
+        {"metadata": {"annotations": {state.CLEAR_EXCLUDED_NODES_ANNOTATION: cleared_at}}},
+    )
+    rdzv.wait(lambda s: not s.excluded_nodes, "the list cleared by the annotation")
