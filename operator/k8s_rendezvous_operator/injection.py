@@ -36,19 +36,26 @@ told otherwise (``--hostname-override``), and node affinity cannot match
 ``metadata.name`` in a ``matchExpressions`` term."""
 
 
+KEEP_OFF_WEIGHT = 100
+"""The heaviest a preferred term may weigh, so that the scheduler's other scores (spread,
+free resources, cached images; each at most 100 times a smaller plugin weight) rarely
+outweigh it."""
+
+
 def keep_off(pod: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
-    """The pod's ``affinity`` with ``nodes`` kept out: a required ``NotIn`` added to each
-    of its required node selector terms (terms are ORed, so each must say it), or one term
-    of its own when it has none; its other affinities are kept."""
+    """The pod's ``affinity`` with a preference, of the heaviest weight, for any node but
+    ``nodes``; its other affinities are kept.
+
+    A preference, not a requirement: a pod that fits nowhere else (a hard spread over two
+    nodes, one of them excluded) lands on an excluded node rather than stay ``Pending``
+    for the exclusion's day, and a one-off crash does not shrink the world that long."""
     affinity = dict((pod.get("spec") or {}).get("affinity") or {})
     node_affinity = dict(affinity.get("nodeAffinity") or {})
-    required = dict(node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {})
     keep_out = {"key": KUBE_NODE_NAME_LABEL, "operator": "NotIn", "values": sorted(set(nodes))}
-    terms = [dict(term) for term in required.get("nodeSelectorTerms") or []] or [{}]
-    for term in terms:
-        term["matchExpressions"] = [*(term.get("matchExpressions") or []), keep_out]
-    required["nodeSelectorTerms"] = terms
-    node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = required
+    node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [
+        *(node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []),
+        {"weight": KEEP_OFF_WEIGHT, "preference": {"matchExpressions": [keep_out]}},
+    ]
     affinity["nodeAffinity"] = node_affinity
     return affinity
 

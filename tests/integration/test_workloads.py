@@ -555,17 +555,16 @@ def test_pods_made_without_the_webhook_are_reported_on_the_job_and_the_pod(
 
 
 def _keep_out_values(pod: dict[str, Any]) -> list[list[str]]:
-    """The hostnames each required node selector term of ``pod`` keeps it off."""
+    """The hostnames each preferred node affinity term of ``pod`` keeps it off."""
     affinity = (pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}
-    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
     return [
         [
             value
-            for expression in term.get("matchExpressions") or []
+            for expression in term["preference"].get("matchExpressions") or []
             if expression["key"] == "kubernetes.io/hostname" and expression["operator"] == "NotIn"
             for value in expression["values"]
         ]
-        for term in required.get("nodeSelectorTerms") or []
+        for term in affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
     ]
 
 
@@ -617,7 +616,19 @@ def test_a_failed_members_node_is_recorded_and_the_jobs_next_pods_are_kept_off_i
         "a new pod kept off the failed node",
     )
     assert _keep_out_values(newest) == [[bad_node]]
-    assert newest["spec"].get("nodeName") != bad_node
+    placed_on = wait_for(
+        lambda: next(
+            (
+                pod["spec"].get("nodeName")
+                for pod in job_pods(admin_api, workers_namespace, "keepout")
+                if pod["metadata"]["name"] == newest["metadata"]["name"]
+            ),
+            None,
+        ),
+        30,
+        "the new pod scheduled",
+    )
+    assert placed_on != bad_node, "the scheduler took the preference: other nodes fit"
     # The user clears the list: the operator empties the status, and pods made next are
     # not kept off anything.
     cleared_at = status.excluded_nodes[0].failed_at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

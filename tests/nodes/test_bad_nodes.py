@@ -1,10 +1,10 @@
 """Bad nodes kept out, on real nodes: a member whose container fails on node X has X
 recorded in its Rendezvous' ``status.excludedNodes``, and the Job's replacement pod, given
-a node affinity away from X by the chart's webhook, lands on the other real node.
+a preferred node affinity away from X by the chart's webhook, lands on the other real node.
 
 Aspects: the failure is real (the agent killed by PID, its container exits, the pod
-fails); the node comes from the Pod object; the replacement is kept off X by its affinity
-and runs, and trains, on the other node.
+fails); the node comes from the Pod object; the real scheduler places the replacement by
+its affinity, and it runs, and trains, on the other node.
 """
 
 from __future__ import annotations
@@ -43,14 +43,13 @@ def kept_off(pod: dict[str, Any]) -> list[str]:
         "spec",
         "affinity",
         "nodeAffinity",
-        "requiredDuringSchedulingIgnoredDuringExecution",
-        "nodeSelectorTerms",
+        "preferredDuringSchedulingIgnoredDuringExecution",
         default=[],
     )
     return [
         value
         for term in terms
-        for expression in term.get("matchExpressions") or []
+        for expression in term["preference"].get("matchExpressions") or []
         if expression["key"] == "kubernetes.io/hostname" and expression["operator"] == "NotIn"
         for value in expression["values"]
     ]

@@ -176,6 +176,7 @@ def pod_with(affinity: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 KEEP_OUT = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["x", "y"]}
+PREFER_OTHERS = {"weight": 100, "preference": {"matchExpressions": [KEEP_OUT]}}
 
 
 def test_injection_adds_no_affinity_when_no_node_is_excluded() -> None:
@@ -183,42 +184,34 @@ def test_injection_adds_no_affinity_when_no_node_is_excluded() -> None:
     assert "affinity" not in patch["spec"]
 
 
-def test_injection_keeps_the_pod_off_excluded_nodes() -> None:
+def test_injection_prefers_any_node_but_the_excluded_ones_and_requires_nothing() -> None:
     patch = injection.inject(pod_with(), "job", RendezvousSpec(1, 2, "run"), ["y", "x", "y"])
-    required = patch["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"
-    ]
-    assert required == {"nodeSelectorTerms": [{"matchExpressions": [KEEP_OUT]}]}
+    node_affinity = patch["spec"]["affinity"]["nodeAffinity"]
+    assert node_affinity == {"preferredDuringSchedulingIgnoredDuringExecution": [PREFER_OTHERS]}
 
 
-def test_every_node_selector_term_of_the_pod_gets_the_exclusion_and_keeps_its_own() -> None:
+def test_the_pods_own_affinities_are_kept_beside_the_preference() -> None:
     zone = {"key": "zone", "operator": "In", "values": ["a"]}
     gpu = {"key": "gpu", "operator": "Exists"}
+    required = {"nodeSelectorTerms": [{"matchExpressions": [zone]}]}
     preferred = [{"weight": 1, "preference": {"matchExpressions": [gpu]}}]
     affinity = {
         "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [
-                    {"matchExpressions": [zone]},
-                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["z"]}]},
-                ]
-            },
+            "requiredDuringSchedulingIgnoredDuringExecution": required,
             "preferredDuringSchedulingIgnoredDuringExecution": preferred,
         },
         "podAntiAffinity": {"anything": "kept"},
     }
     merged = injection.keep_off(pod_with(affinity), ["x", "y"])
-    terms = merged["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"
+    assert merged["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == required
+    assert merged["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        *preferred,
+        PREFER_OTHERS,
     ]
-    assert terms[0] == {"matchExpressions": [zone, KEEP_OUT]}
-    assert terms[1]["matchExpressions"] == [KEEP_OUT]
-    assert terms[1]["matchFields"][0]["values"] == ["z"]
-    assert merged["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == preferred
     assert merged["podAntiAffinity"] == {"anything": "kept"}
-    assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][  # type: ignore[index]
-        "nodeSelectorTerms"
-    ][0] == {"matchExpressions": [zone]}, "the pod's own body is not changed"
+    assert affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        {"weight": 1, "preference": {"matchExpressions": [gpu]}}
+    ], "the pod's own body is not changed"
 
 
 def test_the_webhook_keeps_pods_off_a_failed_members_node_before_the_status_says_so() -> None:
