@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import re
+import shlex
 import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -35,6 +36,9 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
 """With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
 renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
+DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS: Final = 300
+"""Five minutes: a short NCCL all-reduce or GPU burn-in ends well within it, and a check
+that hangs (a wedged GPU driver) holds its node out no longer than a join would wait."""
 
 
 def _tunable_meaning(tunable: state.SpecTunable) -> str:
@@ -63,6 +67,14 @@ CONFIG_KEYS: Final = {
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
+    "health_check": "a command each node runs before every join (split as a shell would, "
+    "run without one), e.g. an NCCL or GPU self-test: a node whose check fails (non-zero "
+    "exit, timeout, cannot start) joins no round, the operator posts a HealthCheckFailed "
+    "Warning with its output's tail, and the agent exits non-zero so that its workload "
+    "replaces the pod; none by default",
+    "health_check_timeout": "seconds the health check may run before it is killed with its "
+    f"process group ({DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS}, at most "
+    f"{state.MAX_HEALTH_CHECK_SECONDS})",
     "warm_start": "1 to start each worker forked from a process that imported torch once "
     "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
     "k8s_rendezvous.warm train.py); 0, the default, lets each import torch",
@@ -107,6 +119,11 @@ class Settings:
     """Start workers forked from a process that imported torch (:mod:`k8s_rendezvous.warm`)."""
     heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
     """The budget of one renewal of the node's Lease, as c10d's ``heartbeat_timeout``."""
+    health_check: tuple[str, ...] = ()
+    """The command run before each join (:mod:`k8s_rendezvous.health_check`); none by
+    default, as what tells a healthy node is the workload's to say."""
+    health_check_timeout: int = DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS
+    """Seconds the health check may run: see :data:`DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS`."""
 
     @classmethod
     def from_parameters(
@@ -164,8 +181,46 @@ class Settings:
             )
         warm_start = bool(params.get_as_bool("warm_start", False))
         return cls(
-            namespace, name, read_timeout, configured, in_place, warm_start, heartbeat_timeout
+            namespace,
+            name,
+            read_timeout,
+            configured,
+            in_place,
+            warm_start,
+            heartbeat_timeout,
+            *health_check(params.get("health_check"), params.get("health_check_timeout")),
         )
+
+
+def health_check(command: object, timeout: object) -> tuple[tuple[str, ...], int]:
+    """``--rdzv-conf health_check`` and ``health_check_timeout``, checked: the command's
+    arguments (none: no check) and its bound in seconds.
+
+    Raises:
+        ValueError: A command that does not split, or a bound that is not a whole number
+            of seconds from 1 to :data:`state.MAX_HEALTH_CHECK_SECONDS`, naming the fix.
+    """
+    text = "" if command is None else str(command)
+    try:
+        arguments = tuple(shlex.split(text))
+    except ValueError as error:
+        raise ValueError(
+            f"--rdzv-conf health_check={text!r} does not split into arguments ({error}): "
+            "quote it as a shell would, e.g. health_check='nccl-check --size 1G'."
+        ) from None
+    if timeout is None or timeout == "":
+        return arguments, DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS
+    try:
+        seconds = int(str(timeout))
+    except ValueError:
+        seconds = 0
+    if not 1 <= seconds <= state.MAX_HEALTH_CHECK_SECONDS:
+        raise ValueError(
+            f"--rdzv-conf health_check_timeout={timeout!r} is not a number of seconds from 1 "
+            f"to {state.MAX_HEALTH_CHECK_SECONDS}; leave it out for "
+            f"{DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS}."
+        )
+    return arguments, seconds
 
 
 def _configured_spec(params: RendezvousParameters) -> dict[str, int]:

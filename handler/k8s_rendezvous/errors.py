@@ -20,6 +20,7 @@ __all__ = [
     "KubernetesRendezvousTimeoutError",
     "NodeNotAPodError",
     "NodeRefusedError",
+    "NodeUnhealthyError",
     "RendezvousNotFoundError",
 ]
 
@@ -60,3 +61,11 @@ class NodeRefusedError(RendezvousError):
     """The operator refused this node's join request (its pod is not of the rendezvous'
     workload, or offers an address that is not its pod's): no round can include it. The
     message is the operator's, naming the fix."""
+
+
+class NodeUnhealthyError(RendezvousError):
+    """This node's health check (``--rdzv-conf health_check``) failed before a join: it
+    joins no round, and its agent ends in failure so that its workload replaces the pod
+    (a ``RendezvousClosedError`` would end the whole job's rendezvous, a graceful exit
+    would end the pod as if it had done its work). The message says how the check failed
+    and the tail of its output; the operator posts it as a HealthCheckFailed Warning."""

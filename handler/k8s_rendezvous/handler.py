@@ -25,13 +25,14 @@ import hashlib
 import logging
 import math
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any, Final
 
@@ -52,6 +53,7 @@ from k8s_rendezvous import (
     BACKEND_NAME,
     api,
     config,
+    health_check,
     heartbeat,
     join,
     kube,
@@ -71,6 +73,7 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousTimeoutError,
     NodeNotAPodError,
     NodeRefusedError,
+    NodeUnhealthyError,
     RendezvousNotFoundError,
 )
 
@@ -215,6 +218,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             on the in-place path (:mod:`k8s_rendezvous.reforming`).
         warm_start: Start the zygote the workers are forked from when their entrypoint
             is :mod:`k8s_rendezvous.warm`.
+        health_check: The command run before each join (none: no check); a node whose
+            check fails joins no round (:mod:`k8s_rendezvous.health_check`).
+        health_check_timeout: Seconds the health check may run.
     """
 
     def __init__(
@@ -231,6 +237,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         in_place: bool = False,
         warm_start: bool = False,
+        health_check: Sequence[str] = (),
+        health_check_timeout: float = config.DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS,
     ) -> None:
         self._client = client
         # First: it imports torch while this node joins, so that the first workers are
@@ -267,6 +275,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._node_checked = False
         self._closed_locally = False
         self._shut_down = False
+        self._health_check = tuple(health_check)
+        self._health_check_timeout = health_check_timeout
+        self._failed_check: state.HealthCheckReport | None = None
+        """Why this node's health check failed: every Leave it writes from then says so,
+        shutdown()'s too, so that a later write cannot hide it from the operator."""
         self._join_lock = threading.Lock()
         """Held by every join: next_rendezvous()'s, and one in place."""
         self._reformer = (
@@ -304,6 +317,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 heartbeat_timeout=settings.heartbeat_timeout,
                 in_place=settings.in_place,
                 warm_start=settings.warm_start,
+                health_check=settings.health_check,
+                health_check_timeout=settings.health_check_timeout,
             )
         except BaseException:
             claim.close()
@@ -409,6 +424,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 f"node {self._node} called {called} on {self._client.reference}: it joins "
                 "no further round. Start a new torchrun to join again."
             )
+        if self._health_check:
+            self._check_health()
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh socket, served on only if this node becomes rank 0.
         try:
@@ -435,6 +452,37 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 status.world_size,
                 RendezvousStoreInfo(status.master.addr, status.master.port),
             )
+
+    def _check_health(self) -> None:
+        """Run the health check; if it fails, say why in this node's Lease (a Leave the
+        operator reports in a HealthCheckFailed Warning) and end the agent.
+
+        Raises:
+            NodeUnhealthyError: The check failed: no join request is written.
+        """
+        report = health_check.run(self._health_check, self._health_check_timeout)
+        if report is None:
+            return
+        self._failed_check = report
+        how = health_check.describe(report)
+        log.error(
+            "node %s does not join %s: its health check %s %s; its output ends:\n%s",
+            self._node,
+            self._client.reference,
+            shlex.join(self._health_check),
+            how,
+            report.tail,
+        )
+        try:
+            self._write_intent(state.NodeIntent.LEAVE)
+        except RendezvousError as error:
+            log.warning("node %s could not report its failed health check: %s", self._node, error)
+        raise NodeUnhealthyError(
+            f"node {self._node} joins no round of {self._client.reference}: its health check "
+            f"({shlex.join(self._health_check)}) {how}. Its output ends: {report.tail[-256:]!r}. "
+            "The agent ends in failure so that its workload replaces the pod; `kubectl "
+            "describe rdzv` shows a HealthCheckFailed Warning naming the Kubernetes node."
+        )
 
     def _rejoin_in_place(self) -> reforming.Joined:
         """The next round, joined as next_rendezvous() joins one, for the in-place path
@@ -806,6 +854,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._entry_port or 1,
             intent,
             probe_port=self._probes.port,
+            health_check=self._failed_check if intent is state.NodeIntent.LEAVE else None,
         )
 
     def _write_intent(self, intent: state.NodeIntent) -> None:

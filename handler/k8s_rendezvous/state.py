@@ -68,6 +68,13 @@ ones that read first; each refused pod also has its Warning. Bounded, as any pod
 namespace may write a request to be refused."""
 MAX_REFUSAL_MESSAGE: Final = 1024
 """The CRD's bound on the message of a refusal or a round in the history (longer ones are cut)."""
+MAX_HEALTH_CHECK_TAIL: Final = 1024
+"""The most characters of a failed health check's output a node's entry carries (its
+last ones, where a self-test says why it failed): enough for a few lines of an NCCL or
+GPU test, and small beside the 256 KiB the API server allows a Lease's annotations."""
+MAX_HEALTH_CHECK_SECONDS: Final = 3600
+"""The longest health check a node may run before each join (``health_check_timeout``):
+an hour covers a long burn-in test; longer would hold a node out of rounds unseen."""
 MAX_HISTORY: Final = 10
 """Sealed rounds kept in ``status.history``, newest last: enough to read a bad hour."""
 MAX_EXCLUDED_NODES: Final = 8
@@ -336,6 +343,17 @@ class NodeIntent(str, enum.Enum):
     ending, so no further round forms, and the other members finish theirs."""
     CLOSE = "Close"
     """The job is done (``set_closed()``): close the rendezvous for everyone."""
+
+
+class HealthCheckOutcome(str, enum.Enum):
+    """How a node's health check failed (:class:`HealthCheckReport`)."""
+
+    FAILED = "Failed"
+    """It ended with a non-zero exit code (or was killed by a signal)."""
+    TIMED_OUT = "TimedOut"
+    """It ran past its bound and was killed with its process group."""
+    NOT_STARTED = "NotStarted"
+    """It could not be started (no such program, not executable)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -633,6 +651,70 @@ class RendezvousSpec:
 # Status.
 
 
+_CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable_tail(text: str, limit: int = MAX_HEALTH_CHECK_TAIL) -> str:
+    """The last ``limit`` characters of ``text`` with control characters (but newlines and
+    tabs) shown as ``?``: what a pod's output becomes before anyone displays it, so that a
+    terminal reading an Event is never driven by escape sequences the pod chose."""
+    return _CONTROL.sub("?", text[-limit:] if limit else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthCheckReport:
+    """Why a node's health check failed, carried by its Leave (:attr:`NodeEntry.health_check`)
+    so that the operator, which alone may post Events, says it where users look."""
+
+    outcome: HealthCheckOutcome
+    seconds: float
+    """How long it ran, to the millisecond."""
+    exit_code: int | None = None
+    """Its exit code when it ended by itself (negative: the signal that ended it)."""
+    tail: str = ""
+    """The last of its output (stdout and stderr), at most :data:`MAX_HEALTH_CHECK_TAIL`
+    printable characters."""
+
+    def to_dict(self) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "outcome": self.outcome.value,
+            "milliseconds": round(self.seconds * 1000),
+            "tail": printable_tail(self.tail),
+        }
+        if self.exit_code is not None:
+            report["exitCode"] = self.exit_code
+        return report
+
+    @classmethod
+    def from_dict(cls, value: object, field: str) -> HealthCheckReport:
+        # A pod writes it: every part is bounded and checked, and the tail is shown only
+        # as printable text.
+        data = _mapping(value, field)
+        tail = _str(data, "tail", field, default="")
+        if len(tail) > MAX_HEALTH_CHECK_TAIL:
+            raise DecodeError(
+                f"{field}.tail: must be at most {MAX_HEALTH_CHECK_TAIL} characters, got {len(tail)}"
+            )
+        exit_code = data.get("exitCode")
+        if exit_code is not None and (
+            isinstance(exit_code, bool)
+            or not isinstance(exit_code, int)
+            or not -255 <= exit_code <= 255
+        ):
+            raise DecodeError(
+                f"{field}.exitCode: expected an integer from -255 to 255, got {exit_code!r}"
+            )
+        milliseconds = _int(
+            data, "milliseconds", field, maximum=(MAX_HEALTH_CHECK_SECONDS + 60) * 1000
+        )
+        return cls(
+            outcome=_enum(HealthCheckOutcome, data, "outcome", field),
+            seconds=milliseconds / 1000,
+            exit_code=exit_code,
+            tail=printable_tail(tail),
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeEntry:
     """A node's own request, written by that pod alone in its Lease (see
@@ -651,9 +733,12 @@ class NodeEntry:
     probe_port: int = 0
     """The UDP port at ``addr`` where its agent answers the operator's probes
     (:class:`Probe`); 0: it answers none, and only its heartbeats say it lives."""
+    health_check: HealthCheckReport | None = None
+    """Why this node's health check failed, with a Leave: the node joins no round, and
+    the operator says why in a Warning."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        entry: dict[str, Any] = {
             "instance": self.instance,
             "attempt": self.attempt,
             "addr": self.addr,
@@ -661,6 +746,9 @@ class NodeEntry:
             "intent": self.intent.value,
             "probePort": self.probe_port,
         }
+        if self.health_check is not None:  # absent otherwise: entries stay as small as before
+            entry["healthCheck"] = self.health_check.to_dict()
+        return entry
 
     @classmethod
     def from_dict(cls, value: object, field: str) -> NodeEntry:
@@ -676,6 +764,9 @@ class NodeEntry:
             store_port=_int(data, "storePort", field, minimum=1, maximum=65535),
             intent=_enum(NodeIntent, data, "intent", field),
             probe_port=_int(data, "probePort", field, default=0, maximum=65535),
+            health_check=None
+            if data.get("healthCheck") is None
+            else HealthCheckReport.from_dict(data["healthCheck"], f"{field}.healthCheck"),
         )
 
     def to_annotation(self) -> str:

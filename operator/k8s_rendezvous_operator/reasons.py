@@ -22,6 +22,8 @@ INVALID_ENTRY: Final = "InvalidEntry"
 INVALID_RENDEZVOUS: Final = "InvalidRendezvous"
 NODE_WITHOUT_POD: Final = "NodeWithoutPod"
 NO_OWNER: Final = "NoOwner"
+HEALTH_CHECK_FAILED: Final = "HealthCheckFailed"
+"""Also on the pod: its health check failed before a join, so it joins no round."""
 # On an annotated Job (and a pod of it).
 RENDEZVOUS_CREATED: Final = "RendezvousCreated"
 RENDEZVOUS_RECREATED: Final = "RendezvousRecreated"
@@ -118,6 +120,31 @@ def waiter_expired(pod: str, timeout_seconds: int) -> str:
         "has probably died while the pod runs on. It counts again once it renews (a new "
         f"torchrun joins anew); else check the pod: kubectl logs {pod}"
     )
+
+
+MAX_EVENT_MESSAGE: Final = 1024
+"""What an Event's message may hold before kopf cuts out its middle; a health check's
+report is cut to fit instead, so that its output's last lines (where a test says why)
+are what is shown."""
+
+
+def health_check_failed(pod: str, node: str | None, report: state.HealthCheckReport) -> str:
+    """A pod's failed health check, on the Kubernetes node the Pod object names (never
+    where the pod says it runs); its output's tail, printable and cut to fit the Event."""
+    if report.outcome is state.HealthCheckOutcome.TIMED_OUT:
+        how = "did not end within health_check_timeout and was killed"
+    elif report.outcome is state.HealthCheckOutcome.NOT_STARTED:
+        how = "could not be started"
+    else:
+        how = f"exited with code {report.exit_code}"
+    where = f"on node {node}" if node else "on a node not known (its Pod is gone or unscheduled)"
+    head = (
+        f"pod {pod} {where} joins no round: its health check {how} after "
+        f"{report.seconds:.3f} s; its agent ends so that its workload replaces it. "
+        "Output ends: "
+    )
+    tail = state.printable_tail(report.tail, max(0, MAX_EVENT_MESSAGE - len(head)))
+    return head + (tail or "(none)")
 
 
 INVALID_ANNOTATIONS_NAMED: Final = 3

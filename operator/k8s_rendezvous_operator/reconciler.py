@@ -17,6 +17,7 @@ from typing import Any
 from k8s_rendezvous import state
 from k8s_rendezvous_operator import (
     events,
+    failed_checks,
     jobs,
     kube,
     membership,
@@ -60,6 +61,8 @@ class PodMemory:
     """The uid of the pod that wrote its Lease, where the Lease says."""
     lease_problem: str | None = None
     """Why its Lease's request cannot be read (said once, until it writes a good one)."""
+    check_reported: failed_checks.Reported | None = None
+    """The last failed health check of its Lease reported (each is said once)."""
     labelled: bool = False
     labelling: asyncio.Task[None] | None = None
 
@@ -151,6 +154,8 @@ class Reconciler:
         self._warnings = events.WarningBudgets()
         self._started_at = clock()
         self._unreachable: frozenset[reachability.Target] = frozenset()
+        self._reporting: set[asyncio.Task[None]] = set()
+        """Failed health checks being reported (each looks up its pod first)."""
 
     def _memory(self, key: Key) -> RendezvousMemory:
         return self._rendezvous.setdefault(key, RendezvousMemory())
@@ -277,6 +282,14 @@ class Reconciler:
                 pod=lease.node,
             )
         node.lease_problem = problem
+        if (failure := failed_checks.to_report(entry, node.check_reported)) is not None:
+            assert entry is not None and entry.health_check is not None
+            node.check_reported = failure
+            task = asyncio.get_running_loop().create_task(
+                self._report_failed_check(key, body, lease.node, entry.health_check)
+            )
+            self._reporting.add(task)
+            task.add_done_callback(self._reporting.discard)
         writer = None if deleted else lease.pod_uid
         wrote_anew = node.writer != writer
         node.writer = writer
@@ -313,6 +326,30 @@ class Reconciler:
             self._unposted.append((key, reason, message))
             return
         self._post([self.known_body(key) or body], warning=True, reason=reason, message=message)
+
+    async def _report_failed_check(
+        self, key: Key, lease_body: Mapping[str, Any], pod: str, report: state.HealthCheckReport
+    ) -> None:
+        """A HealthCheckFailed Warning on the Rendezvous, its Job and the pod, naming the
+        Kubernetes node the Pod object says it runs on (the pod's word is not taken for
+        where it runs), within the Warning budgets like every Warning a pod can cause."""
+        namespace = key[0]
+        try:
+            found = await asyncio.to_thread(self._api.get_pod, namespace, pod)
+        except Exception:
+            log.exception("reading pod %s/%s for its failed health check failed", namespace, pod)
+            found = None
+        node_name = None if found is None else (found.get("spec") or {}).get("nodeName")
+        message = reasons.health_check_failed(pod, node_name, report)
+        known = self.known_body(key)
+        if self._starting or known is None:
+            self._warn(key, lease_body, reasons.HEALTH_CHECK_FAILED, message, pod=pod)
+            return
+        log.warning("Rendezvous %s/%s: %s: %s", *key, reasons.HEALTH_CHECK_FAILED, message)
+        if not self._warnings.allow(self._clock(), *key, pod):
+            return
+        targets = [*events.rendezvous_targets(known), *([found] if found else [])]
+        self._post(targets, warning=True, reason=reasons.HEALTH_CHECK_FAILED, message=message)
 
     def started(self) -> None:
         self._starting = False
@@ -403,6 +440,7 @@ class Reconciler:
         from what is known so far; what a test waits for)."""
         while busy := [
             *self._running.values(),
+            *self._reporting,
             *(task for pod in self._pods.values() if (task := pod.labelling) is not None),
         ]:
             await asyncio.gather(*busy, return_exceptions=True)

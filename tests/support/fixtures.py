@@ -387,6 +387,7 @@ def attach_nodes(
         read_timeout: int = 20,
         service_account: str = "default",
         configured_spec: dict[str, int] | None = None,
+        **handler_options: Any,
     ) -> list[Node]:
         nodes = []
         for pod in pods:
@@ -408,6 +409,7 @@ def attach_nodes(
                 max_nodes=max_nodes,
                 read_timeout=read_timeout,
                 configured_spec=configured_spec,
+                **handler_options,
             )
             node = Node(name, addr, handler, api, rendezvous)
             created.append(node)
