@@ -286,7 +286,7 @@ class Reconciler:
             assert entry is not None and entry.health_check is not None
             node.check_reported = failure
             task = asyncio.get_running_loop().create_task(
-                self._report_failed_check(key, body, lease.node, entry.health_check)
+                self._report_failed_check(key, lease.node, entry.health_check)
             )
             self._reporting.add(task)
             task.add_done_callback(self._reporting.discard)
@@ -328,7 +328,7 @@ class Reconciler:
         self._post([self.known_body(key) or body], warning=True, reason=reason, message=message)
 
     async def _report_failed_check(
-        self, key: Key, lease_body: Mapping[str, Any], pod: str, report: state.HealthCheckReport
+        self, key: Key, pod: str, report: state.HealthCheckReport
     ) -> None:
         """A HealthCheckFailed Warning on the Rendezvous, its Job and the pod, naming the
         Kubernetes node the Pod object says it runs on (the pod's word is not taken for
@@ -341,12 +341,14 @@ class Reconciler:
             found = None
         node_name = None if found is None else (found.get("spec") or {}).get("nodeName")
         message = reasons.health_check_failed(pod, node_name, report)
-        known = self.known_body(key)
-        if self._starting or known is None:
-            self._warn(key, lease_body, reasons.HEALTH_CHECK_FAILED, message, pod=pod)
-            return
         log.warning("Rendezvous %s/%s: %s: %s", *key, reasons.HEALTH_CHECK_FAILED, message)
         if not self._warnings.allow(self._clock(), *key, pod):
+            return
+        known = self.known_body(key)
+        if self._starting or known is None:
+            # A node may fail its check before the Rendezvous' first event reaches the
+            # operator: said on the Rendezvous then, never on the Lease, where no one looks.
+            self._unposted.append((key, reasons.HEALTH_CHECK_FAILED, message))
             return
         targets = [*events.rendezvous_targets(known), *([found] if found else [])]
         self._post(targets, warning=True, reason=reasons.HEALTH_CHECK_FAILED, message=message)
@@ -355,8 +357,9 @@ class Reconciler:
         self._starting = False
 
     def _post_unposted(self, key: Key, body: Mapping[str, Any]) -> None:
-        """Post the Warnings about ``key`` found while starting, now that kopf can and the
-        Rendezvous is known (at most the budget's: bounded however long it never shows)."""
+        """Post the Warnings about ``key`` found while starting or before the Rendezvous was
+        known, now that kopf can and it is (at most the budget's: bounded however long it
+        never shows)."""
         for about, reason, message in self._unposted:
             if about == key:
                 self._post([body], warning=True, reason=reason, message=message)

@@ -108,6 +108,7 @@ LOST_LEFT: Final = "Left"
 LOST_ENTRY_REMOVED: Final = "EntryRemoved"
 LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
 LOST_UNREACHABLE: Final = "AgentUnreachable"
+LOST_HEALTH_CHECK_FAILED: Final = reasons.HEALTH_CHECK_FAILED
 LOST_REASONS: Final = (
     LOST_POD_DELETED,
     LOST_POD_TERMINATING,
@@ -120,6 +121,7 @@ LOST_REASONS: Final = (
     LOST_ENTRY_REMOVED,
     LOST_HEARTBEAT_EXPIRED,
     LOST_UNREACHABLE,
+    LOST_HEALTH_CHECK_FAILED,
 )
 
 CLOSED_BY_NODE: Final = "ClosedByNode"
@@ -147,6 +149,7 @@ FAILURES: Final = frozenset(
         LOST_LEFT,
         LOST_HEARTBEAT_EXPIRED,
         LOST_UNREACHABLE,
+        LOST_HEALTH_CHECK_FAILED,
         reasons.CAUSE_MEMBER_REJOINED,
     }
 )
@@ -161,6 +164,7 @@ KEEPS_NODE_OUT: Final = frozenset(
         LOST_CONTAINER_RESTARTED,
         LOST_HEARTBEAT_EXPIRED,
         LOST_UNREACHABLE,
+        LOST_HEALTH_CHECK_FAILED,
     }
 )
 """Losses that say the member's Kubernetes node may be bad, so the workload's next pods
@@ -395,7 +399,7 @@ def _loss_reason(ctx: Context, member: Member) -> str | None:
     if entry.instance != member.instance:
         return LOST_AGENT_RESTARTED
     if entry.intent is NodeIntent.LEAVE:
-        return LOST_LEFT
+        return LOST_LEFT if entry.health_check is None else LOST_HEALTH_CHECK_FAILED
     if not member.admits(entry):
         return None
     if ctx.liveness is not None and (member.node, member.instance) in ctx.liveness.unreachable:

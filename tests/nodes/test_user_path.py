@@ -213,9 +213,7 @@ def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     # Heartbeats: 30 s, the default. Once back, the lost node's worker may fail before its
     # agent reads that its round was replaced: its first packet to a peer that restarted meets
     # a reset. torch counts that against --max-restarts, with c10d too, so one is allowed.
-    job: TrainingJob = run_job(
-        parallelism=3, nodes="2:3", torchrun_args=("--max-restarts=1",)
-    )
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3", torchrun_args=("--max-restarts=1",))
     before = job.wait_world(3, after=0)
     victim = lone_pod(job)
     victim_name, node = victim["metadata"]["name"], victim["spec"]["nodeName"]

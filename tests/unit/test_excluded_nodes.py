@@ -69,6 +69,21 @@ def test_leaving_or_an_agent_restart_keeps_no_node_out() -> None:
     assert world.status.excluded_nodes == ()
 
 
+def test_a_member_whose_health_check_failed_before_its_next_join_keeps_its_node_out() -> None:
+    world = sealed_world("a", "b")
+    report = state.HealthCheckReport(state.HealthCheckOutcome.FAILED, 0.5, 3, "port error\n")
+    leave = dataclasses.replace(
+        world.requests["b"], intent=state.NodeIntent.LEAVE, health_check=report
+    )
+    world.write("b", leave)
+    world.decide()
+    assert world.status.forming_cause == rounds.LOST_HEALTH_CHECK_FAILED
+    assert world.status.restarts == 1, "a failed check is a failure, not a planned leave"
+    assert world.status.excluded_nodes == (
+        ExcludedNode("node-b", rounds.LOST_HEALTH_CHECK_FAILED, "b", world.now),
+    )
+
+
 def test_a_failed_pod_never_seen_scheduled_names_no_node() -> None:
     world = World(spec(1, 3))
     reseal(world, "a", "b")
