@@ -12,7 +12,6 @@ import ipaddress
 import logging
 import os
 import re
-import shlex
 import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -36,9 +35,6 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
 """With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
 renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
-DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS: Final = 300
-"""Five minutes: a short NCCL all-reduce or GPU burn-in ends well within it, and a check
-that hangs (a wedged GPU driver) holds its node out no longer than a join would wait."""
 
 
 def _tunable_meaning(tunable: state.SpecTunable) -> str:
@@ -73,7 +69,7 @@ CONFIG_KEYS: Final = {
     "Warning with its output's tail, and the agent exits non-zero so that its workload "
     "replaces the pod; none by default",
     "health_check_timeout": "seconds the health check may run before it is killed with its "
-    f"process group ({DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS}, at most "
+    f"process group ({state.DEFAULT_HEALTH_CHECK_SECONDS}, at most "
     f"{state.MAX_HEALTH_CHECK_SECONDS})",
     "warm_start": "1 to start each worker forked from a process that imported torch once "
     "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
@@ -122,8 +118,8 @@ class Settings:
     health_check: tuple[str, ...] = ()
     """The command run before each join (:mod:`k8s_rendezvous.health_check`); none by
     default, as what tells a healthy node is the workload's to say."""
-    health_check_timeout: int = DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS
-    """Seconds the health check may run: see :data:`DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS`."""
+    health_check_timeout: int = state.DEFAULT_HEALTH_CHECK_SECONDS
+    """Seconds the health check may run: see :data:`state.DEFAULT_HEALTH_CHECK_SECONDS`."""
 
     @classmethod
     def from_parameters(
@@ -193,34 +189,38 @@ class Settings:
 
 
 def health_check(command: object, timeout: object) -> tuple[tuple[str, ...], int]:
-    """``--rdzv-conf health_check`` and ``health_check_timeout``, checked: the command's
+    """``--rdzv-conf health_check`` and ``health_check_timeout``, checked, or where they are
+    not given, what an annotated Job's pods are given in the environment: the command's
     arguments (none: no check) and its bound in seconds.
 
     Raises:
         ValueError: A command that does not split, or a bound that is not a whole number
             of seconds from 1 to :data:`state.MAX_HEALTH_CHECK_SECONDS`, naming the fix.
     """
+    command_from = "--rdzv-conf health_check"
+    if command is None and state.HEALTH_CHECK_ENV in os.environ:
+        command, command_from = os.environ[state.HEALTH_CHECK_ENV], state.HEALTH_CHECK_ENV
+    timeout_from = "--rdzv-conf health_check_timeout"
+    if timeout is None and state.HEALTH_CHECK_TIMEOUT_ENV in os.environ:
+        timeout = os.environ[state.HEALTH_CHECK_TIMEOUT_ENV]
+        timeout_from = state.HEALTH_CHECK_TIMEOUT_ENV
     text = "" if command is None else str(command)
     try:
-        arguments = tuple(shlex.split(text))
+        arguments = state.health_check_arguments(text)
     except ValueError as error:
         raise ValueError(
-            f"--rdzv-conf health_check={text!r} does not split into arguments ({error}): "
+            f"{command_from}={text!r} does not split into arguments ({error}): "
             "quote it as a shell would, e.g. health_check='nccl-check --size 1G'."
         ) from None
     if timeout is None or timeout == "":
-        return arguments, DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS
+        return arguments, state.DEFAULT_HEALTH_CHECK_SECONDS
     try:
-        seconds = int(str(timeout))
-    except ValueError:
-        seconds = 0
-    if not 1 <= seconds <= state.MAX_HEALTH_CHECK_SECONDS:
+        return arguments, state.health_check_seconds(str(timeout))
+    except ValueError as error:
         raise ValueError(
-            f"--rdzv-conf health_check_timeout={timeout!r} is not a number of seconds from 1 "
-            f"to {state.MAX_HEALTH_CHECK_SECONDS}; leave it out for "
-            f"{DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS}."
-        )
-    return arguments, seconds
+            f"{timeout_from}={timeout!r} is {error}; leave it out for "
+            f"{state.DEFAULT_HEALTH_CHECK_SECONDS}."
+        ) from None
 
 
 def _configured_spec(params: RendezvousParameters) -> dict[str, int]:

@@ -238,7 +238,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         in_place: bool = False,
         warm_start: bool = False,
         health_check: Sequence[str] = (),
-        health_check_timeout: float = config.DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS,
+        health_check_timeout: float = state.DEFAULT_HEALTH_CHECK_SECONDS,
     ) -> None:
         self._client = client
         # First: it imports torch while this node joins, so that the first workers are

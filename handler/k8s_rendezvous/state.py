@@ -29,6 +29,7 @@ import ipaddress
 import json
 import math
 import re
+import shlex
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Final
@@ -75,6 +76,14 @@ GPU test, and small beside the 256 KiB the API server allows a Lease's annotatio
 MAX_HEALTH_CHECK_SECONDS: Final = 3600
 """The longest health check a node may run before each join (``health_check_timeout``):
 an hour covers a long burn-in test; longer would hold a node out of rounds unseen."""
+DEFAULT_HEALTH_CHECK_SECONDS: Final = 300
+"""Five minutes: a short NCCL all-reduce or GPU burn-in ends well within it, and a check
+that hangs (a wedged GPU driver) holds its node out no longer than a join would wait."""
+HEALTH_CHECK_ENV: Final = "K8S_RENDEZVOUS_HEALTH_CHECK"
+"""The health check an annotated Job's pods are given (its ``health-check`` annotation),
+read where ``--rdzv-conf health_check`` is not given."""
+HEALTH_CHECK_TIMEOUT_ENV: Final = "K8S_RENDEZVOUS_HEALTH_CHECK_TIMEOUT"
+"""Its bound, likewise (``health-check-timeout``, ``--rdzv-conf health_check_timeout``)."""
 MAX_HISTORY: Final = 10
 """Sealed rounds kept in ``status.history``, newest last: enough to read a bad hour."""
 MAX_EXCLUDED_NODES: Final = 8
@@ -652,6 +661,27 @@ class RendezvousSpec:
 
 
 _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def health_check_arguments(command: str) -> tuple[str, ...]:
+    """A health check command split as a shell would (it runs without one); none: no check.
+
+    Raises:
+        ValueError: It does not split (an unclosed quote), with shlex's reason.
+    """
+    return tuple(shlex.split(command))
+
+
+def health_check_seconds(raw: str) -> int:
+    """A health check's bound: whole seconds from 1 to :data:`MAX_HEALTH_CHECK_SECONDS`.
+
+    Raises:
+        ValueError: Anything else.
+    """
+    seconds = int(raw) if raw.strip().isascii() and raw.strip().isdigit() else 0
+    if not 1 <= seconds <= MAX_HEALTH_CHECK_SECONDS:
+        raise ValueError(f"not a number of seconds from 1 to {MAX_HEALTH_CHECK_SECONDS}")
+    return seconds
 
 
 def printable_tail(text: str, limit: int = MAX_HEALTH_CHECK_TAIL) -> str:

@@ -193,7 +193,7 @@ async def _inject_torchrun_env(
         namespace or body.metadata.namespace or "", body, wait=memo["webhook_wait"]
     )
     if found is not None:
-        name, spec = found
+        name, spec, agent_env = found
         excluded = reconciler.excluded_nodes((namespace or body.metadata.namespace or "", name))
-        for key, value in injection.inject(body, name, spec, excluded).items():
+        for key, value in injection.inject(body, name, spec, excluded, agent_env).items():
             patch[key] = value

@@ -13,8 +13,11 @@ from typing import Any
 from k8s_rendezvous import BACKEND_NAME, state
 
 
-def torchrun_environment(rendezvous: str, spec: state.RendezvousSpec) -> list[dict[str, Any]]:
-    """The env block, also what to write by hand in clusters without the webhook."""
+def torchrun_environment(
+    rendezvous: str, spec: state.RendezvousSpec, agent_env: Sequence[tuple[str, str]] = ()
+) -> list[dict[str, Any]]:
+    """The env block, also what to write by hand in clusters without the webhook, with what
+    the Job's annotations give its pods' agents (``agent_env``, name and value)."""
 
     def field(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -27,6 +30,7 @@ def torchrun_environment(rendezvous: str, spec: state.RendezvousSpec) -> list[di
         {"name": "POD_NAME", **field("metadata.name")},
         {"name": "POD_NAMESPACE", **field("metadata.namespace")},
         {"name": "POD_IP", **field("status.podIP")},
+        *({"name": name, "value": value} for name, value in agent_env),
     ]
 
 
@@ -65,11 +69,12 @@ def inject(
     rendezvous: str,
     spec: state.RendezvousSpec,
     excluded_nodes: Sequence[str] = (),
+    agent_env: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """A merge patch for ``pod``: the env in every container (what a container already
     defines is kept), the label the operator watches node pods by, and, when the
     rendezvous keeps Kubernetes nodes out, a node affinity that keeps the pod off them."""
-    additions = torchrun_environment(rendezvous, spec)
+    additions = torchrun_environment(rendezvous, spec, agent_env)
     containers = []
     for container in (pod.get("spec") or {}).get("containers") or []:
         env = list(container.get("env") or [])

@@ -21,6 +21,14 @@ TUNABLES: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TUNABLES}
 """The annotation of each tunable of the spec."""
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
+HEALTH_CHECK: Final = f"{PREFIX}health-check"
+HEALTH_CHECK_TIMEOUT: Final = f"{PREFIX}health-check-timeout"
+AGENT_ENV: Final = {
+    HEALTH_CHECK: state.HEALTH_CHECK_ENV,
+    HEALTH_CHECK_TIMEOUT: state.HEALTH_CHECK_TIMEOUT_ENV,
+}
+"""Annotations that are the pods' agents' to read, not the Rendezvous': each is given to
+the Job's pods as this variable (``--rdzv-conf`` wins over it)."""
 
 
 def _accepted(tunable: state.SpecTunable) -> str:
@@ -42,6 +50,11 @@ ACCEPTED: Final = {
     RUN_ID: "torchrun's --rdzv-id, 1 to 253 printable ASCII characters without spaces "
     "(default: the Job's name)",
     RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
+    HEALTH_CHECK: "a command each pod runs before every join, split as a shell would, e.g. "
+    '"nccl-check --size 1G" (--rdzv-conf health_check; none by default)',
+    HEALTH_CHECK_TIMEOUT: "seconds the health check may run, from 1 to "
+    f"{state.MAX_HEALTH_CHECK_SECONDS} (--rdzv-conf health_check_timeout; default "
+    f"{state.DEFAULT_HEALTH_CHECK_SECONDS})",
 }
 """Every annotation we read, with its accepted forms: the one table the docs show."""
 
@@ -58,6 +71,31 @@ _RUN_ID = re.compile(r"^[!-~]{1,253}\Z")
 """Printable ASCII without spaces: it becomes PET_RDZV_ID and torch's store key prefix."""
 MAX_NODES: Final = 100_000
 """The CRD's bound on minNodes and maxNodes."""
+
+
+def _splits(command: str) -> bool:
+    try:
+        state.health_check_arguments(command)
+    except ValueError:
+        return False
+    return True
+
+
+def _whole_seconds(raw: str) -> bool:
+    try:
+        state.health_check_seconds(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def agent_env(annotations: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The variables a Job's annotations give its pods' agents (:data:`AGENT_ENV`), as
+    written: :func:`parse` has checked them (a Job with errors gets no Rendezvous, and its
+    pods no env)."""
+    return tuple(
+        (variable, annotations[key]) for key, variable in AGENT_ENV.items() if key in annotations
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +177,8 @@ def parse(
         lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
         "not a label key",
     )
+    text(HEALTH_CHECK, _splits, "does not split into arguments as a shell would")
+    text(HEALTH_CHECK_TIMEOUT, _whole_seconds, "not a number of seconds in range")
     if problem := state.rendezvous_name_problem(job_name):
         errors.append(
             AnnotationError(NODES, raw_nodes or "", f"the Job's name {problem}: rename the Job")

@@ -71,7 +71,7 @@ class Jobs:
         self._known_rendezvous = known_rendezvous
         self._worker_role = worker_role
         self._jobs: dict[Key, JobMemory] = {}
-        self._watched: dict[Key, tuple[str, state.RendezvousSpec | None]] = {}
+        self._watched: dict[Key, tuple[str, observe.JobObservation | None]] = {}
         """Every Job the watch showed, annotated or not: its uid and its rendezvous spec
         (``None``: none, or annotations that are refused). What the webhook answers from;
         one small entry per Job in the watched namespaces."""
@@ -101,7 +101,7 @@ class Jobs:
         if deleted:
             self._controllers.pop((key[0], uid), None)
         job = None if deleted else observe.observe_job(body)
-        await self._remember_for_webhook(key, uid, None if job is None else job.spec, deleted)
+        await self._remember_for_webhook(key, uid, job, deleted)
         if job is None:
             if (gone := self._jobs.pop(key, None)) and gone.injection_check:
                 gone.injection_check.cancel()
@@ -138,12 +138,12 @@ class Jobs:
         self._request(key)
 
     async def _remember_for_webhook(
-        self, key: Key, uid: str, spec: state.RendezvousSpec | None, deleted: bool
+        self, key: Key, uid: str, job: observe.JobObservation | None, deleted: bool
     ) -> None:
         if deleted:
             self._watched.pop(key, None)
             return
-        self._watched[key] = (uid, spec)
+        self._watched[key] = (uid, job)
         async with self._arrived:
             self._arrived.notify_all()
 
@@ -311,7 +311,7 @@ class Jobs:
         Job's pods are given the env, for the Job's Rendezvous made in its place. Known
         from the Job's watch event already while that event is still being handled."""
         watched = self._watched.get(key)
-        if watched is None or watched[1] is None:
+        if watched is None or watched[1] is None or watched[1].spec is None:
             return False
         job = self.get(key)
         runs = job is None or (job.finished is None and not job.deleting)
@@ -445,8 +445,9 @@ class Jobs:
 
     async def rendezvous_for_pod(
         self, namespace: str, pod: Mapping[str, Any], wait: float = WATCH_WAIT_SECONDS
-    ) -> tuple[str, state.RendezvousSpec] | None:
-        """The rendezvous of the annotated Job that owns ``pod``, if any (for the webhook).
+    ) -> tuple[str, state.RendezvousSpec, tuple[tuple[str, str], ...]] | None:
+        """The rendezvous of the annotated Job that owns ``pod``, if any, its spec and what
+        the Job gives its pods' agents (for the webhook).
 
         Answered from what the watches showed, never by a request to the API: anyone who
         reaches the webhook's port can ask, as often as its connections allow. A Job the
@@ -469,8 +470,8 @@ class Jobs:
         if owner is None or not isinstance(owner.get("name"), str):
             return None
         key = (namespace, owner["name"])
-        spec = await self._watched_spec(key, owner.get("uid"), wait)
-        if spec is None:
+        job = await self._watched_job(key, owner.get("uid"), wait)
+        if job is None or job.spec is None:
             return None
         rendezvous = self._known_rendezvous(key)
         if rendezvous is not None:
@@ -479,15 +480,15 @@ class Jobs:
                 return None  # someone else's: its pods must not be sent there (RendezvousNotOwned)
         # Unknown: the watch shows no Rendezvous of that name, so the operator makes it for
         # this Job (and if another made it first, the pods are refused at their join).
-        return owner["name"], spec
+        return owner["name"], job.spec, job.agent_env
 
-    async def _watched_spec(
+    async def _watched_job(
         self, key: Key, uid: object, wait: float
-    ) -> state.RendezvousSpec | None:
-        """The rendezvous spec of Job ``key`` if the watch showed it with ``uid``, waiting
-        up to ``wait`` seconds for its event."""
+    ) -> observe.JobObservation | None:
+        """Job ``key`` as the watch showed it with ``uid`` (``None``: not annotated),
+        waiting up to ``wait`` seconds for its event."""
 
-        def watched() -> tuple[str, state.RendezvousSpec | None] | None:
+        def watched() -> tuple[str, observe.JobObservation | None] | None:
             found = self._watched.get(key)
             return found if found is not None and found[0] == uid else None
 

@@ -102,6 +102,8 @@ class JobObservation:
     """``(reason, message)`` once the Job completed or failed."""
     deleting: bool = False
     """The Job is being deleted: what it owns goes with it, and is not made again."""
+    agent_env: tuple[tuple[str, str], ...] = ()
+    """What its annotations give its pods' agents (its health check), name and value."""
 
 
 def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
@@ -134,4 +136,5 @@ def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
         service_account=pod_spec.get("serviceAccountName") or "default",
         finished=finished,
         deleting=bool(metadata.get("deletionTimestamp")),
+        agent_env=job_annotations.agent_env(metadata.get("annotations") or {}),
     )

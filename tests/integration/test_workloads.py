@@ -300,7 +300,11 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
         workers_namespace,
         "zero-flag",
         1,
-        {"k8s-rendezvous.dev/nodes": "1:4", "k8s-rendezvous.dev/run-id": "exp-3"},
+        {
+            "k8s-rendezvous.dev/nodes": "1:4",
+            "k8s-rendezvous.dev/run-id": "exp-3",
+            "k8s-rendezvous.dev/health-check": "nccl-check --size '1 G'",
+        },
     )
     make_job(admin_api, workers_namespace, "plain", 1, {})
     injected = running_pods(admin_api, workers_namespace, "zero-flag", 1)[0]
@@ -310,6 +314,8 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
     assert env["PET_NNODES"]["value"] == "1:4"
     assert env["PET_RDZV_ID"]["value"] == "exp-3"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env[state.HEALTH_CHECK_ENV]["value"] == "nccl-check --size '1 G'"
+    assert state.HEALTH_CHECK_TIMEOUT_ENV not in env, "only what the Job's annotations say"
     assert injected["metadata"]["labels"][state.NODE_LABEL] == "zero-flag"
     plain = running_pods(admin_api, workers_namespace, "plain", 1)[0]
     assert not plain["spec"]["containers"][0].get("env")
