@@ -26,6 +26,7 @@ from devkit.cluster.controlplane import dig, read_object
 from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from devkit.paths import REPO, TRAIN_SCRIPT
 from devkit.waiting import wait_for
+from k8s_rendezvous import state
 
 VENV_BIN = REPO / ".venv" / "bin"
 
@@ -145,6 +146,18 @@ class TrainingJob:
             label_selector=self.selector or f"{JOB_LABEL}={self.name}",
         )
         return list(found["items"])
+
+    def rendezvous_status(self) -> dict[str, Any]:
+        """The status of the Rendezvous named after the Job (an annotated Job's)."""
+        body = read_object(
+            kubernetes.client.CustomObjectsApi(self.api).get_namespaced_custom_object,
+            state.GROUP,
+            state.VERSION,
+            self.namespace,
+            state.PLURAL,
+            self.name,
+        )
+        return dict(body.get("status") or {})
 
     def running_pods(self) -> list[dict[str, Any]]:
         return [

@@ -17,24 +17,11 @@ from typing import Any
 import kubernetes.client
 import pytest
 
-from devkit.cluster.controlplane import dig, read_object
+from devkit.cluster.controlplane import dig
 from devkit.training import RunJob, TrainingJob, agent_pid
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def excluded_nodes(api: kubernetes.client.ApiClient, job: TrainingJob) -> list[dict[str, Any]]:
-    body = read_object(
-        kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object,
-        state.GROUP,
-        state.VERSION,
-        job.namespace,
-        state.PLURAL,
-        job.name,
-    )
-    return list(dig(body, "status", "excludedNodes", default=[]))
 
 
 def kept_off(pod: dict[str, Any]) -> list[str]:
@@ -71,7 +58,9 @@ def test_a_failed_members_replacement_lands_on_another_node(
     assert kept_off(replacement) == [bad_node]
     assert replacement["spec"]["nodeName"] != bad_node
     recorded = wait_for(
-        lambda: excluded_nodes(admin_api, job) or None, 30, "the failed member's node recorded"
+        lambda: job.rendezvous_status().get("excludedNodes"),
+        30,
+        "the failed member's node recorded",
     )
     assert [(e["node"], e["reason"], e["pod"]) for e in recorded] == [
         (bad_node, "PodFailed", victim["metadata"]["name"])

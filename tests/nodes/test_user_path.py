@@ -28,7 +28,7 @@ from devkit.training import (
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
-from k8s_rendezvous import __version__, state
+from k8s_rendezvous import __version__
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,19 +51,6 @@ def lone_pod(job: TrainingJob) -> dict[str, Any]:
     alone = [pods[0] for pods in by_node.values() if len(pods) == 1]
     assert alone, {node: [p["metadata"]["name"] for p in pods] for node, pods in by_node.items()}
     return alone[0]
-
-
-def rendezvous_history(api: kubernetes.client.ApiClient, job: TrainingJob) -> list[dict[str, Any]]:
-    """The Job's Rendezvous' round history, oldest first."""
-    body = read_object(
-        kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object,
-        state.GROUP,
-        state.VERSION,
-        job.namespace,
-        state.PLURAL,
-        job.name,
-    )
-    return list(dig(body, "status", "history", default=[]))
 
 
 # -- the operator from its image --------------------------------------------------------
@@ -224,7 +211,7 @@ def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     real_nodes.cut_network(node)
     try:
         after = job.wait_world(2, after=fault)
-        lost = rendezvous_history(admin_api, job)[-1]
+        lost = job.rendezvous_status()["history"][-1]
     finally:
         restored = time.time()
         real_nodes.restore_network(node)
@@ -240,7 +227,7 @@ def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     # Back, its agent finds its round replaced and joins a later one: one world again.
     again = job.wait_world(3, after=restored)
     assert set(again.pods.values()) == set(before.pods.values())
-    rounds = [record["round"] for record in rendezvous_history(admin_api, job)]
+    rounds = [record["round"] for record in job.rendezvous_status()["history"]]
     assert rounds == sorted(set(rounds)), rounds
 
 
