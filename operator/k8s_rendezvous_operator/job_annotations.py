@@ -73,20 +73,17 @@ MAX_NODES: Final = 100_000
 """The CRD's bound on minNodes and maxNodes."""
 
 
-def _splits(command: str) -> bool:
-    try:
-        state.health_check_arguments(command)
-    except ValueError:
-        return False
-    return True
+def _accepted_by(parse: Callable[[str], object]) -> Callable[[str], bool]:
+    """Whether a value is one ``parse`` takes (it raises ``ValueError`` for the others)."""
 
+    def valid(raw: str) -> bool:
+        try:
+            parse(raw)
+        except ValueError:
+            return False
+        return True
 
-def _whole_seconds(raw: str) -> bool:
-    try:
-        state.health_check_seconds(raw)
-    except ValueError:
-        return False
-    return True
+    return valid
 
 
 def agent_env(annotations: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -177,8 +174,16 @@ def parse(
         lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
         "not a label key",
     )
-    text(HEALTH_CHECK, _splits, "does not split into arguments as a shell would")
-    text(HEALTH_CHECK_TIMEOUT, _whole_seconds, "not a number of seconds in range")
+    text(
+        HEALTH_CHECK,
+        _accepted_by(state.health_check_arguments),
+        "does not split into arguments as a shell would",
+    )
+    text(
+        HEALTH_CHECK_TIMEOUT,
+        _accepted_by(state.health_check_seconds),
+        "not a number of seconds in range",
+    )
     if problem := state.rendezvous_name_problem(job_name):
         errors.append(
             AnnotationError(NODES, raw_nodes or "", f"the Job's name {problem}: rename the Job")
