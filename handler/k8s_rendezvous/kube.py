@@ -109,9 +109,9 @@ class RendezvousClient:
         except Exception as error:  # urllib3's and the client's; nothing depends on this
             log.debug("could not open a connection to %s ahead: %s", self._rest.server, error)
 
-    def get(self) -> dict[str, Any]:
+    def get(self, budget_seconds: float | None = None) -> dict[str, Any]:
         path = f"{self._group_path}/{state.PLURAL}/{self.name}"
-        return self._call("read", lambda: self._rest.request("GET", path))
+        return self._call("read", lambda: self._rest.request("GET", path), budget_seconds)
 
     def identity(self) -> tuple[str, str | None]:
         """Who these credentials are: the user name and, for a pod-bound service-account
