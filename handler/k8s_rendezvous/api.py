@@ -32,8 +32,9 @@ class RendezvousReader(Protocol):
     def reference(self) -> str:
         """``Rendezvous <namespace>/<name>``, for messages."""
 
-    def get(self) -> Mapping[str, Any]:
-        """The Rendezvous as stored. Raises ``RendezvousNotFoundError`` if it is missing."""
+    def get(self, budget_seconds: float | None = None) -> Mapping[str, Any]:
+        """The Rendezvous as stored, within ``budget_seconds`` of retries (the client's
+        read budget if ``None``). Raises ``RendezvousNotFoundError`` if it is missing."""
 
     def watch_unless(
         self,

@@ -57,6 +57,7 @@ from k8s_rendezvous import (
     heartbeat,
     join,
     kube,
+    partition,
     probes,
     reforming,
     rest,
@@ -262,6 +263,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         ).start()
         self._heartbeat = heartbeat.Heartbeat(client, node, self._instance, heartbeat_timeout)
         self._probes = probes.ProbeResponder(node)
+        self._sentinel = partition.Sentinel(
+            node,
+            self._probes,
+            lambda budget: client.get(budget_seconds=budget),
+            self._watcher.offer,
+        )
         self._serving: TCPStore | None = None
         """The store of the round this node is rank 0 of."""
         self._retired: TCPStore | None = None
@@ -426,6 +433,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
         if self._health_check:
             self._check_health()
+        self._probes.forget()  # the round this node was probed in is behind it
+        self._sentinel.start()
         # torch's workers expect a new store every round (they write their keys unprefixed):
         # each join offers a fresh socket, served on only if this node becomes rank 0.
         try:
@@ -740,6 +749,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         path, 0 while the change is re-formed in place."""
         status = self._watcher.status
         waiting = 0 if status is None else self._waiting(status)
+        if self._sentinel.cut_off:
+            # Its workers hang in a group the others left: stopped now, not failed later.
+            return max(1, waiting)
         if self._reformer is None or (
             waiting and status and status.state is state.RoundState.CLOSED
         ):
@@ -780,6 +792,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._shut_down = True
         self._watcher.stop()
         self._heartbeat.stop()
+        self._sentinel.stop()
         if self._reformer is not None:
             self._reformer.stop()
         if self._zygote is not None and self._zygote.stdin is not None:

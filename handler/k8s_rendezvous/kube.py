@@ -109,9 +109,15 @@ class RendezvousClient:
         except Exception as error:  # urllib3's and the client's; nothing depends on this
             log.debug("could not open a connection to %s ahead: %s", self._rest.server, error)
 
-    def get(self) -> dict[str, Any]:
+    def get(self, budget_seconds: float | None = None) -> dict[str, Any]:
+        """The Rendezvous; within ``budget_seconds``, if given, each request included: a
+        request on a pooled connection into a cut network would otherwise wait out the
+        client's read timeout, far beyond the budget."""
         path = f"{self._group_path}/{state.PLURAL}/{self.name}"
-        return self._call("read", lambda: self._rest.request("GET", path))
+        timeout: rest.Timeout = rest.DEFAULT_TIMEOUT if budget_seconds is None else budget_seconds
+        return self._call(
+            "read", lambda: self._rest.request("GET", path, timeout=timeout), budget_seconds
+        )
 
     def identity(self) -> tuple[str, str | None]:
         """Who these credentials are: the user name and, for a pod-bound service-account

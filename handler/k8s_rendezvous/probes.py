@@ -14,6 +14,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 
 from k8s_rendezvous import state
 
@@ -41,11 +42,23 @@ class ProbeResponder:
     def __init__(self, node: str) -> None:
         self._socket = _bind()
         self.port = int(self._socket.getsockname()[1])
+        self._last_probe: float | None = None
+        """When the last probe came (monotonic), since the node last joined."""
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"k8s-rendezvous-probes-{node}", daemon=True
         )
         self._thread.start()
+
+    def silent_for(self) -> float | None:
+        """Seconds since the last probe, ``None`` if none came since :meth:`forget` (a node
+        not yet probed, or whose probes never reach it, is not silent)."""
+        last = self._last_probe
+        return None if last is None else time.monotonic() - last
+
+    def forget(self) -> None:
+        """A new membership begins (a join): probes come once its round is sealed."""
+        self._last_probe = None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -67,5 +80,6 @@ class ProbeResponder:
             probe = state.Probe.from_request(datagram)
             if probe is None:
                 continue
+            self._last_probe = time.monotonic()
             with contextlib.suppress(OSError):  # e.g. no route back: the next probe retries
                 self._socket.sendto(probe.reply(), sender)

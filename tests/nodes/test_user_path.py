@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import kubernetes.client
@@ -28,6 +29,7 @@ from devkit.training import (
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
+from devkit.waiting import wait_for
 from k8s_rendezvous import __version__
 
 pytestmark = pytest.mark.timeout(600)
@@ -197,13 +199,12 @@ def test_a_drained_node_moves_its_training_pods(
 def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     run_job: RunJob, real_nodes: RealNodes, admin_api: kubernetes.client.ApiClient
 ) -> None:
-    # Heartbeats: 30 s, the default. Once back, the lost node's worker may fail before its
-    # agent reads that its round was replaced: its first packet to a peer that restarted meets
-    # a reset. torch counts that against --max-restarts, with c10d too, so one is allowed.
-    job: TrainingJob = run_job(parallelism=3, nodes="2:3", torchrun_args=("--max-restarts=1",))
+    # Heartbeats: 30 s, the default; torchrun's --max-restarts: 0, the default.
+    job: TrainingJob = run_job(parallelism=3, nodes="2:3")
     before = job.wait_world(3, after=0)
     victim = lone_pod(job)
     victim_name, node = victim["metadata"]["name"], victim["spec"]["nodeName"]
+    worker = Path(f"/proc/{worker_pid(victim)}")
     fault = time.time()
     # Power off, as far as a host can tell: the kubelet dies and the node's pods reach
     # nothing and are reached by nothing, though their processes live on.
@@ -212,6 +213,10 @@ def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     try:
         after = job.wait_world(2, after=fault)
         lost = job.rendezvous_status()["history"][-1]
+        # Cut off (no probe, no API server), its agent stops its workers while the network
+        # is still cut: none fails on a reset once back, which would end an agent with no
+        # restart left.
+        wait_for(lambda: not worker.exists() or None, 30, "the cut-off agent to stop its worker")
     finally:
         restored = time.time()
         real_nodes.restore_network(node)

@@ -49,7 +49,7 @@ class ScriptedRendezvousClient:
 
     # -- what the handler calls -------------------------------------------------------------
 
-    def get(self) -> dict[str, Any]:
+    def get(self, budget_seconds: float | None = None) -> dict[str, Any]:
         return self._object
 
     def open_connection(self) -> None:

@@ -118,6 +118,20 @@ def test_unreachable_api_server_is_a_connection_error_that_says_so() -> None:
         rendezvous_client(f"http://127.0.0.1:{port}", retry_seconds=0.3).get()
 
 
+@pytest.mark.timeout(60, method="thread")
+def test_a_read_with_a_budget_gives_up_on_a_server_that_never_answers() -> None:
+    # A request on a pooled connection into a cut network: accepted, never answered.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        reader = rendezvous_client(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="unreachable for 1 s"):
+            reader.get(budget_seconds=1.0)
+        elapsed = time.monotonic() - started
+    assert elapsed < kube.rest.DEFAULT_TIMEOUT[1] / 3, "bounded by the budget, not the read timeout"
+
+
 ENTRY = state.NodeEntry("i", 2, "10.0.0.1", 29500)
 
 

@@ -31,9 +31,9 @@ class RefusedUnseen(ScriptedRendezvousClient):
     def on_join(self, node: str, entry: state.NodeEntry) -> None:
         self.refusal = state.Refusal(node, entry.instance, entry.attempt, "OtherWorkload", MESSAGE)
 
-    def get(self) -> dict[str, Any]:
+    def get(self, budget_seconds: float | None = None) -> dict[str, Any]:
         if self.refusal is None:
-            return super().get()
+            return super().get(budget_seconds)
         return self._versioned(2, state.RendezvousStatus(refused=(self.refusal,)))
 
     def write_lease(

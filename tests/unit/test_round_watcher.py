@@ -33,7 +33,7 @@ class ScriptedWatches:
         self.exhausted = threading.Event()
         self.released = threading.Event()
 
-    def get(self) -> Mapping[str, Any]:
+    def get(self, budget_seconds: float | None = None) -> Mapping[str, Any]:
         raise AssertionError("no script deletes the Rendezvous: nothing to read")
 
     def watch_unless(
