@@ -473,7 +473,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         if report is None:
             return
         self._failed_check = report
-        how = health_check.describe(report)
+        how = report.summary()
         log.error(
             "node %s does not join %s: its health check %s %s; its output ends:\n%s",
             self._node,

@@ -93,16 +93,3 @@ def run(command: Sequence[str], timeout_seconds: float) -> state.HealthCheckRepo
     if code == 0:
         return None
     return state.HealthCheckReport(state.HealthCheckOutcome.FAILED, seconds, code, tail)
-
-
-def describe(report: state.HealthCheckReport) -> str:
-    """One line saying how a check failed, for errors and logs (its tail apart)."""
-    if report.outcome is state.HealthCheckOutcome.TIMED_OUT:
-        how = "did not end within its bound (health_check_timeout) and was killed"
-    elif report.outcome is state.HealthCheckOutcome.NOT_STARTED:
-        how = "could not be started"
-    elif report.exit_code is not None and report.exit_code < 0:
-        how = f"was killed by signal {-report.exit_code}"
-    else:
-        how = f"exited with code {report.exit_code}"
-    return f"{how} after {report.seconds:.3f} s"

@@ -705,6 +705,18 @@ class HealthCheckReport:
     """The last of its output (stdout and stderr), at most :data:`MAX_HEALTH_CHECK_TAIL`
     printable characters."""
 
+    def summary(self) -> str:
+        """How the check failed, in one line for errors, logs and Events (its tail apart)."""
+        if self.outcome is HealthCheckOutcome.TIMED_OUT:
+            how = "did not end within health_check_timeout and was killed"
+        elif self.outcome is HealthCheckOutcome.NOT_STARTED:
+            how = "could not be started"
+        elif self.exit_code is not None and self.exit_code < 0:
+            how = f"was killed by signal {-self.exit_code}"
+        else:
+            how = f"exited with code {self.exit_code}"
+        return f"{how} after {self.seconds:.3f} s"
+
     def to_dict(self) -> dict[str, Any]:
         report: dict[str, Any] = {
             "outcome": self.outcome.value,

@@ -193,7 +193,9 @@ async def _inject_torchrun_env(
         namespace or body.metadata.namespace or "", body, wait=memo["webhook_wait"]
     )
     if found is not None:
-        name, spec, agent_env = found
-        excluded = reconciler.excluded_nodes((namespace or body.metadata.namespace or "", name))
-        for key, value in injection.inject(body, name, spec, excluded, agent_env).items():
+        excluded = reconciler.excluded_nodes(
+            (namespace or body.metadata.namespace or "", found.name)
+        )
+        changes = injection.inject(body, found.name, found.spec, excluded, found.agent_env)
+        for key, value in changes.items():
             patch[key] = value

@@ -37,6 +37,17 @@ the Job, so the operator's event usually comes first and at worst trails by kopf
 Well below the webhook's timeout (5 s by default), after which the API server gives up."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PodRendezvous:
+    """What the webhook gives a pod of an annotated Job."""
+
+    name: str
+    """Of the Job's Rendezvous."""
+    spec: state.RendezvousSpec
+    agent_env: tuple[tuple[str, str], ...]
+    """What the Job's annotations tell its pods' agents (``job_annotations.AGENT_ENV``)."""
+
+
 @dataclasses.dataclass
 class JobMemory:
     """What is known of one annotated Job, dropped whole when it goes."""
@@ -445,9 +456,8 @@ class Jobs:
 
     async def rendezvous_for_pod(
         self, namespace: str, pod: Mapping[str, Any], wait: float = WATCH_WAIT_SECONDS
-    ) -> tuple[str, state.RendezvousSpec, tuple[tuple[str, str], ...]] | None:
-        """The rendezvous of the annotated Job that owns ``pod``, if any, its spec and what
-        the Job gives its pods' agents (for the webhook).
+    ) -> PodRendezvous | None:
+        """The rendezvous of the annotated Job that owns ``pod``, if any (for the webhook).
 
         Answered from what the watches showed, never by a request to the API: anyone who
         reaches the webhook's port can ask, as often as its connections allow. A Job the
@@ -480,7 +490,7 @@ class Jobs:
                 return None  # someone else's: its pods must not be sent there (RendezvousNotOwned)
         # Unknown: the watch shows no Rendezvous of that name, so the operator makes it for
         # this Job (and if another made it first, the pods are refused at their join).
-        return owner["name"], job.spec, job.agent_env
+        return PodRendezvous(owner["name"], job.spec, job.agent_env)
 
     async def _watched_job(
         self, key: Key, uid: object, wait: float

@@ -131,17 +131,10 @@ are what is shown."""
 def health_check_failed(pod: str, node: str | None, report: state.HealthCheckReport) -> str:
     """A pod's failed health check, on the Kubernetes node the Pod object names (never
     where the pod says it runs); its output's tail, printable and cut to fit the Event."""
-    if report.outcome is state.HealthCheckOutcome.TIMED_OUT:
-        how = "did not end within health_check_timeout and was killed"
-    elif report.outcome is state.HealthCheckOutcome.NOT_STARTED:
-        how = "could not be started"
-    else:
-        how = f"exited with code {report.exit_code}"
     where = f"on node {node}" if node else "on a node not known (its Pod is gone or unscheduled)"
     head = (
-        f"pod {pod} {where} joins no round: its health check {how} after "
-        f"{report.seconds:.3f} s; its agent ends so that its workload replaces it. "
-        "Output ends: "
+        f"pod {pod} {where} joins no round: its health check {report.summary()}; its agent "
+        "ends so that its workload replaces it. Output ends: "
     )
     tail = state.printable_tail(report.tail, max(0, MAX_EVENT_MESSAGE - len(head)))
     return head + (tail or "(none)")

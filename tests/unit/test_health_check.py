@@ -183,7 +183,7 @@ def test_a_check_that_fails_is_reported_with_its_code_and_output() -> None:
     assert report.outcome is state.HealthCheckOutcome.FAILED
     assert report.exit_code == 4
     assert report.tail == "probing\nNCCL WARN bad link\n"
-    assert "exited with code 4" in health_check.describe(report)
+    assert "exited with code 4" in report.summary()
 
 
 def test_a_check_that_cannot_start_is_reported_as_such() -> None:
@@ -221,7 +221,7 @@ def test_a_check_that_hangs_is_killed_with_its_children_at_its_bound(
     assert report is not None
     assert report.outcome is state.HealthCheckOutcome.TIMED_OUT
     assert report.tail == "waiting for the GPU\n"
-    assert "killed" in health_check.describe(report)
+    assert "killed" in report.summary()
     child = int(pid_file.read_text())
     # SIGKILL is delivered at once, but the orphan's exit is the kernel's to finish.
     deadline = time.monotonic() + 30
