@@ -21,8 +21,8 @@ configuration:
   over what the undisturbed pace (measured from the first full world's first step to the
   first fault) trains in the same wall time;
 - per fault: the **stall** (from the fault to the first step after the longest pause it
-  caused; 0 when training never paused), the **full world** (to the first step of a world
-  of 4 again), the **steps lost** (the undisturbed pace's steps until the next fault, less
+  caused; 0 when training never paused; none when it had not resumed by the next fault),
+  the **full world** (to the first step of a world of 4 after that pause), the **steps lost** (the undisturbed pace's steps until the next fault, less
   those trained), and the **rank churn** (ranks held by another pod in the first full
   world after the fault than before it: 1 when a newcomer takes the lost rank);
 - the **invariant checks**: every world's ranks dense and each held by one pod; no two
@@ -242,15 +242,23 @@ def fault_effect(
     }
     if not after:
         return effect
-    # The longest pause from the fault on: a pause shorter than three steps is the pace.
+    # The longest pause from the fault on, to the next fault included: a few steps the old
+    # world still took right after the fault are no resumption. A pause shorter than three
+    # steps is the pace.
     previous = before[-1]["time"] if before else at
     longest, resumed = 0.0, after[0]["time"]
     for line in after:
         if line["time"] - previous > longest:
             longest, resumed = line["time"] - previous, line["time"]
         previous = line["time"]
-    effect["stall"] = round(resumed - at, 3) if longest > 3 * STEP_SECONDS else 0.0
-    first_full = next((line for line in after if line["world_size"] == full), None)
+    if until - previous > longest and until - previous > 3 * STEP_SECONDS:
+        return effect  # not resumed before the next fault: no stall, no full world
+    paused = longest > 3 * STEP_SECONDS
+    effect["stall"] = round(resumed - at, 3) if paused else 0.0
+    since = resumed if paused else at
+    first_full = next(
+        (line for line in after if line["world_size"] == full and line["time"] >= since), None
+    )
     if first_full is not None:
         effect["full_world"] = round(first_full["time"] - at, 3)
         if before:

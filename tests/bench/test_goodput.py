@@ -100,6 +100,24 @@ def test_a_full_world_that_never_came_back_is_counted_unresolved() -> None:
     assert result["by_kind"]["node"]["unresolved"] == 1
 
 
+def test_a_stall_that_outlasts_the_next_fault_is_no_resumption() -> None:
+    # The old world takes two more steps after the fault, then nothing until the next one.
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0 + 2 * STEP)
+    lines += world("a:2", ["p0", "p1", "p2", "p3"], 250.0, 300.0)
+    faults = [{"kind": "node", "at": 99.9}, {"kind": "pod", "at": 200.0}]
+    lost, _ = goodput.analyze(lines, faults, 0.0, 300.0)["faults"]
+    assert (lost["stall"], lost["full_world"], lost["rank_churn"]) == (None, None, None)
+    assert lost["steps_lost"] == pytest.approx(100.0 / STEP, abs=2)
+
+
+def test_the_full_world_is_timed_to_its_first_step_after_the_pause() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0 + 2 * STEP)
+    lines += world("a:2", ["p0", "p1", "p2", "p3"], 120.0, 200.0)
+    (effect,) = goodput.analyze(lines, [{"kind": "worker", "at": 99.9}], 0.0, 200.0)["faults"]
+    assert effect["stall"] == pytest.approx(20.1)
+    assert effect["full_world"] == pytest.approx(20.1)
+
+
 def test_two_worlds_at_once_and_a_rank_held_twice_are_violations() -> None:
     lines = world("a:1", ["p0", "p1"], 0.0, 50.0) + world("b:1", ["p2", "p3"], 20.0, 60.0)
     assert any("trained at once" in v for v in goodput.world_violations(lines))
