@@ -22,9 +22,10 @@ configuration:
   first fault) trains in the same wall time;
 - per fault: the **stall** (from the fault to the first step after the longest pause it
   caused; 0 when training never paused; none when it had not resumed by the next fault),
-  the **full world** (to the first step of a world of 4 after that pause), the **steps lost** (the undisturbed pace's steps until the next fault, less
-  those trained), and the **rank churn** (ranks held by another pod in the first full
-  world after the fault than before it: 1 when a newcomer takes the lost rank);
+  the **full world** (to the first step of a world of 4 after that pause), the **steps
+  lost** (the undisturbed pace's steps until the next fault, less those trained), and the
+  **rank churn** (ranks held by another pod in the first full world after the fault than
+  before it: 1 when a newcomer takes the lost rank);
 - the **invariant checks**: every world's ranks dense and each held by one pod; no two
   worlds training at once; for ours, the recorded Rendezvous history (tests/support/
   invariants.py) and no sealed round keeping a member whose Pod is gone or terminal for
