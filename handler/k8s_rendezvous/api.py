@@ -33,8 +33,9 @@ class RendezvousReader(Protocol):
         """``Rendezvous <namespace>/<name>``, for messages."""
 
     def get(self, budget_seconds: float | None = None) -> Mapping[str, Any]:
-        """The Rendezvous as stored, within ``budget_seconds`` of retries (the client's
-        read budget if ``None``). Raises ``RendezvousNotFoundError`` if it is missing."""
+        """The Rendezvous as stored, within ``budget_seconds``, retries and each request
+        included (the client's read budget if ``None``). Raises ``RendezvousNotFoundError``
+        if it is missing."""
 
     def watch_unless(
         self,
