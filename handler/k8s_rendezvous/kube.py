@@ -40,6 +40,9 @@ _REFUSAL_GRACE_SECONDS: Final = 5.0
 just restarted refuses requests until its authorizer has loaded the roles. A lasting
 refusal (a missing RoleBinding) is still named within seconds."""
 _T = TypeVar("_T")
+_MIN_REQUEST_SECONDS: Final = 0.1
+"""The shortest timeout a budgeted request is given, so that its last retry can still be
+answered."""
 
 
 def load_api_client() -> client.ApiClient:
@@ -114,10 +117,16 @@ class RendezvousClient:
         request on a pooled connection into a cut network would otherwise wait out the
         client's read timeout, far beyond the budget."""
         path = f"{self._group_path}/{state.PLURAL}/{self.name}"
-        timeout: rest.Timeout = rest.DEFAULT_TIMEOUT if budget_seconds is None else budget_seconds
-        return self._call(
-            "read", lambda: self._rest.request("GET", path, timeout=timeout), budget_seconds
-        )
+        if budget_seconds is None:
+            return self._call("read", lambda: self._rest.request("GET", path))
+        deadline = time.monotonic() + budget_seconds
+
+        def read() -> dict[str, Any]:
+            # What is left of the budget: a retry after a quick failure ends by the deadline too.
+            left = max(_MIN_REQUEST_SECONDS, deadline - time.monotonic())
+            return self._rest.request("GET", path, timeout=left)
+
+        return self._call("read", read, budget_seconds)
 
     def identity(self) -> tuple[str, str | None]:
         """Who these credentials are: the user name and, for a pod-bound service-account
