@@ -35,8 +35,8 @@ configuration:
 
 Rank 0 (and c10d's store host) is never a victim, nor is its node drained or lost: c10d's
 rendezvous does not survive losing its store. Every torchrun runs with
-``--max-restarts=100`` (a budget for hours, as long runs set it) and Jobs with
-``backoffLimit: 100``.
+``--max-restarts=100`` (a budget for hours, as long runs set it) in an Indexed Job with
+``backoffLimitPerIndex: 100``.
 
 Results: bench/results/goodput/ (results.json, results.md, timeline.png).
 """
@@ -457,8 +457,19 @@ class Run:
             self.pool.images["trainer"].reference,
             parallelism=self.config.pods,
             nodes=f"2:{FULL}",
-            backoff_limit=100,
             command=words,
+        )
+        # The Job controller delays each replacement pod by 10 s x 2^(n-1), n the Job's
+        # failed pods so far (at most 10 min, never reset while none succeeds): with one
+        # count for the Job, the 16th fault of a run waits 10 min for its pod, whatever
+        # the rendezvous. An Indexed Job with a budget per index counts each index's
+        # failures apart (docs/troubleshooting.md), as long runs are advised to do.
+        spec = manifest["spec"]
+        del spec["backoffLimit"]
+        spec.update(
+            completions=self.config.pods,
+            completionMode="Indexed",
+            backoffLimitPerIndex=100,
         )
         pod_spec = manifest["spec"]["template"]["spec"]
         (container,) = pod_spec["containers"]
