@@ -35,6 +35,9 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
 """With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
 renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
+DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS: Final = 30
+"""Survivors re-form in tens of milliseconds when a peer's process dies (their
+collectives fail at once); 30 s also covers a step's compute between two collectives."""
 
 
 def _tunable_meaning(tunable: state.SpecTunable) -> str:
@@ -63,6 +66,11 @@ CONFIG_KEYS: Final = {
     "in_place": "1 to keep the workers running through a change of the world when they "
     "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
     "restarts them as torch does",
+    "in_place_loss_timeout": "seconds the workers have to re-form in place into a round "
+    "that lost a member before the node falls back to torch's restart "
+    f"({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS}): a collective blocked on a peer whose node "
+    "was cut off never fails by itself; make it longer than a step's longest stretch "
+    "between two collectives",
     "health_check": "a command each node runs before every join (split as a shell would, "
     "run without one), e.g. an NCCL or GPU self-test: a node whose check fails (non-zero "
     "exit, timeout, cannot start) joins no round, the operator posts a HealthCheckFailed "
@@ -111,6 +119,9 @@ class Settings:
     in_place: bool = False
     """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
     workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
+    in_place_loss_timeout: int = DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+    """Seconds the workers have to re-form into a round that lost a member, on the
+    in-place path, before the node falls back to torch's restart."""
     warm_start: bool = False
     """Start workers forked from a process that imported torch (:mod:`k8s_rendezvous.warm`)."""
     heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
@@ -150,6 +161,15 @@ class Settings:
             )
         namespace, name = parse_endpoint(params.endpoint, default_namespace)
         in_place = bool(params.get_as_bool("in_place", False))
+        in_place_loss_timeout = params.get_as_int(
+            "in_place_loss_timeout", DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+        )
+        if in_place_loss_timeout is None or in_place_loss_timeout <= 0:
+            raise ValueError(
+                "--rdzv-conf in_place_loss_timeout must be a positive number of seconds: "
+                "how long the workers have to re-form in place after a member was lost "
+                f"({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS})"
+            )
         read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
         if read_timeout is None or read_timeout <= 0:
             raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
@@ -182,6 +202,7 @@ class Settings:
             read_timeout,
             configured,
             in_place,
+            in_place_loss_timeout,
             warm_start,
             heartbeat_timeout,
             *health_check(params.get("health_check"), params.get("health_check_timeout")),

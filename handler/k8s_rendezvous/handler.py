@@ -217,6 +217,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         heartbeat_timeout: Seconds one renewal of the node's Lease may take (c10d's).
         in_place: Re-form the node's round in place, keeping the workers, when they are
             on the in-place path (:mod:`k8s_rendezvous.reforming`).
+        in_place_loss_timeout: Seconds the workers have to re-form into a round that
+            lost a member before the node falls back to torch's restart.
         warm_start: Start the zygote the workers are forked from when their entrypoint
             is :mod:`k8s_rendezvous.warm`.
         health_check: The command run before each join (none: no check); a node whose
@@ -237,6 +239,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         configured_spec: Mapping[str, int] | None = None,
         heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         in_place: bool = False,
+        in_place_loss_timeout: float = config.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
         warm_start: bool = False,
         health_check: Sequence[str] = (),
         health_check_timeout: float = state.DEFAULT_HEALTH_CHECK_SECONDS,
@@ -290,7 +293,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._join_lock = threading.Lock()
         """Held by every join: next_rendezvous()'s, and one in place."""
         self._reformer = (
-            reforming.Reformer(node, self._wait_for_change, self._rejoin_in_place, self._join_lock)
+            reforming.Reformer(
+                node,
+                self._wait_for_change,
+                self._rejoin_in_place,
+                self._join_lock,
+                in_place_loss_timeout,
+            )
             if in_place
             else None
         )
@@ -323,6 +332,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 configured_spec=settings.configured_spec,
                 heartbeat_timeout=settings.heartbeat_timeout,
                 in_place=settings.in_place,
+                in_place_loss_timeout=settings.in_place_loss_timeout,
                 warm_start=settings.warm_start,
                 health_check=settings.health_check,
                 health_check_timeout=settings.health_check_timeout,

@@ -51,6 +51,39 @@ _WAKE_SECONDS: Final = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
+class TakeUp:
+    """A round that lost a member, published in place: the workers must re-form into it."""
+
+    round: int
+    lost: tuple[str, ...]
+    deadline: float
+    """``time.monotonic()`` beyond which the node falls back to torch's restart."""
+
+
+def lost_members(before: state.NodeView, after: state.NodeView) -> tuple[str, ...]:
+    """The members of ``before``'s round that ``after``'s round no longer has (none known
+    when a round is read from a slice, which lists no members)."""
+    if not before.member_nodes or not after.member_nodes:
+        return ()
+    kept = set(after.member_nodes)
+    return tuple(node for node in before.member_nodes if node not in kept)
+
+
+def late(take_up: TakeUp, rounds: list[int | None]) -> str | None:
+    """Why the node must fall back to torch's restart once ``take_up``'s deadline passed,
+    if it must: a worker (``rounds``: the round each worker last re-formed into, ``None``
+    if unknown) is not yet in its round."""
+    if all(worker_round is not None and worker_round >= take_up.round for worker_round in rounds):
+        return None
+    return (
+        f"the workers did not re-form into round {take_up.round} in time after "
+        f"{', '.join(take_up.lost)} left the world: a collective blocked on a peer that was "
+        "cut off (its node lost, not its process killed) does not fail by itself "
+        "(in_place_loss_timeout)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class Joined:
     """A round this node joined: what the handler's join returns."""
 
@@ -86,6 +119,11 @@ class Reformer:
             handler's join lock), and returns it.
         lock: The handler's join lock: a join by ``next_rendezvous()`` and one in place
             never overlap.
+        loss_timeout: Seconds the workers have to re-form into a round that lost a
+            member. Their collectives fail within milliseconds when a peer's process
+            dies; a peer cut off from the network (its node lost) closes no connection,
+            and a collective blocked on it waits out the process group's timeout (30 min
+            by default): past this bound the node falls back to torch's restart.
     """
 
     def __init__(
@@ -94,8 +132,10 @@ class Reformer:
         wait_for_change: Callable[[float], bool],
         rejoin: Callable[[], Joined],
         lock: threading.Lock,
+        loss_timeout: float,
     ) -> None:
         self._node = node
+        self._loss_timeout = loss_timeout
         self._wait_for_change = wait_for_change
         self._rejoin = rejoin
         self._lock = lock
@@ -105,6 +145,8 @@ class Reformer:
         self._agent: ElasticAgent | None = None
         self._store: in_place.SwitchedStore | None = None
         self._gave_up: str | None = None
+        self._joined: Joined | None = None
+        self._take_up: TakeUp | None = None
         self._busy = False
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,6 +160,8 @@ class Reformer:
         a store that follows the node's round."""
         self._agent = agent
         self._gave_up = None
+        self._joined = joined
+        self._take_up = None
         for stale in self.directory.glob("worker-*.json"):  # the stopped workers'
             stale.unlink(missing_ok=True)
         self._publish(joined, None)
@@ -141,6 +185,12 @@ class Reformer:
         if reason is not None and reason.startswith("worker gave up"):
             self._give_up(reason)
             return False
+        if self._take_up is not None and time.monotonic() >= self._take_up.deadline:
+            reason = late(self._take_up, self._worker_rounds())
+            self._take_up = None
+            if reason is not None:
+                self._give_up(reason)
+                return False
         return True
 
     @property
@@ -208,6 +258,19 @@ class Reformer:
                 return f"worker gave up: worker {worker.local_rank}: {record.fallback}"
         return None
 
+    def _worker_rounds(self) -> list[int | None]:
+        """The round each worker of the agent's group last re-formed into, if known."""
+        if self._agent is None:
+            return [None]
+        rounds: list[int | None] = []
+        for worker in self._agent.get_worker_group().workers:
+            try:
+                record = handoff.read_worker(self.directory, worker.local_rank)
+            except handoff.HandoffError:
+                record = None
+            rounds.append(record.round if record is not None and record.pid == worker.id else None)
+        return rounds
+
     def _reform(self) -> None:
         started = time.monotonic()
         assert self._agent is not None and self._store is not None
@@ -231,6 +294,10 @@ class Reformer:
         group.master_addr = status.master.addr
         group.master_port = status.master.port
         self._store.inner = joined.store  # the agent's store, for its exit barrier
+        lost = lost_members(self._joined.status, status) if self._joined is not None else ()
+        self._joined = joined
+        if lost:
+            self._take_up = TakeUp(status.round, lost, time.monotonic() + self._loss_timeout)
         self._publish(joined, workers[0] if workers else None)
         log.info(
             "node %s is rank %d of %d in round %d, re-formed in place (workers kept as ranks "

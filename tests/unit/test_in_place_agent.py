@@ -10,11 +10,15 @@ the operator is scripted.
 - Workers not on the in-place path: the node gives up at once, says why (in the log and to
   the workers) and the agent hears that nodes wait, so it restarts them as usual.
 - A worker that gave up, in a round that did not change: the agent restarts too.
+- A member lost: the workers must re-form into the round without it within
+  ``in_place_loss_timeout`` (one blocked on a peer cut off never would), or the agent
+  restarts them.
 - Without ``in_place``, nothing of this exists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -96,7 +100,27 @@ class Operator(ScriptedRendezvousClient):
             self._changed.notify_all()
 
 
-def handler(client: Operator, node: str, in_place: bool = True) -> KubernetesRendezvousHandler:
+class LosingOperator(Operator):
+    """As :class:`Operator`; once ``lose()`` marks round 2 stale (pod-2 lost), pod-1's
+    next join seals round 3 of pod-1 alone."""
+
+    lost = False
+
+    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+        if not self.lost:
+            return super().on_join(node, entry)
+        self.entries[node] = entry
+        return self.sealed(3, "pod-1")
+
+    def lose(self) -> None:
+        self.lost = True
+        stale = self.sealed(2, "pod-1", "pod-2")
+        self.publish(dataclasses.replace(stale, state=state.RoundState.REFORMING))
+
+
+def handler(
+    client: Operator, node: str, in_place: bool = True, loss_timeout: float = 30
+) -> KubernetesRendezvousHandler:
     return KubernetesRendezvousHandler(
         client,
         run_id="run",
@@ -106,6 +130,7 @@ def handler(client: Operator, node: str, in_place: bool = True) -> KubernetesRen
         max_nodes=2,
         read_timeout=10,
         in_place=in_place,
+        in_place_loss_timeout=loss_timeout,
     )
 
 
@@ -123,13 +148,16 @@ def reformer_directory(rdzv: KubernetesRendezvousHandler) -> Path:
     return rdzv.reformer.directory
 
 
-def register_workers(rdzv: KubernetesRendezvousHandler, group: WorkerGroup) -> None:
-    """What each worker's k8s_rendezvous.in_place writes once it is in the world."""
+def register_workers(
+    rdzv: KubernetesRendezvousHandler, group: WorkerGroup, round_number: int = 1
+) -> None:
+    """What each worker's k8s_rendezvous.in_place writes once it is in the world (and
+    again after each re-forming, with the round it re-formed into)."""
     for worker in group.workers:
         handoff.write(
             reformer_directory(rdzv),
             handoff.worker_file(worker.local_rank),
-            handoff.WorkerRecord(worker.local_rank, worker.id, 1),
+            handoff.WorkerRecord(worker.local_rank, worker.id, round_number),
         )
 
 
@@ -257,3 +285,57 @@ def test_without_in_place_nothing_is_handed_to_the_workers(
         assert handoff.DIRECTORY_ENV not in os.environ
     finally:
         rdzv.shutdown()
+
+
+@pytest.mark.parametrize("workers_reform", [True, False], ids=["re-formed", "blocked"])
+def test_workers_that_do_not_reform_after_a_loss_are_restarted_past_the_bound(
+    workers_reform: bool,
+) -> None:
+    operator = LosingOperator()
+    survivor_handler = handler(operator, "pod-1", loss_timeout=0.5)
+    lost_handler = handler(operator, "pod-2")
+    survivor, lost = agent(survivor_handler), agent(lost_handler, first_id=2000)
+    try:
+        survivor._initialize_workers(survivor._worker_group)
+        group = survivor.get_worker_group()
+        register_workers(survivor_handler, group)
+        joining = threading.Thread(target=lost._initialize_workers, args=(lost._worker_group,))
+        joining.start()
+        until(
+            lambda: survivor_handler.num_nodes_waiting() == 0 and group.group_world_size == 2,
+            "round 2 re-formed in place",
+        )
+        joining.join(20)
+        register_workers(survivor_handler, group, 2)
+
+        operator.lose()
+
+        def published_round() -> int:
+            assert survivor_handler.num_nodes_waiting() == 0, "in place until the bound"
+            published = handoff.read_round(reformer_directory(survivor_handler))
+            return 0 if published is None else published.round
+
+        until(lambda: published_round() == 3, "round 3 published to the survivor's workers")
+        assert (group.group_rank, group.group_world_size) == (0, 1)
+        if workers_reform:
+            register_workers(survivor_handler, group, 3)
+        past_bound = time.monotonic() + 0.6
+        answers = []
+        while time.monotonic() < past_bound or len(answers) < 2:
+            answers.append(survivor_handler.num_nodes_waiting())
+            time.sleep(0.05)
+
+        assert survivor_handler.reformer is not None
+        if workers_reform:
+            assert set(answers) == {0}, "workers in the round are left alone"
+            assert survivor_handler.reformer.gave_up is None
+        else:
+            assert answers[-1] == 1, "the agent hears that it must restart its workers"
+            reason = survivor_handler.reformer.gave_up
+            assert reason is not None and "did not re-form into round 3" in reason
+            assert "pod-2" in reason and "in_place_loss_timeout" in reason
+            published = handoff.read_round(reformer_directory(survivor_handler))
+            assert published is not None and published.fallback == reason
+    finally:
+        lost_handler.shutdown()
+        survivor_handler.shutdown()

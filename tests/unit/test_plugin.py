@@ -241,6 +241,17 @@ def test_c10d_keep_alive_keys_make_the_liveness_window_and_heartbeat_timeout_one
         config.Settings.from_parameters(params(heartbeat_timeout="0"), "team-a")
 
 
+def test_in_place_loss_timeout_is_read_and_a_bound_that_is_not_positive_refused(
+    pod_env: None,
+) -> None:
+    settings = config.Settings.from_parameters(params(in_place_loss_timeout="90"), "team-a")
+    assert settings.in_place_loss_timeout == 90
+    default = config.Settings.from_parameters(params(), "team-a")
+    assert default.in_place_loss_timeout == config.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+    with pytest.raises(ValueError, match="in_place_loss_timeout must be a positive number"):
+        config.Settings.from_parameters(params(in_place_loss_timeout="0"), "team-a")
+
+
 def test_warm_start_starts_the_zygote_and_points_the_workers_at_it(
     pod_env: None, built: list[RendezvousHandler], monkeypatch: pytest.MonkeyPatch
 ) -> None:
