@@ -476,8 +476,10 @@ class Run:
         container["env"] = [
             variable for variable in container["env"] if variable["name"] != "TRAIN_PROGRESS_FILE"
         ] + [
-            {"name": "BENCH_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "TRAIN_PROGRESS_FILE", "value": "/progress/$(BENCH_POD).jsonl"},
+            # The progress lines name their pod by POD_NAME (an annotated Job's pods get it
+            # from the operator), else the hostname: an Indexed Job's is <job>-<index>.
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "TRAIN_PROGRESS_FILE", "value": "/progress/$(POD_NAME).jsonl"},
         ]
         pod_spec["volumes"].append(
             {"name": "progress", "hostPath": {"path": str(self.progress), "type": "Directory"}}
