@@ -13,6 +13,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 __all__ = [
+    "ApiServerSilentError",
     "KubernetesRendezvousClosedError",
     "KubernetesRendezvousConnectionError",
     "KubernetesRendezvousGracefulExitError",
@@ -27,6 +28,13 @@ __all__ = [
 
 class KubernetesRendezvousConnectionError(RendezvousConnectionError):
     """The API server could not be reached, or refused us, within the retry budget."""
+
+
+class ApiServerSilentError(KubernetesRendezvousConnectionError):
+    """Nothing answered at the API server's address within the budget (a timeout, or no
+    route): what a node cut off from the network sees. A refused or reset connection, or
+    any HTTP status, is an answer from the other end, and raises the plain connection
+    error."""
 
 
 class RendezvousNotFoundError(KubernetesRendezvousConnectionError):

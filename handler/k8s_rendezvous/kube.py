@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import http.client
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from k8s_rendezvous import rest, state
 from k8s_rendezvous.errors import (
+    ApiServerSilentError,
     KubernetesRendezvousConnectionError,
     KubernetesRendezvousStateError,
     RendezvousNotFoundError,
@@ -43,6 +45,8 @@ _T = TypeVar("_T")
 _MIN_REQUEST_SECONDS: Final = 0.1
 """The shortest timeout a budgeted request is given, so that its last retry can still be
 answered."""
+_MAX_CHAIN: Final = 16
+"""Errors followed down a failure's chain of causes: urllib3's are three deep."""
 
 
 def load_api_client() -> client.ApiClient:
@@ -375,10 +379,33 @@ class RendezvousClient:
                 f"could not {target}{within}: the API server answered {status} ({reason})."
             )
         unreachable = f"unreachable for {budget:.0f} s" if budget else "unreachable"
-        return KubernetesRendezvousConnectionError(
+        kind = KubernetesRendezvousConnectionError if answered(error) else ApiServerSilentError
+        return kind(
             f"could not {target}: the API server at {self._rest.server} was {unreachable} "
             f"({error}). Check the pod's network and that the API server is up."
         )
+
+
+def answered(error: BaseException) -> bool:
+    """Whether the other end of the network answered a failed request: a connection
+    refused or reset, or closed without a response (an API server restarting, behind its
+    Service or load balancer). A timeout or an unreachable network shows nothing did."""
+    seen: BaseException | None = error
+    for _ in range(_MAX_CHAIN):
+        if seen is None:
+            return False
+        if isinstance(
+            seen, ConnectionRefusedError | ConnectionResetError | http.client.RemoteDisconnected
+        ):
+            return True
+        if isinstance(seen, urllib3.exceptions.MaxRetryError):
+            seen = seen.reason
+        elif isinstance(seen, urllib3.exceptions.ProtocolError) and len(seen.args) > 1:
+            inner = seen.args[1]  # urllib3 keeps the socket's error here, not as the cause
+            seen = inner if isinstance(inner, BaseException) else None
+        else:
+            seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _pod_uid(claims: dict[str, Any] | None) -> str | None:

@@ -8,12 +8,15 @@ in a collective. When the network returns, a worker's first packet to a peer tha
 restarted meets a reset, and it fails before the watch says the round was replaced:
 torch counts that against the agent's ``--max-restarts``, and with none left the pod
 fails. So the agent tells itself: when the operator's probes stop, it asks the API server
-for its Rendezvous; one that does not answer either means this node is cut off, and
-``num_nodes_waiting()`` says so, so that torch's agent stops the workers and joins anew
-(a planned restart, which spends nothing).
+for its Rendezvous; when nothing answers at the API server's address either (a timeout,
+no route) this node is cut off, and ``num_nodes_waiting()`` says so, so that torch's agent
+stops the workers and joins anew (a planned restart, which spends nothing).
 
-Either silence alone is no cut: probes stop while the operator's leader changes, and the
-API server does not answer while it restarts; neither stops the workers.
+Either silence alone is no cut: probes stop while the operator's leader changes. Nor is
+an API server that restarts: its operator loses the leadership within seconds, so probes
+stop too, but the API server's address still answers, with a connection refused or
+reset (:class:`k8s_rendezvous.errors.ApiServerSilentError` is raised only when nothing
+does); neither stops the workers.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
 from torch.distributed.elastic.rendezvous import RendezvousError
+
+from k8s_rendezvous.errors import ApiServerSilentError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ class ProbeClock(Protocol):
 
 def cut_off(silent_for: float | None, api_answered: bool | None) -> bool:
     """Whether a member is cut off: probes came, then stopped for :data:`SILENCE_SECONDS`,
-    and the API server did not answer since (``None``: not asked yet)."""
+    and nothing answered at the API server's address since (``None``: not asked yet)."""
     return silent_for is not None and silent_for >= SILENCE_SECONDS and api_answered is False
 
 
@@ -104,23 +109,29 @@ class Sentinel:
             return
         if silent < self._read_at:
             return
+        found: Mapping[str, Any] | None = None
         try:
             found = self._read(CHECK_BUDGET_SECONDS)
-        except RendezvousError as error:
+        except ApiServerSilentError as error:
             if self._answered is not False:
                 log.warning(
-                    "node %s is cut off: no probe for %.1f s and the API server does not "
-                    "answer (%s); its workers are stopped and it joins anew once back",
+                    "node %s is cut off: no probe for %.1f s and nothing answers at the API "
+                    "server's address (%s); its workers are stopped and it joins anew once "
+                    "back",
                     self._node,
                     silent,
                     error,
                 )
             self._answered = False  # and read again at the next step, to see it back
             return
+        except RendezvousError as error:
+            # Refused, reset or an HTTP error: the network reaches the API server's end.
+            log.info("node %s: no probe for %.1f s; the API server: %s", self._node, silent, error)
         self._answered = True
         self._answered_checks += 1
         self._read_at = silent + recheck_after(self._answered_checks)
-        self._offer(found)
+        if found is not None:
+            self._offer(found)
 
     def _run(self) -> None:
         # A second apart, spread: probes come about a second apart too.

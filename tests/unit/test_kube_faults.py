@@ -14,9 +14,11 @@ expired version, raises the pod side's own error, never the client library's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +32,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from k8s_rendezvous import kube, state
-from k8s_rendezvous.errors import RendezvousNotFoundError
+from k8s_rendezvous.errors import ApiServerSilentError, RendezvousNotFoundError
 
 OBJECT = {
     "apiVersion": state.API_VERSION,
@@ -114,8 +116,29 @@ def test_unreachable_api_server_is_a_connection_error_that_says_so() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(RendezvousConnectionError, match="unreachable for 0 s"):
+    with pytest.raises(RendezvousConnectionError, match="unreachable for 0 s") as raised:
         rendezvous_client(f"http://127.0.0.1:{port}", retry_seconds=0.3).get()
+    assert not isinstance(raised.value, ApiServerSilentError), "a refusal is an answer"
+
+
+def test_a_server_that_closes_each_connection_unanswered_is_no_silence() -> None:
+    # An API server restarting behind its Service's proxy: the proxy accepts, then closes.
+    with socket.socket() as closing:
+        closing.bind(("127.0.0.1", 0))
+        closing.listen(8)
+
+        def close_each() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    accepted, _ = closing.accept()
+                    accepted.recv(1024)
+                    accepted.close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        reader = rendezvous_client(f"http://127.0.0.1:{closing.getsockname()[1]}")
+        with pytest.raises(RendezvousConnectionError, match="unreachable for 1 s") as raised:
+            reader.get(budget_seconds=1.0)
+    assert not isinstance(raised.value, ApiServerSilentError)
 
 
 @pytest.mark.timeout(60, method="thread")
@@ -126,7 +149,7 @@ def test_a_read_with_a_budget_gives_up_on_a_server_that_never_answers() -> None:
         silent.listen(1)
         reader = rendezvous_client(f"http://127.0.0.1:{silent.getsockname()[1]}")
         started = time.monotonic()
-        with pytest.raises(RendezvousConnectionError, match="unreachable for 1 s"):
+        with pytest.raises(ApiServerSilentError, match="unreachable for 1 s"):
             reader.get(budget_seconds=1.0)
         elapsed = time.monotonic() - started
     assert elapsed < kube.rest.DEFAULT_TIMEOUT[1] / 3, "bounded by the budget, not the read timeout"

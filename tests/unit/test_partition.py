@@ -2,7 +2,8 @@
 clocks: the sentinel's step is driven by hand with a probe clock the test sets.
 
 Aspects: either silence alone (probes, or the API server) is no cut; the cut is told once
-both are silent and ends when either speaks; the API server is asked ever less often while
+both are silent and ends when either speaks; an API server that refuses or resets the
+connection (it restarts) is no silence; the API server is asked ever less often while
 it answers; what it answers reaches the watcher; the agent's responder tells how long
 probes have been silent, from none since the last join.
 """
@@ -18,7 +19,7 @@ import pytest
 
 from devkit.waiting import wait_for
 from k8s_rendezvous import partition, state
-from k8s_rendezvous.errors import KubernetesRendezvousConnectionError
+from k8s_rendezvous.errors import ApiServerSilentError, KubernetesRendezvousConnectionError
 from k8s_rendezvous.probes import ProbeResponder
 
 SILENCE = partition.SILENCE_SECONDS
@@ -33,17 +34,20 @@ class Probes:
 
 
 class Api:
-    """The Rendezvous read: answers, or not, as the test says; counts the reads."""
+    """The Rendezvous read: answers, refuses (the API server restarts) or is silent (the
+    node is cut off), as the test says; counts the reads."""
 
     def __init__(self) -> None:
-        self.answers = True
+        self.answers = "yes"
         self.reads: list[float] = []
         self.offered: list[Mapping[str, Any]] = []
 
     def read(self, budget: float) -> Mapping[str, Any]:
         self.reads.append(budget)
-        if not self.answers:
-            raise KubernetesRendezvousConnectionError("could not read: connection timed out")
+        if self.answers == "silent":
+            raise ApiServerSilentError("could not read: connection timed out")
+        if self.answers == "refused":
+            raise KubernetesRendezvousConnectionError("could not read: connection refused")
         return {"metadata": {"resourceVersion": str(len(self.reads))}}
 
 
@@ -86,7 +90,7 @@ def test_silent_probes_and_a_silent_api_server_are_a_cut_until_either_speaks(
     sentinel_of: tuple[partition.Sentinel, Probes, Api],
 ) -> None:
     sentinel, probes, api = sentinel_of
-    api.answers = False
+    api.answers = "silent"
     probes.silence = SILENCE
     sentinel.check()
     assert api.reads == [partition.CHECK_BUDGET_SECONDS]
@@ -96,18 +100,40 @@ def test_silent_probes_and_a_silent_api_server_are_a_cut_until_either_speaks(
     sentinel.check()
     assert len(api.reads) == 2 and sentinel.cut_off
     # Back: the API server answers, and its answer reaches the watcher.
-    api.answers = True
+    api.answers = "yes"
     probes.silence = SILENCE + 2
     sentinel.check()
     assert not sentinel.cut_off
     assert api.offered == [{"metadata": {"resourceVersion": "3"}}]
     # Or a probe comes: no longer cut off, whatever the API server said last.
-    api.answers = False
+    api.answers = "silent"
     probes.silence = SILENCE + 30
     sentinel.check()
     assert sentinel.cut_off
     probes.silence = 0.2
     assert not sentinel.cut_off
+
+
+def test_an_api_server_that_refuses_while_it_restarts_is_no_cut(
+    sentinel_of: tuple[partition.Sentinel, Probes, Api],
+) -> None:
+    # Its operator has lost the leadership too, so probes are silent as well; but the
+    # refusal comes from the API server's end of the network, which a cut node never hears.
+    sentinel, probes, api = sentinel_of
+    api.answers = "refused"
+    probes.silence = SILENCE
+    sentinel.check()
+    assert api.reads == [partition.CHECK_BUDGET_SECONDS]
+    assert not sentinel.cut_off
+    assert api.offered == []
+    probes.silence = SILENCE + 1
+    sentinel.check()
+    assert len(api.reads) == 1, "asked again later, as while it answers"
+    # The same silence with nothing answering is a cut.
+    api.answers = "silent"
+    probes.silence = SILENCE + partition.recheck_after(1)
+    sentinel.check()
+    assert sentinel.cut_off
 
 
 def test_while_the_api_server_answers_it_is_asked_ever_less_often(
