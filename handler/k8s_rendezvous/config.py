@@ -161,28 +161,23 @@ class Settings:
             )
         namespace, name = parse_endpoint(params.endpoint, default_namespace)
         in_place = bool(params.get_as_bool("in_place", False))
-        in_place_loss_timeout = params.get_as_int(
-            "in_place_loss_timeout", DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+        in_place_loss_timeout = _positive_seconds(
+            params,
+            "in_place_loss_timeout",
+            DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
+            "how long the workers have to re-form in place after a member was lost",
         )
-        if in_place_loss_timeout is None or in_place_loss_timeout <= 0:
-            raise ValueError(
-                "--rdzv-conf in_place_loss_timeout must be a positive number of seconds: "
-                "how long the workers have to re-form in place after a member was lost "
-                f"({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS})"
-            )
-        read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_SECONDS)
-        if read_timeout is None or read_timeout <= 0:
-            raise ValueError("--rdzv-conf read_timeout must be a positive number of seconds")
+        read_timeout = _positive_seconds(
+            params, "read_timeout", DEFAULT_READ_TIMEOUT_SECONDS, "API retries and store waits"
+        )
         configured = _configured_spec(params)
-        heartbeat_timeout = params.get_as_int(
-            "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        heartbeat_timeout = _positive_seconds(
+            params,
+            "heartbeat_timeout",
+            DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+            "the budget of one renewal of the node's Lease, as in c10d. The window in which "
+            f"a node must renew is {_KEEP_ALIVE}",
         )
-        if heartbeat_timeout is None or heartbeat_timeout <= 0:
-            raise ValueError(
-                "--rdzv-conf heartbeat_timeout must be a positive number of seconds: the "
-                "budget of one renewal of the node's Lease, as in c10d (5). The window in "
-                f"which a node must renew is {_KEEP_ALIVE}."
-            )
         if not _RUN_ID.match(params.run_id):
             raise ValueError(
                 f"--rdzv-id={params.run_id!r} is not a run id: 1 to 253 printable ASCII "
@@ -207,6 +202,16 @@ class Settings:
             heartbeat_timeout,
             *health_check(params.get("health_check"), params.get("health_check_timeout")),
         )
+
+
+def _positive_seconds(params: RendezvousParameters, key: str, default: int, meaning: str) -> int:
+    """``--rdzv-conf key``, ``default`` if not given; ``ValueError`` unless positive."""
+    seconds = params.get_as_int(key, default)
+    if seconds is None or seconds <= 0:
+        raise ValueError(
+            f"--rdzv-conf {key} must be a positive number of seconds: {meaning} ({default})."
+        )
+    return seconds
 
 
 def health_check(command: object, timeout: object) -> tuple[tuple[str, ...], int]:
