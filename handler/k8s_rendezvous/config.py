@@ -35,9 +35,6 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: Final = 3
 """With the interval, the spec's default liveness window (30 s): c10d's is 5 x 3, but a
 renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a second."""
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
-DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS: Final = 30
-"""Survivors re-form in tens of milliseconds when a peer's process dies (their
-collectives fail at once); 30 s also covers a step's compute between two collectives."""
 
 
 def _tunable_meaning(tunable: state.SpecTunable) -> str:
@@ -63,25 +60,7 @@ CONFIG_KEYS: Final = {
     "keep_alive_interval",
     "heartbeat_timeout": "seconds one renewal of the node's Lease may take, retries "
     "included (5), as c10d bounds one keep-alive write",
-    "in_place": "1 to keep the workers running through a change of the world when they "
-    "re-form in place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, "
-    "restarts them as torch does",
-    "in_place_loss_timeout": "seconds the workers have to re-form in place into a round "
-    "that lost a member before the node falls back to torch's restart "
-    f"({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS}): a collective blocked on a peer whose node "
-    "was cut off never fails by itself; make it longer than a step's longest stretch "
-    "between two collectives",
-    "health_check": "a command each node runs before every join (split as a shell would, "
-    "run without one), e.g. an NCCL or GPU self-test: a node whose check fails (non-zero "
-    "exit, timeout, cannot start) joins no round, the operator posts a HealthCheckFailed "
-    "Warning with its output's tail, and the agent exits non-zero so that its workload "
-    "replaces the pod; none by default",
-    "health_check_timeout": "seconds the health check may run before it is killed with its "
-    f"process group ({state.DEFAULT_HEALTH_CHECK_SECONDS}, at most "
-    f"{state.MAX_HEALTH_CHECK_SECONDS})",
-    "warm_start": "1 to start each worker forked from a process that imported torch once "
-    "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
-    "k8s_rendezvous.warm train.py); 0, the default, lets each import torch",
+    **{setting.conf_key: setting.meaning for setting in state.AGENT_SETTINGS},
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
 C10D_KEYS_NOT_USED: Final = {
@@ -116,21 +95,14 @@ class Settings:
     """The spec's tunables given (:data:`state.SPEC_TUNABLES`), by their field in the spec:
     the spec of a Rendezvous this node creates, compared with (and, but for a node's own
     deadlines, overruled by) the spec of one that exists."""
-    in_place: bool = False
-    """Re-form in place (:mod:`k8s_rendezvous.reforming`). Off by default: it needs the
-    workers' cooperation (:mod:`k8s_rendezvous.in_place`) and torch 2.14 or newer."""
-    in_place_loss_timeout: int = DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
-    """Seconds the workers have to re-form into a round that lost a member, on the
-    in-place path, before the node falls back to torch's restart."""
-    warm_start: bool = False
-    """Start workers forked from a process that imported torch (:mod:`k8s_rendezvous.warm`)."""
     heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
     """The budget of one renewal of the node's Lease, as c10d's ``heartbeat_timeout``."""
+    # The agent's own settings, each named by its --rdzv-conf key (state.AGENT_SETTINGS).
     health_check: tuple[str, ...] = ()
-    """The command run before each join (:mod:`k8s_rendezvous.health_check`); none by
-    default, as what tells a healthy node is the workload's to say."""
     health_check_timeout: int = state.DEFAULT_HEALTH_CHECK_SECONDS
-    """Seconds the health check may run: see :data:`state.DEFAULT_HEALTH_CHECK_SECONDS`."""
+    in_place: bool = False
+    in_place_loss_timeout: int = state.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+    warm_start: bool = False
 
     @classmethod
     def from_parameters(
@@ -160,13 +132,6 @@ class Settings:
                 C10D_KEYS_NOT_USED[key],
             )
         namespace, name = parse_endpoint(params.endpoint, default_namespace)
-        in_place = bool(params.get_as_bool("in_place", False))
-        in_place_loss_timeout = _positive_seconds(
-            params,
-            "in_place_loss_timeout",
-            DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
-            "how long the workers have to re-form in place after a member was lost",
-        )
         read_timeout = _positive_seconds(
             params, "read_timeout", DEFAULT_READ_TIMEOUT_SECONDS, "API retries and store waits"
         )
@@ -190,17 +155,13 @@ class Settings:
                 "on the port the round names (MASTER_PORT), so the workers cannot start one "
                 f"of their own there. Unset {_NO_SHARED_STORE}."
             )
-        warm_start = bool(params.get_as_bool("warm_start", False))
         return cls(
             namespace,
             name,
             read_timeout,
             configured,
-            in_place,
-            in_place_loss_timeout,
-            warm_start,
-            heartbeat_timeout,
-            *health_check(params.get("health_check"), params.get("health_check_timeout")),
+            heartbeat_timeout=heartbeat_timeout,
+            **{s.conf_key: agent_setting(params, s) for s in state.AGENT_SETTINGS},
         )
 
 
@@ -214,38 +175,26 @@ def _positive_seconds(params: RendezvousParameters, key: str, default: int, mean
     return seconds
 
 
-def health_check(command: object, timeout: object) -> tuple[tuple[str, ...], int]:
-    """``--rdzv-conf health_check`` and ``health_check_timeout``, checked, or where they are
-    not given, what an annotated Job's pods are given in the environment: the command's
-    arguments (none: no check) and its bound in seconds.
+def agent_setting(params: RendezvousParameters, setting: state.AgentSetting) -> Any:
+    """``--rdzv-conf`` ``setting``, else what an annotated Job gave its pods in the
+    environment, else its default; checked.
 
     Raises:
-        ValueError: A command that does not split, or a bound that is not a whole number
-            of seconds from 1 to :data:`state.MAX_HEALTH_CHECK_SECONDS`, naming the fix.
+        ValueError: A value ``setting`` does not take, naming where it came from and what
+            it takes.
     """
-    command_from = "--rdzv-conf health_check"
-    if command is None and state.HEALTH_CHECK_ENV in os.environ:
-        command, command_from = os.environ[state.HEALTH_CHECK_ENV], state.HEALTH_CHECK_ENV
-    timeout_from = "--rdzv-conf health_check_timeout"
-    if timeout is None and state.HEALTH_CHECK_TIMEOUT_ENV in os.environ:
-        timeout = os.environ[state.HEALTH_CHECK_TIMEOUT_ENV]
-        timeout_from = state.HEALTH_CHECK_TIMEOUT_ENV
-    text = "" if command is None else str(command)
+    raw = params.config.get(setting.conf_key)
+    said, where = f"--rdzv-conf {setting.conf_key}", ""
+    if raw is None and setting.env in os.environ:
+        raw, said = os.environ[setting.env], setting.env
+        where = f" (from the Job's annotation {state.GROUP}/{setting.annotation})"
+    if raw is None:
+        return setting.default
     try:
-        arguments = state.health_check_arguments(text)
+        return setting.parse(str(raw))
     except ValueError as error:
         raise ValueError(
-            f"{command_from}={text!r} does not split into arguments ({error}): "
-            "quote it as a shell would, e.g. health_check='nccl-check --size 1G'."
-        ) from None
-    if timeout is None or timeout == "":
-        return arguments, state.DEFAULT_HEALTH_CHECK_SECONDS
-    try:
-        return arguments, state.health_check_seconds(str(timeout))
-    except ValueError as error:
-        raise ValueError(
-            f"{timeout_from}={timeout!r} is {error}; leave it out for "
-            f"{state.DEFAULT_HEALTH_CHECK_SECONDS}."
+            f"{said}={raw!r}{where} is refused: {error}. It takes {setting.meaning}."
         ) from None
 
 

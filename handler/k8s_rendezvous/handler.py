@@ -239,7 +239,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         configured_spec: Mapping[str, int] | None = None,
         heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         in_place: bool = False,
-        in_place_loss_timeout: float = config.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
+        in_place_loss_timeout: float = state.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
         warm_start: bool = False,
         health_check: Sequence[str] = (),
         health_check_timeout: float = state.DEFAULT_HEALTH_CHECK_SECONDS,

@@ -31,7 +31,7 @@ import math
 import re
 import shlex
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Final
 
 SCHEMA_VERSION: Final = 1
@@ -79,11 +79,9 @@ an hour covers a long burn-in test; longer would hold a node out of rounds unsee
 DEFAULT_HEALTH_CHECK_SECONDS: Final = 300
 """Five minutes: a short NCCL all-reduce or GPU burn-in ends well within it, and a check
 that hangs (a wedged GPU driver) holds its node out no longer than a join would wait."""
-HEALTH_CHECK_ENV: Final = "K8S_RENDEZVOUS_HEALTH_CHECK"
-"""The health check an annotated Job's pods are given (its ``health-check`` annotation),
-read where ``--rdzv-conf health_check`` is not given."""
-HEALTH_CHECK_TIMEOUT_ENV: Final = "K8S_RENDEZVOUS_HEALTH_CHECK_TIMEOUT"
-"""Its bound, likewise (``health-check-timeout``, ``--rdzv-conf health_check_timeout``)."""
+DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS: Final = 30
+"""Survivors re-form in tens of milliseconds when a peer's process dies (their
+collectives fail at once); 30 s also covers a step's compute between two collectives."""
 MAX_HISTORY: Final = 10
 """Sealed rounds kept in ``status.history``, newest last: enough to read a bad hour."""
 MAX_EXCLUDED_NODES: Final = 8
@@ -682,6 +680,108 @@ def health_check_seconds(raw: str) -> int:
     if not 1 <= seconds <= MAX_HEALTH_CHECK_SECONDS:
         raise ValueError(f"not a number of seconds from 1 to {MAX_HEALTH_CHECK_SECONDS}")
     return seconds
+
+
+_ON: Final = ("1", "true", "t", "yes", "y")
+_OFF: Final = ("0", "false", "f", "no", "n")
+
+
+def switch(raw: str) -> bool:
+    """On or off, in the words torch's ``RendezvousParameters.get_as_bool`` takes.
+
+    Raises:
+        ValueError: Any other word.
+    """
+    word = raw.strip().lower()
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    raise ValueError(f"not one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off)")
+
+
+def positive_seconds(raw: str) -> int:
+    """A whole number of seconds, at least 1.
+
+    Raises:
+        ValueError: Anything else.
+    """
+    seconds = int(raw) if raw.strip().isascii() and raw.strip().isdigit() else 0
+    if seconds < 1:
+        raise ValueError("not a whole number of seconds of at least 1")
+    return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSetting:
+    """A setting of each node's own agent, described once: its ``--rdzv-conf`` key, and
+    the Job annotation that gives it to every pod of an annotated Job, through the
+    variable :attr:`env` (the webhook sets it; ``--rdzv-conf`` wins over it)."""
+
+    conf_key: str
+    default: object
+    parse: Callable[[str], object]
+    """The value from its text, raising ``ValueError`` with what is wrong."""
+    meaning: str
+    """What it does, its default and what it costs."""
+
+    @property
+    def annotation(self) -> str:
+        """After ``k8s-rendezvous.dev/``."""
+        return self.conf_key.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return f"K8S_RENDEZVOUS_{self.conf_key.upper()}"
+
+
+AGENT_SETTINGS: Final = (
+    AgentSetting(
+        "health_check",
+        (),
+        health_check_arguments,
+        "a command each node runs before every join (split as a shell would, run without "
+        "one), e.g. an NCCL or GPU self-test: a node whose check fails (non-zero exit, "
+        "timeout, cannot start) joins no round, the operator posts a HealthCheckFailed "
+        "Warning with its output's tail, and the agent exits non-zero so that its workload "
+        "replaces the pod; none by default",
+    ),
+    AgentSetting(
+        "health_check_timeout",
+        DEFAULT_HEALTH_CHECK_SECONDS,
+        health_check_seconds,
+        "seconds the health check may run before it is killed with its process group "
+        f"({DEFAULT_HEALTH_CHECK_SECONDS}, at most {MAX_HEALTH_CHECK_SECONDS})",
+    ),
+    AgentSetting(
+        "in_place",
+        False,
+        switch,
+        "1 to keep the workers running through a change of the world when they re-form in "
+        "place through k8s_rendezvous.in_place (torch >= 2.14); 0, the default, restarts "
+        "them as torch does",
+    ),
+    AgentSetting(
+        "in_place_loss_timeout",
+        DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
+        positive_seconds,
+        "seconds the workers have to re-form in place into a round that lost a member "
+        f"before the node falls back to torch's restart ({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS}"
+        "): a collective blocked on a peer whose node was cut off never fails by itself; "
+        "make it longer than a step's longest stretch between two collectives",
+    ),
+    AgentSetting(
+        "warm_start",
+        False,
+        switch,
+        "1 to start each worker forked from a process that imported torch once "
+        "(k8s_rendezvous.warm, given as the workers' entrypoint: torchrun ... -m "
+        "k8s_rendezvous.warm train.py); 0, the default, lets each import torch",
+    ),
+)
+"""Every setting a node's agent takes that an annotated Job can also give all its pods."""
+HEALTH_CHECK_ENV: Final = AGENT_SETTINGS[0].env
+HEALTH_CHECK_TIMEOUT_ENV: Final = AGENT_SETTINGS[1].env
 
 
 def printable_tail(text: str, limit: int = MAX_HEALTH_CHECK_TAIL) -> str:

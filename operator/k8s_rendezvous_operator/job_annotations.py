@@ -21,14 +21,9 @@ TUNABLES: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TUNABLES}
 """The annotation of each tunable of the spec."""
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
-HEALTH_CHECK: Final = f"{PREFIX}health-check"
-HEALTH_CHECK_TIMEOUT: Final = f"{PREFIX}health-check-timeout"
-AGENT_ENV: Final = {
-    HEALTH_CHECK: state.HEALTH_CHECK_ENV,
-    HEALTH_CHECK_TIMEOUT: state.HEALTH_CHECK_TIMEOUT_ENV,
-}
+AGENT_SETTINGS: Final = {f"{PREFIX}{s.annotation}": s for s in state.AGENT_SETTINGS}
 """Annotations that are the pods' agents' to read, not the Rendezvous': each is given to
-the Job's pods as this variable (``--rdzv-conf`` wins over it)."""
+the Job's pods as its variable (``--rdzv-conf`` wins over it)."""
 
 
 def _accepted(tunable: state.SpecTunable) -> str:
@@ -50,11 +45,10 @@ ACCEPTED: Final = {
     RUN_ID: "torchrun's --rdzv-id, 1 to 253 printable ASCII characters without spaces "
     "(default: the Job's name)",
     RANK_ORDER: 'a node label key to group ranks by, e.g. "topology.kubernetes.io/zone"',
-    HEALTH_CHECK: "a command each pod runs before every join, split as a shell would, e.g. "
-    '"nccl-check --size 1G" (--rdzv-conf health_check; none by default)',
-    HEALTH_CHECK_TIMEOUT: "seconds the health check may run, from 1 to "
-    f"{state.MAX_HEALTH_CHECK_SECONDS} (--rdzv-conf health_check_timeout; default "
-    f"{state.DEFAULT_HEALTH_CHECK_SECONDS})",
+    **{
+        key: f"the pods' --rdzv-conf {s.conf_key} (given to them as {s.env}): {s.meaning}"
+        for key, s in AGENT_SETTINGS.items()
+    },
 }
 """Every annotation we read, with its accepted forms: the one table the docs show."""
 
@@ -73,25 +67,14 @@ MAX_NODES: Final = 100_000
 """The CRD's bound on minNodes and maxNodes."""
 
 
-def _accepted_by(parse: Callable[[str], object]) -> Callable[[str], bool]:
-    """Whether a value is one ``parse`` takes (it raises ``ValueError`` for the others)."""
-
-    def valid(raw: str) -> bool:
-        try:
-            parse(raw)
-        except ValueError:
-            return False
-        return True
-
-    return valid
-
-
 def agent_env(annotations: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """The variables a Job's annotations give its pods' agents (:data:`AGENT_ENV`), as
+    """The variables a Job's annotations give its pods' agents (:data:`AGENT_SETTINGS`), as
     written: :func:`parse` has checked them (a Job with errors gets no Rendezvous, and its
     pods no env)."""
     return tuple(
-        (variable, annotations[key]) for key, variable in AGENT_ENV.items() if key in annotations
+        (setting.env, annotations[key])
+        for key, setting in AGENT_SETTINGS.items()
+        if key in annotations
     )
 
 
@@ -174,16 +157,12 @@ def parse(
         lambda v: len(v) <= _LABEL_KEY_MAX and bool(_LABEL_KEY.match(v)),
         "not a label key",
     )
-    text(
-        HEALTH_CHECK,
-        _accepted_by(state.health_check_arguments),
-        "does not split into arguments as a shell would",
-    )
-    text(
-        HEALTH_CHECK_TIMEOUT,
-        _accepted_by(state.health_check_seconds),
-        "not a number of seconds in range",
-    )
+    for key, setting in AGENT_SETTINGS.items():
+        if (raw := ours.get(key)) is not None:
+            try:
+                setting.parse(raw)
+            except ValueError as error:
+                errors.append(AnnotationError(key, raw, str(error)))
     if problem := state.rendezvous_name_problem(job_name):
         errors.append(
             AnnotationError(NODES, raw_nodes or "", f"the Job's name {problem}: rename the Job")

@@ -45,7 +45,7 @@ class PodRendezvous:
     """Of the Job's Rendezvous."""
     spec: state.RendezvousSpec
     agent_env: tuple[tuple[str, str], ...]
-    """What the Job's annotations tell its pods' agents (``job_annotations.AGENT_ENV``)."""
+    """What the Job's annotations tell its pods' agents (``job_annotations.AGENT_SETTINGS``)."""
 
 
 @dataclasses.dataclass

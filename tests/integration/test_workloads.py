@@ -304,6 +304,8 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
             "k8s-rendezvous.dev/nodes": "1:4",
             "k8s-rendezvous.dev/run-id": "exp-3",
             "k8s-rendezvous.dev/health-check": "nccl-check --size '1 G'",
+            "k8s-rendezvous.dev/in-place": "true",
+            "k8s-rendezvous.dev/warm-start": "1",
         },
     )
     make_job(admin_api, workers_namespace, "plain", 1, {})
@@ -315,7 +317,10 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
     assert env["PET_RDZV_ID"]["value"] == "exp-3"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env[state.HEALTH_CHECK_ENV]["value"] == "nccl-check --size '1 G'"
+    assert env["K8S_RENDEZVOUS_IN_PLACE"]["value"] == "true"
+    assert env["K8S_RENDEZVOUS_WARM_START"]["value"] == "1"
     assert state.HEALTH_CHECK_TIMEOUT_ENV not in env, "only what the Job's annotations say"
+    assert "K8S_RENDEZVOUS_IN_PLACE_LOSS_TIMEOUT" not in env
     assert injected["metadata"]["labels"][state.NODE_LABEL] == "zero-flag"
     plain = running_pods(admin_api, workers_namespace, "plain", 1)[0]
     assert not plain["spec"]["containers"][0].get("env")

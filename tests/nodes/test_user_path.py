@@ -26,6 +26,7 @@ from devkit.training import (
     TrainingJob,
     agent_pid,
     operator_leader,
+    pod_processes,
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
@@ -33,6 +34,8 @@ from devkit.waiting import wait_for
 from k8s_rendezvous import __version__
 
 pytestmark = pytest.mark.timeout(600)
+
+IN_PLACE_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "elastic_train_in_place.py"
 
 
 def pod_of(job: TrainingJob, name: str) -> dict[str, Any]:
@@ -45,6 +48,20 @@ def pods_by_node(job: TrainingJob) -> dict[str, list[dict[str, Any]]]:
     for pod in job.running_pods():
         by_node.setdefault(pod["spec"]["nodeName"], []).append(pod)
     return by_node
+
+
+def in_place_worlds(job: TrainingJob, size: int, steps: int = 2) -> dict[int, dict[int, str]]:
+    """The pod of each rank in every round whose world of ``size`` trained ``steps`` steps
+    on each rank, by round (the in-place example's lines name their round)."""
+    by_round: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for line in job.progress():
+        if line.get("round") is not None and line["world_size"] == size:
+            by_round.setdefault(line["round"], {}).setdefault(line["rank"], []).append(line)
+    return {
+        round_: {rank: lines[0]["pod"] for rank, lines in ranks.items()}
+        for round_, ranks in by_round.items()
+        if sorted(ranks) == list(range(size)) and all(len(r) >= steps for r in ranks.values())
+    }
 
 
 def lone_pod(job: TrainingJob) -> dict[str, Any]:
@@ -121,6 +138,44 @@ def test_an_annotated_job_trains_with_plain_torchrun_on_both_nodes(
     host, _, port = world.master.rpartition(":")
     assert host.strip("[]") == rank0["status"]["podIP"], (world.master, rank0["status"])
     assert int(port) > 0
+
+
+def test_annotations_alone_keep_a_warm_spare_that_takes_the_lost_rank_in_place(
+    run_job: RunJob,
+) -> None:
+    """Spares, warm starts and in-place re-forming with no --rdzv-conf: a Job of 4 pods for
+    3 nodes keeps one spare, and its annotations turn on the other two."""
+    job: TrainingJob = run_job(
+        parallelism=4,
+        nodes="3",
+        annotations={"k8s-rendezvous.dev/in-place": "true", "k8s-rendezvous.dev/warm-start": "1"},
+        command=[
+            "torchrun",
+            "--nproc-per-node=1",
+            *("-m", "k8s_rendezvous.warm", str(IN_PLACE_SCRIPT)),
+            *("--steps", "100000", "--step-seconds", "0.25"),
+        ],
+    )
+    first_round, before = max(
+        wait_for(lambda: in_place_worlds(job, 3), 240, "a world of 3 training in place").items()
+    )
+    wait_for(lambda: job.rendezvous_status().get("spares") == 1 or None, 120, "a spare waiting")
+    (spare,) = {p["metadata"]["name"] for p in job.running_pods()} - set(before.values())
+    survivors = {rank: pod_of(job, before[rank]) for rank in (0, 2)}
+    workers = {rank: worker_pid(pod) for rank, pod in survivors.items()}
+    kubernetes.client.CoreV1Api(job.api).delete_namespaced_pod(before[1], job.namespace)
+
+    def replaced() -> dict[int, str] | None:
+        later = [world for round_, world in in_place_worlds(job, 3).items() if round_ > first_round]
+        return later[-1] if later else None
+
+    after = wait_for(replaced, 120, "a world of 3 with the spare, training in place")
+    assert after == {0: before[0], 1: spare, 2: before[2]}, "the spare took the lost rank alone"
+    assert {rank: worker_pid(pod) for rank, pod in survivors.items()} == workers, "kept in place"
+    # A fork of the spare's zygote keeps its command line; a worker started cold has its own.
+    processes = pod_processes(pod_of(job, spare))
+    zygote_and_forks = {pid for pid, cmd in processes.items() if "warm --zygote" in cmd}
+    assert worker_pid(pod_of(job, spare)) in zygote_and_forks, processes
 
 
 # -- faults ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The health gate's pure parts and its runner (k8s_rendezvous.health_check).
 
-Aspects: ``--rdzv-conf health_check`` splits as a shell would and its bound is checked;
+Aspects: ``--rdzv-conf health_check`` splits as a shell would and its bound is checked
+(read with the other agent settings: tests/unit/test_agent_settings.py);
 the report a node writes is bounded, printable and checked on read; a check that passes,
 fails, cannot start or hangs is reported as such, a hanging one ended with its process
 group at its bound and its output kept to a bounded tail; the operator reports each
@@ -18,7 +19,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from k8s_rendezvous import config, health_check, state
-from k8s_rendezvous_operator import failed_checks, injection, job_annotations, reasons
+from k8s_rendezvous_operator import failed_checks, reasons
 
 FAILED = state.HealthCheckReport(state.HealthCheckOutcome.FAILED, 1.5, 3, "ECC error on GPU 3\n")
 
@@ -46,7 +47,7 @@ def test_no_check_is_run_by_default_and_the_bound_has_its_default() -> None:
 
 
 def test_a_check_that_does_not_split_is_refused_naming_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"does not split into arguments.*quote it"):
+    with pytest.raises(ValueError, match=r"health_check=.* is refused: No closing quotation"):
         config.Settings.from_parameters(_params(health_check="check 'unclosed"), "ns")
 
 
@@ -59,57 +60,6 @@ def test_a_bound_out_of_its_range_is_refused(timeout: str) -> None:
         config.Settings.from_parameters(
             _params(health_check="true", health_check_timeout=timeout), "ns"
         )
-
-
-def test_an_annotated_jobs_check_comes_from_the_env_and_rdzv_conf_wins(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv(state.HEALTH_CHECK_ENV, "gpu-burn -d 10")
-    monkeypatch.setenv(state.HEALTH_CHECK_TIMEOUT_ENV, "60")
-    from_env = config.Settings.from_parameters(_params(), "ns")
-    assert (from_env.health_check, from_env.health_check_timeout) == (("gpu-burn", "-d", "10"), 60)
-    given = config.Settings.from_parameters(
-        _params(health_check="nccl-check", health_check_timeout="5"), "ns"
-    )
-    assert (given.health_check, given.health_check_timeout) == (("nccl-check",), 5)
-    monkeypatch.setenv(state.HEALTH_CHECK_TIMEOUT_ENV, "forever")
-    with pytest.raises(ValueError, match=f"{state.HEALTH_CHECK_TIMEOUT_ENV}='forever'"):
-        config.Settings.from_parameters(_params(), "ns")
-
-
-def test_a_jobs_health_check_annotations_are_checked_and_given_to_its_pods() -> None:
-    good = {
-        job_annotations.NODES: "2",
-        job_annotations.HEALTH_CHECK: "nccl-check --size '1 G'",
-        job_annotations.HEALTH_CHECK_TIMEOUT: "90",
-    }
-    assert isinstance(
-        job_annotations.parse(good, job_name="j", parallelism=2), state.RendezvousSpec
-    )
-    agent_env = job_annotations.agent_env(good)
-    assert agent_env == (
-        (state.HEALTH_CHECK_ENV, "nccl-check --size '1 G'"),
-        (state.HEALTH_CHECK_TIMEOUT_ENV, "90"),
-    )
-    env = injection.torchrun_environment("j", state.RendezvousSpec(2, 2, "j"), agent_env)
-    assert {"name": state.HEALTH_CHECK_ENV, "value": "nccl-check --size '1 G'"} in env
-    bad = {
-        **good,
-        job_annotations.HEALTH_CHECK: "check 'unclosed",
-        job_annotations.HEALTH_CHECK_TIMEOUT: "0",
-    }
-    errors = job_annotations.parse(bad, job_name="j", parallelism=2)
-    assert isinstance(errors, tuple)
-    assert {error.key for error in errors} == {
-        job_annotations.HEALTH_CHECK,
-        job_annotations.HEALTH_CHECK_TIMEOUT,
-    }
-    assert all("accepted:" in error.message for error in errors)
-
-
-def test_the_keys_are_described_with_the_others() -> None:
-    assert "health_check" in config.CONFIG_KEYS
-    assert "health_check_timeout" in config.CONFIG_KEYS
 
 
 # -- the report on the wire -------------------------------------------------------------

@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from k8s_rendezvous import BACKEND_NAME, config, kube, rest, warm
+from k8s_rendezvous import BACKEND_NAME, config, kube, rest, state, warm
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 
@@ -247,16 +247,22 @@ def test_in_place_loss_timeout_is_read_and_a_bound_that_is_not_positive_refused(
     settings = config.Settings.from_parameters(params(in_place_loss_timeout="90"), "team-a")
     assert settings.in_place_loss_timeout == 90
     default = config.Settings.from_parameters(params(), "team-a")
-    assert default.in_place_loss_timeout == config.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
-    with pytest.raises(ValueError, match="in_place_loss_timeout must be a positive number"):
+    assert default.in_place_loss_timeout == state.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+    with pytest.raises(ValueError, match="in_place_loss_timeout='0' is refused: not a whole"):
         config.Settings.from_parameters(params(in_place_loss_timeout="0"), "team-a")
 
 
+@pytest.mark.parametrize("given_by", ["rdzv-conf", "job annotation"])
 def test_warm_start_starts_the_zygote_and_points_the_workers_at_it(
-    pod_env: None, built: list[RendezvousHandler], monkeypatch: pytest.MonkeyPatch
+    pod_env: None, built: list[RendezvousHandler], monkeypatch: pytest.MonkeyPatch, given_by: str
 ) -> None:
     monkeypatch.delenv(warm.SOCKET_ENV, raising=False)  # restored after the test
-    handler = KubernetesRendezvousHandler.from_parameters(params(warm_start="1"))
+    if given_by == "rdzv-conf":
+        parameters = params(warm_start="1")
+    else:  # what the webhook gives the pods of a Job annotated warm-start: "true"
+        monkeypatch.setenv("K8S_RENDEZVOUS_WARM_START", "true")
+        parameters = params()
+    handler = KubernetesRendezvousHandler.from_parameters(parameters)
     built.append(handler)
     assert isinstance(handler, KubernetesRendezvousHandler)
     zygote = handler.zygote
