@@ -766,9 +766,9 @@ AGENT_SETTINGS: Final = (
         DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
         positive_seconds,
         "seconds the workers have to re-form in place into a round that lost a member "
-        f"before the node falls back to torch's restart ({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS}"
-        "): a collective blocked on a peer whose node was cut off never fails by itself; "
-        "make it longer than a step's longest stretch between two collectives",
+        "before the node falls back to torch's restart: a collective blocked on a peer "
+        "whose node was cut off never fails by itself; make it longer than a step's "
+        f"longest stretch between two collectives ({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS})",
     ),
     AgentSetting(
         "warm_start",
