@@ -9,6 +9,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from devkit import processes
+
 
 class OperatorProcess:
     """``python -m k8s_rendezvous_operator`` against a kubeconfig; stopped by PID.
@@ -84,16 +86,8 @@ class OperatorProcess:
 
     def stop(self, timeout: float = 15) -> None:
         """SIGTERM, then SIGKILL: what Kubernetes does to a pod."""
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
         self.resume()
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        processes.terminate(self._process, timeout)
 
     def terminate(self) -> None:
         """SIGTERM without waiting (see :meth:`returncode`)."""

@@ -67,6 +67,19 @@ def kill_tree(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
 
 
+def terminate(process: subprocess.Popen[bytes] | None, timeout: float = 15) -> None:
+    """SIGTERM ``process``, then SIGKILL if it has not exited within ``timeout`` seconds:
+    what Kubernetes does to a pod. Idempotent; ``None`` is a process never started."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid``, from /proc (children before grandchildren)."""
     children: dict[int, list[int]] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from devkit import paths
+from devkit import paths, processes
 from devkit.waiting import wait_for
 
 SCRAPE_INTERVAL = "1s"
@@ -98,16 +98,7 @@ class Prometheus:
             return False
 
     def stop(self, timeout: float = 15) -> None:
-        """SIGTERM, then SIGKILL, by PID."""
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        processes.terminate(self._process, timeout)
 
     def __enter__(self) -> Prometheus:
         self.start()
