@@ -4,6 +4,7 @@
     python bench/goodput.py --minutes 4 --configs ours    # a short look at one
     python bench/goodput.py --configs ours-spare --gap 10,15 --rounds 1000 --minutes 180 \
         --out bench/results/soak                          # the soak: dense faults, 1,000 rounds
+    python bench/goodput.py --report                      # the report again, from results.json
 
 Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
 real nodes, installs the chart with the operator image built here, and for each
@@ -20,8 +21,10 @@ configuration:
 - **goodput**: the steps trained, each weighed by its world's size over the full world's,
   over what the undisturbed pace (measured from the first full world's first step to the
   first fault) trains in the same wall time;
-- per fault: the **stall** (from the fault to the first step after the longest pause it
-  caused; 0 when training never paused; none when it had not resumed by the next fault),
+- per fault: the seconds **without training** until the full world trains again (the
+  pauses, not what a smaller world trained between them), the **stall** (from the fault
+  to the first step after the longest pause it caused; 0 when training never paused;
+  none when it had not resumed by the next fault),
   the **full world** (to the first step of a world of 4 after that pause), the **steps
   lost** (the undisturbed pace's steps until the next fault, less those trained), and the
   **rank churn** (ranks held by another pod in the first full world after the fault than
@@ -234,6 +237,7 @@ def fault_effect(
     before = [line for line in steps if line["time"] <= at]
     after = [line for line in steps if at < line["time"] < until]
     effect: Json = {
+        "idle": None,
         "stall": None,
         "full_world": None,
         "steps_lost": round(pace * (until - at) - weighed(after, full), 1),
@@ -260,6 +264,8 @@ def fault_effect(
     first_full = next(
         (line for line in after if line["world_size"] == full and line["time"] >= since), None
     )
+    end = first_full["time"] if first_full is not None else until
+    effect["idle"] = idle_seconds([line["time"] for line in steps], at, end)
     if first_full is not None:
         effect["full_world"] = round(first_full["time"] - at, 3)
         if before:
@@ -269,6 +275,19 @@ def fault_effect(
                 1 for rank in set(held) | set(now) if held.get(rank) != now.get(rank)
             )
     return effect
+
+
+def idle_seconds(times: Sequence[float], at: float, end: float) -> float:
+    """Seconds without a step from a fault at ``at`` to ``end`` (the full world's first
+    step): the pauses longer than three steps, not what a smaller world trained between
+    them. ``times``: rank 0's steps."""
+    previous = max((t for t in times if t <= at), default=at)
+    idle = 0.0
+    for t in sorted(t for t in times if at < t <= end):
+        if t - previous > 3 * STEP_SECONDS:
+            idle += t - max(previous, at)
+        previous = t
+    return round(idle, 3)
 
 
 def world_violations(lines: Sequence[Json], overlap: float = 1.0) -> list[str]:
@@ -330,7 +349,7 @@ def summarize(faults: Sequence[Json]) -> dict[str, Json]:
             "unresolved": sum(1 for fault in of_kind if fault["full_world"] is None),
             **{
                 name: stats([f[name] for f in of_kind if f[name] is not None])
-                for name in ("sealed", "stall", "full_world", "steps_lost", "rank_churn")
+                for name in ("sealed", "idle", "stall", "full_world", "steps_lost", "rank_churn")
             },
         }
     return by_kind
@@ -809,11 +828,15 @@ def table(results: Sequence[Json]) -> str:
         )
     lines += [
         "",
-        "Per fault kind, seconds from the fault (median / max): the round sealed (ours), "
-        "the stall, the full world training again; steps lost and rank churn (median).",
+        "Per fault kind, seconds (median / max): from the fault to the round sealed (ours); "
+        "without training until the full world trains again (the pauses, not what a "
+        "smaller world trained between them); from the fault to the end of its longest "
+        "pause (the stall) and to the full world training again; steps lost and rank churn "
+        "(median).",
         "",
-        "| fault | configuration | n | sealed | stall | full world | steps lost | rank churn |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fault | configuration | n | sealed | without training | stall | full world "
+        "| steps lost | rank churn |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def spread(row: Json, name: str) -> str:
@@ -831,8 +854,8 @@ def table(results: Sequence[Json]) -> str:
                 full += f" ({row['unresolved']} never)"
             lines.append(
                 f"| {kind} | {result['config']} | {row['count']} | {spread(row, 'sealed')} | "
-                f"{spread(row, 'stall')} | {full} | {row['steps_lost']['median']} | "
-                f"{row['rank_churn']['median']} |"
+                f"{spread(row, 'idle')} | {spread(row, 'stall')} | {full} | "
+                f"{row['steps_lost']['median']} | {row['rank_churn']['median']} |"
             )
     return "\n".join(lines)
 
@@ -883,7 +906,17 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, help="ours: end a configuration once this many rounds sealed"
     )
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: read --out's results.json, add the figures an older harness did "
+        "not compute from what it recorded, and write the report again",
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        recorded = json.loads((args.out / "results.json").read_text())
+        write(recorded["meta"], [completed(result) for result in recorded["results"]], args.out)
+        return 0
     configs = [CONFIGS[name] for name in args.configs.split(",")]
     low, high = (float(value) for value in args.gap.split(","))
     results: list[Json] = []
@@ -900,7 +933,6 @@ def main(argv: list[str] | None = None) -> int:
             shown = {k: v for k, v in result.items() if k != "timeline"}
             print(f"[goodput] {json.dumps(shown)[:2000]}", flush=True)
             results.append(result)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python bench/goodput.py "
@@ -911,18 +943,42 @@ def main(argv: list[str] | None = None) -> int:
             for f in schedule(args.seed, args.minutes * 60, list(FAULTS), (low, high))
         ],
     }
-    (args.out / "results.json").write_text(
+    write(meta, results, args.out)
+    return 0
+
+
+def write(meta: Json, results: Sequence[Json], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
     )
-    plot(results, args.out / "timeline.png")
-    (args.out / "results.md").write_text(
+    plot(results, out / "timeline.png")
+    (out / "results.md").write_text(
         f"# Goodput under a fault schedule, on real nodes\n\n{meta['date']}, `{meta['command']}` "
         f"({meta['seconds']:.0f} s); how it is measured: bench/goodput.py.\n\n"
         + table(results)
         + "\n\n![timeline](timeline.png)\n"
     )
     print(table(results))
-    return 0
+
+
+def completed(result: Json) -> Json:
+    """A configuration's recorded result with each fault's seconds without training, from
+    rank 0's step times (its ``timeline``), where the run that made it did not compute them."""
+    if "error" in result or all("idle" in fault for fault in result["faults"]):
+        return result
+    times = [result["began"] + at for at, _ in result["timeline"]]
+    faults = []
+    for fault, later in itertools.zip_longest(result["faults"], result["faults"][1:]):
+        until = later["at"] if later is not None else result["ended"]
+        if fault["stall"] is None:  # not resumed before the next fault
+            idle = None
+        elif fault["full_world"] is None:
+            idle = idle_seconds(times, fault["at"], until)
+        else:  # its first step: the recorded figure is rounded
+            idle = idle_seconds(times, fault["at"], fault["at"] + fault["full_world"] + 0.001)
+        faults.append({**fault, "idle": idle})
+    return {**result, "faults": faults, "by_kind": summarize(faults)}
 
 
 if __name__ == "__main__":

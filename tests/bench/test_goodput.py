@@ -1,6 +1,7 @@
 """bench/goodput.py's schedule and its reading of the workers' lines (pure): goodput, each
-fault's stall, time to the full world, steps lost and rank churn, and the worlds'
-invariants. The run on real nodes is the benchmark itself (bench/results/goodput)."""
+fault's time without training, stall, time to the full world, steps lost and rank churn,
+and the worlds' invariants. The run on real nodes is the benchmark itself
+(bench/results/goodput)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,36 @@ def test_the_full_world_is_timed_to_its_first_step_after_the_pause() -> None:
     assert effect["full_world"] == pytest.approx(20.1)
 
 
+def test_time_without_training_counts_the_pauses_not_a_smaller_worlds_steps() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0)
+    lines += world("a:2", ["p0", "p2", "p3"], 106.0, 130.0)  # restarted without the lost pod
+    lines += world("a:3", ["p0", "new", "p2", "p3"], 138.0, 200.0)  # and with its replacement
+    (effect,) = goodput.analyze(lines, [{"kind": "pod", "at": 100.0}], 0.0, 200.0)["faults"]
+    assert effect["idle"] == pytest.approx(6.0 + (138.0 - (130.0 - STEP)), abs=0.01)
+    assert effect["stall"] == effect["full_world"] == pytest.approx(38.0)
+
+
+def test_the_report_adds_time_without_training_to_a_result_recorded_without_it() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0)
+    lines += world("a:2", ["p0", "p2", "p3"], 106.0, 130.0)
+    lines += world("a:3", ["p0", "new", "p2", "p3"], 138.0, 150.0)
+    lines += world("a:4", ["p0", "new", "p2", "p3"], 170.0, 200.0)
+    faults = [{"kind": "pod", "at": 100.0}, {"kind": "worker", "at": 150.0}]
+    analyzed = goodput.analyze(lines, faults, 0.0, 200.0)
+    steps = goodput.rank_zero_steps(lines)
+    recorded = {
+        "config": "ours",
+        "began": 0.0,
+        "ended": 200.0,
+        "faults": [{k: v for k, v in f.items() if k != "idle"} for f in analyzed["faults"]],
+        "timeline": [[line["time"], line["world_size"]] for line in steps],
+    }
+    completed = goodput.completed(recorded)
+    assert [f["idle"] for f in completed["faults"]] == [f["idle"] for f in analyzed["faults"]]
+    assert completed["by_kind"] == analyzed["by_kind"]
+    assert goodput.completed(completed) is completed, "a complete result is left as it is"
+
+
 def test_two_worlds_at_once_and_a_rank_held_twice_are_violations() -> None:
     lines = world("a:1", ["p0", "p1"], 0.0, 50.0) + world("b:1", ["p2", "p3"], 20.0, 60.0)
     assert any("trained at once" in v for v in goodput.world_violations(lines))
@@ -156,4 +187,5 @@ def test_the_report_has_a_row_per_fault_kind_and_configuration() -> None:
     report = goodput.table([{"config": "ours", **result}, {"config": "c10d", "error": "boom"}])
     assert "| ours | 95.0% | 760 | 4.0 | 1 | - | 0 | 0 |" in report
     assert "| c10d | error: boom |" in report
-    assert "| pod | ours | 1 | 0.5 / 0.5 | 10.0 / 10.0 | 10.0 / 10.0 | 40.0 | 1 |" in report
+    row = "| pod | ours | 1 | 0.5 / 0.5 | 10.0 / 10.0 | 10.0 / 10.0 | 10.0 / 10.0 | 40.0 | 1 |"
+    assert row in report
