@@ -73,6 +73,9 @@ class PublishedRound:
     fallback: str | None = None
     """Set when the node gave up re-forming in place: why. torch's agent restarts the
     workers; those waiting to re-form stop waiting."""
+    lost_addresses: tuple[str, ...] = ()
+    """The addresses of the members of this node's previous round that this one dropped:
+    the workers shut their connections to them down (:mod:`k8s_rendezvous.cut_peers`)."""
 
     @property
     def in_place(self) -> bool:
@@ -90,6 +93,7 @@ class PublishedRound:
             "baseRank": self.base_rank,
             "worldSize": self.world_size,
             "fallback": self.fallback,
+            "lostAddresses": list(self.lost_addresses),
         }
 
     @classmethod
@@ -106,6 +110,7 @@ class PublishedRound:
                 base_rank=fields.optional_integer("baseRank"),
                 world_size=fields.optional_integer("worldSize"),
                 fallback=fields.optional_string("fallback"),
+                lost_addresses=fields.strings("lostAddresses"),
             )
 
 

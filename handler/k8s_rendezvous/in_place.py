@@ -16,9 +16,11 @@ script join the world through this module instead of ``dist.init_process_group``
         except world.failures as error:   # a peer was lost in a collective
             world.recover(error)          # re-forms in place; the next reformed() is True
 
-When a node is lost, the surviving workers' collectives fail; :meth:`World.recover`
-closes this worker's connections (so that peers still blocked on it fail too), waits for
-the round the operator seals without the lost node, and reconfigures the default process
+When a node is lost, the surviving workers' collectives fail (a peer cut off from the
+network closes nothing: once the round without it is published, each worker shuts its
+connections to it down, :mod:`k8s_rendezvous.cut_peers`); :meth:`World.recover` closes
+this worker's connections (so that peers still blocked on it fail too), waits for the
+round the operator seals without the lost node, and reconfigures the default process
 group around the new member set (``dist._reconfigure``), with the ranks torch's agent
 would have given. When a node arrives, its workers join the round it was admitted to, and
 the running workers switch to it together at a step boundary (:meth:`World.reformed`
@@ -53,7 +55,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed import distributed_c10d as c10d
 
-from k8s_rendezvous import handoff, warm
+from k8s_rendezvous import cut_peers, handoff, warm
 
 log = logging.getLogger(__name__)
 
@@ -525,4 +527,6 @@ def init_process_group(
         raise
     except Exception as failure:
         world._fall_back(f"{type(failure).__name__}: {failure}")
+    # For the life of the worker: the world it watches for is the process's default group.
+    cut_peers.Watch(Path(directory), lambda: world.round).start()
     return world

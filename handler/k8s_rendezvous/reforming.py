@@ -69,6 +69,14 @@ def lost_members(before: state.NodeView, after: state.NodeView) -> tuple[str, ..
     return tuple(node for node in before.member_nodes if node not in kept)
 
 
+def lost_addresses(before: state.NodeView, after: state.NodeView) -> tuple[str, ...]:
+    """The addresses of ``before``'s round that ``after``'s round no longer has: a member
+    whose agent restarted in its pod keeps its address, and its old workers' connections
+    closed when they died."""
+    kept = set(after.member_addresses)
+    return tuple(dict.fromkeys(a for a in before.member_addresses if a not in kept))
+
+
 def late(take_up: TakeUp, rounds: list[int | None]) -> str | None:
     """Why the node must fall back to torch's restart once ``take_up``'s deadline passed,
     if it must: a worker (``rounds``: the round each worker last re-formed into, ``None``
@@ -294,11 +302,12 @@ class Reformer:
         group.master_addr = status.master.addr
         group.master_port = status.master.port
         self._store.inner = joined.store  # the agent's store, for its exit barrier
-        lost = lost_members(self._joined.status, status) if self._joined is not None else ()
+        before = self._joined.status if self._joined is not None else state.NodeView(self._node)
+        lost = lost_members(before, status)
         self._joined = joined
         if lost:
             self._take_up = TakeUp(status.round, lost, time.monotonic() + self._loss_timeout)
-        self._publish(joined, workers[0] if workers else None)
+        self._publish(joined, workers[0] if workers else None, lost_addresses(before, status))
         log.info(
             "node %s is rank %d of %d in round %d, re-formed in place (workers kept as ranks "
             "%d-%d of %d) in %.3f s",
@@ -312,7 +321,7 @@ class Reformer:
             time.monotonic() - started,
         )
 
-    def _publish(self, joined: Joined, first: Any) -> None:
+    def _publish(self, joined: Joined, first: Any, lost: tuple[str, ...] = ()) -> None:
         status = joined.status
         assert status.master is not None
         handoff.write(
@@ -326,6 +335,7 @@ class Reformer:
                 group_world_size=status.world_size,
                 base_rank=None if first is None else first.global_rank,
                 world_size=None if first is None else first.world_size,
+                lost_addresses=lost,
             ),
         )
         if self.observer is not None:

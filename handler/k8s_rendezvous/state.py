@@ -491,6 +491,14 @@ class Fields:
     def optional_string(self, key: str) -> str | None:
         return None if self.data.get(key) is None else self.string(key)
 
+    def strings(self, key: str) -> tuple[str, ...]:
+        """A list of strings, empty when absent."""
+        values = _list(self.data, key, self.field)
+        for index, value in enumerate(values):
+            if type(value) is not str:
+                raise DecodeError(f"{self.field}.{key}[{index}]: expected a string, got {value!r}")
+        return tuple(values)
+
 
 # --------------------------------------------------------------------------------------
 # Spec.
@@ -766,9 +774,10 @@ AGENT_SETTINGS: Final = (
         DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
         positive_seconds,
         "seconds the workers have to re-form in place into a round that lost a member "
-        "before the node falls back to torch's restart: a collective blocked on a peer "
-        "whose node was cut off never fails by itself; make it longer than a step's "
-        f"longest stretch between two collectives ({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS})",
+        "before the node falls back to torch's restart: the bound on a collective blocked "
+        "on a peer whose node was cut off, where shutting its connections down does not "
+        "wake it (NCCL); make it longer than a step's longest stretch between two "
+        f"collectives ({DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS})",
     ),
     AgentSetting(
         "warm_start",
@@ -1555,6 +1564,8 @@ class NodeView:
     member_nodes: tuple[str, ...] = ()
     """The pods of the latest sealed round in rank order, for messages; empty when read
     from a slice (see ``world_size``)."""
+    member_addresses: tuple[str, ...] = ()
+    """Their addresses, in the same order."""
     own_ranks: tuple[tuple[int, Member], ...] = ()
     """This pod's entries in ``members`` with their ranks (one, unless its agent restarted
     and the operator has not yet noticed)."""
@@ -1592,6 +1603,7 @@ class NodeView:
         sliced = data.get("slice") is not None
         world_size = _int(data, "worldSize", field) if sliced else 0
         member_nodes: list[str] = []
+        member_addresses: list[str] = []
         own_ranks: list[tuple[int, Member]] = []
         for position, item in enumerate(_list(data, "members", field)):
             where = f"{field}.members[{position}]"
@@ -1600,6 +1612,7 @@ class NodeView:
                 raise DecodeError(f"{where}.node: expected a string, got {name!r}")
             if not sliced:
                 member_nodes.append(name)
+                member_addresses.append(_str(item, "addr", where))
             if name == node:
                 rank = _int(item, "rank", where, maximum=world_size - 1) if sliced else position
                 own_ranks.append((rank, Member.from_dict(item, where, rank)))
@@ -1616,6 +1629,7 @@ class NodeView:
             world_size=world_size,
             rank_zero_node=rank_zero_node,
             member_nodes=tuple(member_nodes),
+            member_addresses=tuple(member_addresses),
             own_ranks=tuple(own_ranks),
             own_left_behind=tuple(
                 Member.from_dict(item, f"{field}.leftBehind[{index}]", rank=None)

@@ -6,6 +6,9 @@ the operator sealed it.
 
 - A node's worker is SIGKILLed: the others, the same processes, re-form a world of 2
   from the step they were at (those blocked on a survivor, not on the dead one, too).
+- A node's worker stops answering (SIGSTOP: its connections stay open, as a node cut off
+  from the network leaves them): the others, blocked on it, fail and re-form once the
+  round that dropped its address is published.
 - A node arrives: the running workers train on until it has joined, then switch to a
   world of 3 together, the newcomer last.
 - The handler gives up: a worker waiting to re-form stops waiting and says why.
@@ -52,7 +55,13 @@ class Node:
         self.process: subprocess.Popen[bytes] | None = None
 
     def publish(
-        self, round_number: int, master: str, group_rank: int, nodes: int, **ranks: int
+        self,
+        round_number: int,
+        master: str,
+        group_rank: int,
+        nodes: int,
+        lost_addresses: tuple[str, ...] = (),
+        **ranks: int,
     ) -> None:
         handoff.write(
             self.directory,
@@ -65,6 +74,7 @@ class Node:
                 nodes,
                 ranks.get("base_rank"),
                 ranks.get("world_size"),
+                lost_addresses=lost_addresses,
             ),
         )
 
@@ -121,16 +131,17 @@ class Rounds:
     def __init__(self) -> None:
         self.stores: list[TCPStore] = []
 
-    def new(self) -> str:
+    def new(self, host: str = "127.0.0.1") -> str:
+        """A round's store, reached at ``host`` (any loopback address reaches it)."""
         store = TCPStore(
-            "127.0.0.1",
+            host,
             0,
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=60),
         )
         self.stores.append(store)
-        return f"127.0.0.1:{store.port}"
+        return f"{host}:{store.port}"
 
 
 @pytest.fixture
@@ -211,6 +222,33 @@ def test_a_lost_worker_and_a_new_one_are_reformed_around_the_running_workers(
     for line in a.lines() + b.lines() + d.lines():
         by_step.setdefault(line["step"], set()).add(line["checksum"])
     assert all(sums == {SIZE * (step + 1.0)} for step, sums in by_step.items()), by_step
+
+
+def test_workers_blocked_on_a_peer_that_stopped_answering_reform_once_it_is_dropped(
+    nodes: dict[str, Node],
+) -> None:
+    rounds = Rounds()
+    a, b, c, _ = nodes.values()
+    master = rounds.new()
+    for rank, node in enumerate((a, b, c)):
+        node.publish(1, master, rank, 3)
+        node.start(rank, 3, rank, master)
+    first = world([a, b, c], 3, 0)
+    pids = {line["pod"]: line["pid"] for line in first}
+
+    assert c.process is not None
+    os.killpg(c.process.pid, signal.SIGSTOP)
+    # Without the cut, a and b would wait in their next all-reduce for gloo's timeout (30
+    # minutes). Every node here has the same address: the survivors cut each other too,
+    # and re-form all the same (on Kubernetes only the lost pod's address is cut). Round
+    # 2's store is reached at another address, as a survivor's would be.
+    dropped = time.time()
+    master = rounds.new("127.0.0.2")
+    a.publish(2, master, 0, 2, ("127.0.0.1",), base_rank=0, world_size=2)
+    b.publish(2, master, 1, 2, ("127.0.0.1",), base_rank=1, world_size=2)
+    smaller = world([a, b], 2, dropped)
+    assert seen(smaller, "pod", "pid", "rank") == {("a", pids["a"], 0), ("b", pids["b"], 1)}
+    assert "shut down" in a.log.read_text() and "shut down" in b.log.read_text()
 
 
 def test_a_worker_waiting_to_reform_stops_waiting_when_its_handler_gives_up(

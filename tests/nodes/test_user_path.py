@@ -291,6 +291,57 @@ def test_a_lost_node_is_noticed_by_the_operators_probes_and_rejoins_once_back(
     assert rounds == sorted(set(rounds)), rounds
 
 
+def test_survivors_of_a_lost_node_re_form_in_place_without_waiting_out_their_collective(
+    run_job: RunJob, real_nodes: RealNodes, admin_api: kubernetes.client.ApiClient
+) -> None:
+    """A node cut off closes no connection: its peers' collective blocks on it. Once the
+    round without it is published they shut their connections to it down and re-form in
+    place, instead of waiting out ``in_place_loss_timeout`` (10 minutes here) and being
+    restarted."""
+    job: TrainingJob = run_job(
+        parallelism=3,
+        nodes="2:3",
+        annotations={
+            "k8s-rendezvous.dev/in-place": "true",
+            "k8s-rendezvous.dev/in-place-loss-timeout": "600",
+        },
+        command=[
+            "torchrun",
+            "--nproc-per-node=1",
+            str(IN_PLACE_SCRIPT),
+            *("--steps", "100000", "--step-seconds", "0.25"),
+        ],
+    )
+    first_round, _ = max(
+        wait_for(lambda: in_place_worlds(job, 3), 240, "a world of 3 training in place").items()
+    )
+    victim = lone_pod(job)
+    node = victim["spec"]["nodeName"]
+    survivors = {
+        pod["metadata"]["name"]: worker_pid(pod)
+        for pod in job.running_pods()
+        if pod["spec"]["nodeName"] != node
+    }
+    real_nodes.kill_kubelet(node)
+    real_nodes.cut_network(node)
+    try:
+
+        def without_it() -> dict[int, str] | None:
+            later = [
+                world for round_, world in in_place_worlds(job, 2).items() if round_ > first_round
+            ]
+            return later[-1] if later else None
+
+        after = wait_for(without_it, 120, "the survivors training in place in a world of 2")
+        kept = {name: worker_pid(pod_of(job, name)) for name in survivors}
+    finally:
+        real_nodes.restore_network(node)
+        real_nodes.start_kubelet(node)
+        wait_webhook_served_by_leader_alone(admin_api)
+    assert set(after.values()) == set(survivors)
+    assert kept == survivors, "the survivors' workers were kept, not restarted"
+
+
 def test_the_world_follows_the_jobs_parallelism_down_and_up(
     run_job: RunJob, admin_api: kubernetes.client.ApiClient
 ) -> None:

@@ -26,6 +26,7 @@ def test_a_published_round_and_a_worker_record_read_back_as_written(tmp_path: Pa
         group_world_size=2,
         base_rank=0,
         world_size=4,
+        lost_addresses=("10.0.0.2",),
     )
     handoff.write(tmp_path, handoff.ROUND_FILE, in_place)
     handoff.write(tmp_path, handoff.worker_file(1), handoff.WorkerRecord(1, 99, 4, "why"))
@@ -56,6 +57,7 @@ def test_records_go_on_the_wire_in_camel_case_with_their_schema_version() -> Non
         "baseRank": None,
         "worldSize": None,
         "fallback": None,
+        "lostAddresses": [],
     }
     assert handoff.WorkerRecord(1, 99, 4).to_dict() == {
         "schemaVersion": 1,

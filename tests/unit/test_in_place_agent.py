@@ -122,13 +122,17 @@ class LosingOperator(Operator):
 
 
 def handler(
-    client: Operator, node: str, in_place: bool = True, loss_timeout: float = 30
+    client: Operator,
+    node: str,
+    in_place: bool = True,
+    loss_timeout: float = 30,
+    addr: str = "127.0.0.1",
 ) -> KubernetesRendezvousHandler:
     return KubernetesRendezvousHandler(
         client,
         run_id="run",
         node=node,
-        addr="127.0.0.1",
+        addr=addr,
         min_nodes=1,
         max_nodes=2,
         read_timeout=10,
@@ -296,7 +300,7 @@ def test_workers_that_do_not_reform_after_a_loss_are_restarted_past_the_bound(
 ) -> None:
     operator = LosingOperator()
     survivor_handler = handler(operator, "pod-1", loss_timeout=LOSS_TIMEOUT)
-    lost_handler = handler(operator, "pod-2")
+    lost_handler = handler(operator, "pod-2", addr="127.0.0.2")
     survivor, lost = agent(survivor_handler), agent(lost_handler, first_id=2000)
     try:
         survivor._initialize_workers(survivor._worker_group)
@@ -320,6 +324,10 @@ def test_workers_that_do_not_reform_after_a_loss_are_restarted_past_the_bound(
 
         until(lambda: published_round() == 3, "round 3 published to the survivor's workers")
         assert (group.group_rank, group.group_world_size) == (0, 1)
+        published = handoff.read_round(reformer_directory(survivor_handler))
+        assert published is not None and published.lost_addresses == ("127.0.0.2",), (
+            "the workers are told whose connections to cut"
+        )
         if workers_reform:
             register_workers(survivor_handler, group, 3)
         past_bound = time.monotonic() + LOSS_TIMEOUT + 0.1

@@ -265,6 +265,7 @@ def test_a_node_view_answers_as_the_whole_status_does(
     )
     view = state.NodeView.from_dict(json.loads(json.dumps(status.to_dict())), node)
     assert view.member_nodes == tuple(m.node for m in status.members)
+    assert view.member_addresses == tuple(m.addr for m in status.members)
     views = [view]
     if slices:
         own = status.slice_fields()[state.slice_index(node, slices)]
