@@ -2,26 +2,24 @@
 
 It reads the Rendezvous, writes this pod's own Lease (its heartbeat and its entry) and
 watches for round changes (of the Rendezvous, or of this node's RendezvousSlice) with
-server-side filters. Every ``ApiException`` and transport error is mapped here, in one
-place, to the torch error type the agent expects, with a message that names the fix.
+server-side filters. Every failed request (:class:`k8s_rendezvous.rest.RequestFailed`) is
+mapped here, in one place, to the torch error type the agent expects, with a message that
+names the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
-import http.client
 import json
 import logging
-import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final, TypeVar
 
-import urllib3
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
 
 from k8s_rendezvous import rest, state
 from k8s_rendezvous.errors import (
@@ -30,7 +28,6 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousStateError,
     RendezvousNotFoundError,
 )
-from k8s_rendezvous.rest import service_account_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,29 +42,14 @@ _T = TypeVar("_T")
 _MIN_REQUEST_SECONDS: Final = 0.1
 """The shortest timeout a budgeted request is given, so that its last retry can still be
 answered."""
-_MAX_CHAIN: Final = 16
-"""Errors followed down a failure's chain of causes: urllib3's are three deep."""
 
 
 def load_api_client() -> client.ApiClient:
     """In a pod, its service account; elsewhere, the current kubeconfig context."""
-    configuration = client.Configuration()
-    directory = service_account_dir()
     try:
-        if os.environ.get("KUBERNETES_SERVICE_HOST") and (directory / "token").exists():
-            loader = config.incluster_config.InClusterConfigLoader(  # type: ignore[no-untyped-call]
-                token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt")
-            )
-            loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
-        else:
-            config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    except (config.ConfigException, OSError) as error:
-        raise KubernetesRendezvousConnectionError(
-            f"could not load Kubernetes credentials ({error}). In a pod, mount the service "
-            f"account token (automountServiceAccountToken) at {directory}; elsewhere, set "
-            "KUBECONFIG."
-        ) from error
-    return client.ApiClient(configuration)
+        return rest.load_api_client()
+    except rest.NoCredentials as error:
+        raise KubernetesRendezvousConnectionError(str(error)) from error
 
 
 def server_host(api_client: client.ApiClient) -> str:
@@ -113,7 +95,7 @@ class RendezvousClient:
         the join connects, and reports, on its own."""
         try:
             self._rest.request("GET", "/version")
-        except Exception as error:  # urllib3's and the client's; nothing depends on this
+        except rest.RequestFailed as error:  # nothing depends on this
             log.debug("could not open a connection to %s ahead: %s", self._rest.server, error)
 
     def get(self, budget_seconds: float | None = None) -> dict[str, Any]:
@@ -151,13 +133,11 @@ class RendezvousClient:
         not read pods (the worker role may not)."""
         try:
             self._rest.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
-        except ApiException as error:
-            if error.status == 404:
-                return False
+        except rest.NotFound:
+            return False
+        except rest.RequestFailed as error:
             if error.status == 403:
                 return None
-            raise self._error(f"read pod {pod} for", error) from error
-        except (urllib3.exceptions.HTTPError, OSError) as error:
             raise self._error(f"read pod {pod} for", error) from error
         return True
 
@@ -178,9 +158,9 @@ class RendezvousClient:
         def create() -> bool:
             try:
                 self._rest.request("POST", f"{self._group_path}/{state.PLURAL}", body)
-            except ApiException as error:
-                if error.status == 409:
-                    return True
+            except rest.Conflict:
+                return True
+            except rest.Refused as error:
                 if error.status == 403:
                     return False
                 raise
@@ -225,9 +205,7 @@ class RendezvousClient:
         def create() -> bool:
             try:
                 self._rest.request("POST", self._leases_path, lease)
-            except ApiException as error:
-                if error.status != 409:
-                    raise
+            except rest.Conflict:
                 return False
             return True
 
@@ -249,8 +227,8 @@ class RendezvousClient:
                     "PATCH", f"{self._leases_path}/{name}", patch, content_type=rest.MERGE_PATCH
                 )
                 self._lease_owners[name] = owner_uid
-            except ApiException as error:
-                if error.status != 404 or not create():
+            except rest.NotFound:
+                if not create():
                     raise
                 self._lease_owners[name] = owner_uid
 
@@ -285,28 +263,22 @@ class RendezvousClient:
         ]
         if resource_version is not None:
             query.append(("resourceVersion", resource_version))
-        try:
-            response = self._rest.stream(path, query, timeout=(10, timeout_seconds + 10))
-        except (ApiException, urllib3.exceptions.HTTPError, OSError) as error:
-            raise self._error("watch", error, budget=0) from error
-        try:
-            for line in _lines(response.stream(amt=None, decode_content=False)):
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":  # a metav1.Status, e.g. 410 Gone: resourceVersion too old
-                    ended = ApiException(
-                        status=obj.get("code"),
-                        reason=f"{obj.get('reason')}: {obj.get('message')}",
-                    )
-                    raise self._error("watch", ended, budget=0)
-                yield kind, obj
-        except (urllib3.exceptions.HTTPError, OSError) as error:
-            raise self._error("watch", error, budget=0) from error
-        finally:
-            # A stream read to its end has already gone back to the pool; one left early
-            # has not been read to its end, so its connection cannot be used again.
-            response.close()
-            response.release_conn()
+        lines = self._rest.lines(path, query, timeout=(10, timeout_seconds + 10))
+        with contextlib.closing(lines):
+            try:
+                for line in lines:
+                    event = json.loads(line)
+                    kind, obj = event.get("type"), event.get("object") or {}
+                    if kind == "ERROR":  # a metav1.Status, e.g. 410 Gone: too old a version
+                        code = obj.get("code")
+                        ended = rest.failure(
+                            code if isinstance(code, int) else 500,  # answered, code or not
+                            f"{obj.get('reason')}: {obj.get('message')}",
+                        )
+                        raise self._error("watch", ended, budget=0)
+                    yield kind, obj
+            except rest.RequestFailed as error:
+                raise self._error("watch", error, budget=0) from error
 
     @staticmethod
     def _selector(name: str, round_key: str | None) -> str:
@@ -326,19 +298,16 @@ class RendezvousClient:
         while True:
             try:
                 return request()
-            except ApiException as error:
+            except rest.RequestFailed as error:
                 now = time.monotonic()
-                transient = error.status in _TRANSIENT_STATUS or (
-                    error.status in (401, 403) and now < refusal_deadline
+                transient = (
+                    error.status is None
+                    or error.status in _TRANSIENT_STATUS
+                    or (error.status in (401, 403) and now < refusal_deadline)
                 )
                 if not transient or now >= deadline:
                     raise self._error(what, error, budget) from error
-                failure: Exception = error
-                asked = _retry_after(error)
-            except (urllib3.exceptions.HTTPError, OSError) as error:
-                if time.monotonic() >= deadline:
-                    raise self._error(what, error, budget) from error
-                failure, asked = error, None
+                failure, asked = error, error.retry_after
             log.debug("retrying to %s %s after %r", what, self.reference, failure)
             # Spread below the backoff, or above the server's Retry-After (API Priority and
             # Fairness asks a flow it refused to wait): retrying sooner only meets a full
@@ -349,11 +318,13 @@ class RendezvousClient:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
-    def _error(self, what: str, error: Exception, budget: float | None = None) -> Exception:
+    def _error(
+        self, what: str, error: rest.RequestFailed, budget: float | None = None
+    ) -> Exception:
         target = f"{what} {self.reference}"
         budget = self.retry_seconds if budget is None else budget
-        if isinstance(error, ApiException):
-            status, reason = error.status, rest.api_message(error)
+        status, reason = error.status, str(error)
+        if status is not None:
             if status == 404:
                 return RendezvousNotFoundError(
                     f"{self.reference} does not exist. Annotate the Job with "
@@ -379,33 +350,11 @@ class RendezvousClient:
                 f"could not {target}{within}: the API server answered {status} ({reason})."
             )
         unreachable = f"unreachable for {budget:.0f} s" if budget else "unreachable"
-        kind = KubernetesRendezvousConnectionError if answered(error) else ApiServerSilentError
+        kind = KubernetesRendezvousConnectionError if error.answered else ApiServerSilentError
         return kind(
             f"could not {target}: the API server at {self._rest.server} was {unreachable} "
             f"({error}). Check the pod's network and that the API server is up."
         )
-
-
-def answered(error: BaseException) -> bool:
-    """Whether the other end of the network answered a failed request: a connection
-    refused or reset, or closed without a response (an API server restarting, behind its
-    Service or load balancer). A timeout or an unreachable network shows nothing did."""
-    seen: BaseException | None = error
-    for _ in range(_MAX_CHAIN):
-        if seen is None:
-            return False
-        if isinstance(
-            seen, ConnectionRefusedError | ConnectionResetError | http.client.RemoteDisconnected
-        ):
-            return True
-        if isinstance(seen, urllib3.exceptions.MaxRetryError):
-            seen = seen.reason
-        elif isinstance(seen, urllib3.exceptions.ProtocolError) and len(seen.args) > 1:
-            inner = seen.args[1]  # urllib3 keeps the socket's error here, not as the cause
-            seen = inner if isinstance(inner, BaseException) else None
-        else:
-            seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _pod_uid(claims: dict[str, Any] | None) -> str | None:
@@ -414,27 +363,3 @@ def _pod_uid(claims: dict[str, Any] | None) -> str | None:
     bound = ((claims or {}).get("kubernetes.io") or {}).get("pod") or {}
     uid = bound.get("uid") if isinstance(bound, dict) else None
     return uid if isinstance(uid, str) and uid else None
-
-
-def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """The non-empty, complete lines of a stream of chunks, however the chunks cut them
-    (an unfinished last line is an event cut short: the watch resumes before it)."""
-    pending = bytearray()
-    for chunk in chunks:
-        searched = len(pending)
-        pending += chunk
-        start = 0
-        while (end := pending.find(b"\n", searched)) >= 0:
-            if end > start:
-                yield bytes(pending[start:end])
-            start = searched = end + 1
-        del pending[:start]
-
-
-def _retry_after(error: ApiException) -> float | None:
-    """The seconds a 429 or 503 asks to wait (``Retry-After``), at most 10."""
-    value = (error.headers or {}).get("Retry-After")
-    try:
-        return None if value is None else min(10.0, max(0.0, float(value)))
-    except ValueError:  # an HTTP date; the API server sends seconds
-        return None

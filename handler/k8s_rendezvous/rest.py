@@ -7,22 +7,28 @@ same moment builds its own. Every body also goes to a model and back. A node pai
 the write of its first join, while the other nodes waited for it; the operator paid the
 validation on every status write (bench/FINDINGS.md). Both sides' ``kube`` modules send
 their requests through here.
+
+A request that does not succeed raises one of this module's errors, on both sides:
+:class:`RequestFailed` and its kinds by the answer's status (:class:`NotFound`,
+:class:`Conflict`, :class:`Refused`, :class:`Invalid`, :class:`Unavailable`), carrying the
+API server's own message, or :class:`Unavailable` with no status when nothing answered,
+chained from the transport's error. Neither side sees the client library's exceptions.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import json
 import os
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, cast
 
 import urllib3
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client, config
 
 JSON: Final = "application/json"
 MERGE_PATCH: Final = "application/merge-patch+json"
@@ -35,13 +41,97 @@ SERVICE_ACCOUNT_DIR_ENV: Final = "K8S_RENDEZVOUS_SERVICE_ACCOUNT_DIR"
 DEFAULT_SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-def api_message(error: ApiException) -> str:
-    """The API server's own message of a refused request (its Status body), else the HTTP
-    reason: what both sides' errors quote."""
+_MAX_RETRY_AFTER_SECONDS: Final = 10.0
+_MAX_CHAIN: Final = 16
+"""Errors followed down a failure's chain of causes: urllib3's are three deep."""
+
+
+class RequestFailed(Exception):
+    """A request to the API server that did not succeed: refused, or not answered."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        retry_after: float | None = None,
+        answered: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status of the answer; ``None``: there was no answer."""
+        self.retry_after = retry_after
+        """The seconds a 429 or 503 asked to wait (``Retry-After``), at most 10."""
+        self.answered = status is not None if answered is None else answered
+        """Whether the other end of the network answered at all: with a status, or by
+        refusing or resetting the connection, or closing it without a response (an API
+        server restarting, behind its Service or load balancer). A timeout or an
+        unreachable network shows that nothing did."""
+
+
+class NotFound(RequestFailed):
+    """The object does not exist (any more): 404."""
+
+
+class Conflict(RequestFailed):
+    """The object changed since it was read, or exists already: 409. Read it again and
+    decide again."""
+
+
+class Refused(RequestFailed):
+    """The API server refused the request for good (400, 403, 422); the message says why."""
+
+
+class Invalid(Refused):
+    """The API server refused the object as invalid (422); the message says why."""
+
+
+class Unavailable(RequestFailed):
+    """The request may succeed later: no answer, or a 429 or 5xx."""
+
+
+class NoCredentials(Exception):
+    """Neither a service account's token nor a kubeconfig could be loaded; the message
+    says where each was looked for."""
+
+
+def failure(status: int | None, message: str, retry_after: float | None = None) -> RequestFailed:
+    """The error of an answer with ``status`` (a watch's ERROR event is one, too)."""
+    kind: type[RequestFailed] = RequestFailed
+    if status == 404:
+        kind = NotFound
+    elif status == 409:
+        kind = Conflict
+    elif status == 422:
+        kind = Invalid
+    elif status in (400, 403):
+        kind = Refused
+    elif status is None or status == 429 or status >= 500:
+        kind = Unavailable
+    return kind(message, status, retry_after)
+
+
+def load_api_client(pool_maxsize: int | None = None) -> client.ApiClient:
+    """In a pod, its service account (:func:`service_account_dir`); elsewhere, the current
+    kubeconfig context. Raises :class:`NoCredentials`."""
+    configuration = client.Configuration()
+    directory = service_account_dir()
     try:
-        return str(json.loads(error.body or "{}").get("message") or error.reason)
-    except (ValueError, AttributeError):
-        return str(error.reason)
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and (directory / "token").exists():
+            loader = config.incluster_config.InClusterConfigLoader(  # type: ignore[no-untyped-call]
+                token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt")
+            )
+            loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except (config.ConfigException, OSError) as error:
+        raise NoCredentials(
+            f"could not load Kubernetes credentials ({error}). In a pod, mount the service "
+            f"account token (automountServiceAccountToken) at {directory}; elsewhere, set "
+            "KUBECONFIG."
+        ) from error
+    if pool_maxsize is not None:
+        configuration.connection_pool_maxsize = pool_maxsize
+    return client.ApiClient(configuration)
 
 
 def service_account_dir() -> Path:
@@ -81,14 +171,23 @@ class Rest:
         query: Query = (),
         timeout: Timeout = DEFAULT_TIMEOUT,
     ) -> dict[str, Any]:
-        """The answer's JSON; ``ApiException`` for a non-2xx answer, urllib3's errors for
-        a failed transport."""
+        """The answer's JSON; :class:`RequestFailed` (a kind of it) if it did not succeed."""
         response = self._send(method, path, body, content_type, query, timeout)
         return cast(dict[str, Any], json.loads(response.data))
 
-    def stream(self, path: str, query: Query, timeout: Timeout) -> urllib3.BaseHTTPResponse:
-        """A GET whose body is left to read as it arrives (a watch); the caller closes it."""
-        return self._send("GET", path, None, JSON, query, timeout, preload=False)
+    def lines(self, path: str, query: Query, timeout: Timeout) -> Generator[bytes, None, None]:
+        """The complete, non-empty lines of a GET's body as they arrive (a watch's events);
+        :class:`Unavailable` if the stream breaks. Closing the iterator closes the stream."""
+        response = self._send("GET", path, None, JSON, query, timeout, preload=False)
+        try:
+            yield from _lines(response.stream(amt=None, decode_content=False))
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise _unanswered(error) from error
+        finally:
+            # A stream read to its end has already gone back to the pool; one left early
+            # has not been read to its end, so its connection cannot be used again.
+            response.close()
+            response.release_conn()
 
     def bearer_claims(self) -> dict[str, Any] | None:
         """The claims of the bearer token these requests carry, if it is a JWT (as every
@@ -128,22 +227,81 @@ class Rest:
             headers["Content-Type"] = content_type
             data = json.dumps(body).encode()
         url = self.server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        response = self._pool.request(
-            method,
-            url,
-            body=data,
-            headers=headers,
-            timeout=(
-                urllib3.Timeout(connect=timeout[0], read=timeout[1])
-                if isinstance(timeout, tuple)
-                else urllib3.Timeout(total=timeout)
-            ),
-            preload_content=preload,
-        )
+        try:
+            response = self._pool.request(
+                method,
+                url,
+                body=data,
+                headers=headers,
+                timeout=(
+                    urllib3.Timeout(connect=timeout[0], read=timeout[1])
+                    if isinstance(timeout, tuple)
+                    else urllib3.Timeout(total=timeout)
+                ),
+                preload_content=preload,
+            )
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise _unanswered(error) from error
         if not 200 <= response.status <= 299:
-            error = ApiException(status=response.status, reason=response.reason)
-            error.body = response.data.decode(errors="replace")
-            error.headers = response.headers
+            message = _message(response.data, response.reason)
+            asked = _retry_after(response.headers.get("Retry-After"))
             response.release_conn()
-            raise error
+            raise failure(response.status, message, asked)
         return response
+
+
+def _unanswered(error: BaseException) -> Unavailable:
+    return Unavailable(str(error) or type(error).__name__, answered=_answered(error))
+
+
+def _answered(error: BaseException) -> bool:
+    """See :attr:`RequestFailed.answered`, for a transport's ``error``."""
+    seen: BaseException | None = error
+    for _ in range(_MAX_CHAIN):
+        if seen is None:
+            return False
+        if isinstance(
+            seen, ConnectionRefusedError | ConnectionResetError | http.client.RemoteDisconnected
+        ):
+            return True
+        if isinstance(seen, urllib3.exceptions.MaxRetryError):
+            seen = seen.reason
+        elif isinstance(seen, urllib3.exceptions.ProtocolError) and len(seen.args) > 1:
+            inner = seen.args[1]  # urllib3 keeps the socket's error here, not as the cause
+            seen = inner if isinstance(inner, BaseException) else None
+        else:
+            seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _message(body: bytes, reason: str | None) -> str:
+    """The API server's own message of a refused request (its Status body), else the HTTP
+    reason."""
+    try:
+        status = json.loads(body or b"{}")
+    except ValueError:
+        status = None
+    said = status.get("message") if isinstance(status, dict) else None
+    return str(said or reason)
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return None if value is None else min(_MAX_RETRY_AFTER_SECONDS, max(0.0, float(value)))
+    except ValueError:  # an HTTP date; the API server sends seconds
+        return None
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The non-empty, complete lines of a stream of chunks, however the chunks cut them
+    (an unfinished last line is an event cut short: the watch resumes before it)."""
+    pending = bytearray()
+    for chunk in chunks:
+        searched = len(pending)
+        pending += chunk
+        start = 0
+        while (end := pending.find(b"\n", searched)) >= 0:
+            if end > start:
+                yield bytes(pending[start:end])
+            start = searched = end + 1
+        del pending[:start]

@@ -1,21 +1,18 @@
 """The operator's only door to the Kubernetes API (besides kopf's own watches and Events).
 
 Calls are blocking (the official client); the reconciler runs them in worker threads.
-Every error of the client and its transport is mapped here, in :func:`_mapped`, to
-:class:`ApiError` and its kinds: callers catch what happened (:class:`NotFound`,
+A failed request raises :class:`ApiError` and its kinds, the shared request layer's
+(:mod:`k8s_rendezvous.rest`): callers catch what happened (:class:`NotFound`,
 :class:`Conflict`...), never the client library's exception.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast
 
-import urllib3
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
 
 from k8s_rendezvous import rest, state
 from k8s_rendezvous_operator import metrics
@@ -24,56 +21,19 @@ ApiClient = client.ApiClient
 """The authenticated client the operator's API doors are made from."""
 
 
-class ApiError(Exception):
-    """The API server refused a request, or could not be reached. Every error of the
-    client library and its transport leaves this module as one of these, so callers (and
-    the error metric's label) name what happened, not the library."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        """The HTTP status of the answer; ``None``: there was no answer."""
-
-
-class NotFound(ApiError):
-    """The object does not exist (any more): 404."""
-
-
-class Conflict(ApiError):
-    """The object changed since it was read, or exists already: 409. Read it again and
-    decide again."""
-
-
-class Refused(ApiError):
-    """The API server refused the request for good (400, 403, 422); the message says why."""
-
-
-class Invalid(Refused):
-    """The API server refused the object as invalid (422); the message says why."""
-
-
-class Unavailable(ApiError):
-    """The request may succeed later: no answer, or a 429 or 5xx."""
+ApiError = rest.RequestFailed
+"""The API server refused a request, or could not be reached: every request of this
+module fails with one of these, so callers (and the error metric's label) name what
+happened, not the library."""
+NotFound = rest.NotFound
+Conflict = rest.Conflict
+Refused = rest.Refused
+Invalid = rest.Invalid
+Unavailable = rest.Unavailable
 
 
 class Taken(Conflict):
     """Someone else wrote the leader-election Lease first."""
-
-
-def _mapped(error: ApiException) -> ApiError:
-    status = error.status
-    kind: type[ApiError] = ApiError
-    if status == 404:
-        kind = NotFound
-    elif status == 409:
-        kind = Conflict
-    elif status == 422:
-        kind = Invalid
-    elif status in (400, 403):
-        kind = Refused
-    elif status == 429 or (status is not None and status >= 500):
-        kind = Unavailable
-    return kind(rest.api_message(error), status)
 
 
 def resource_of(path: str) -> str:
@@ -87,20 +47,14 @@ def resource_of(path: str) -> str:
 
 
 def _requester(api_client: client.ApiClient) -> Callable[..., dict[str, Any]]:
-    """``rest.Rest.request`` that raises only :class:`ApiError` and its kinds, and counts
-    each request (``metrics.API_REQUESTS``)."""
+    """``rest.Rest.request`` that counts each request (``metrics.API_REQUESTS``)."""
     send = rest.Rest(api_client).request
 
     def request(
         method: str, path: str, body: object | None = None, **options: Any
     ) -> dict[str, Any]:
         metrics.API_REQUESTS.labels(method, resource_of(path)).inc()
-        try:
-            return send(method, path, body, **options)
-        except ApiException as error:
-            raise _mapped(error) from error
-        except (urllib3.exceptions.HTTPError, OSError) as error:
-            raise Unavailable(str(error) or type(error).__name__) from error
+        return send(method, path, body, **options)
 
     return request
 
@@ -113,14 +67,9 @@ def job_owner(name: str, uid: str) -> dict[str, Any]:
 
 
 def load_api_client() -> client.ApiClient:
-    configuration = client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    else:
-        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    """In a pod, its service account; elsewhere, the current kubeconfig context."""
     # Many rendezvous may reconcile at once; do not queue them behind a tiny pool.
-    configuration.connection_pool_maxsize = 32
-    return client.ApiClient(configuration)
+    return rest.load_api_client(pool_maxsize=32)
 
 
 class ReconcilerApi(Protocol):

@@ -1,7 +1,9 @@
 """The transport both sides send their requests through (``k8s_rendezvous.rest``), against
 a local HTTP server: the answer comes back as JSON, the credentials are the client's and
-are asked for at every request, a failed answer raises the client's ApiException with its
-body and headers, and a timeout given as one number bounds the whole request."""
+are asked for at every request, a failed answer raises the shared error of its status with
+the API server's message and its Retry-After, no answer raises Unavailable chained from the
+transport's error (saying whether the other end answered at all), and a timeout given as
+one number bounds the whole request."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from collections.abc import Iterator
 import pytest
 import urllib3
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 from tests.support.local_http import QuietHandler, serving
 
 from k8s_rendezvous import rest
@@ -29,7 +30,9 @@ def server() -> Iterator[tuple[str, list[dict[str, str]]]]:
         def do_GET(self) -> None:
             seen.append({name.lower(): value for name, value in self.headers.items()})
             ok = self.path == "/ok"
-            data = json.dumps({"ok": True} if ok else {"kind": "Status", "code": 409}).encode()
+            data = json.dumps(
+                {"ok": True} if ok else {"kind": "Status", "code": 409, "message": "taken"}
+            ).encode()
             self.send_response(200 if ok else 409)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -73,15 +76,47 @@ def test_each_request_carries_the_token_the_configuration_holds_then(
     assert all(headers["accept"] == "application/json" for headers in seen)
 
 
-def test_a_failed_answer_raises_the_clients_exception_with_its_body_and_headers(
+def test_a_failed_answer_raises_its_statuss_error_with_the_api_servers_words(
     server: tuple[str, list[dict[str, str]]],
 ) -> None:
     host, _ = server
-    with pytest.raises(ApiException) as raised:
+    with pytest.raises(rest.Conflict) as raised:
         rest.Rest(client.ApiClient(configuration(host, "t"))).request("GET", "/taken")
     assert raised.value.status == 409
-    assert json.loads(raised.value.body) == {"kind": "Status", "code": 409}
-    assert raised.value.headers["Retry-After"] == "2"
+    assert str(raised.value) == "taken"
+    assert raised.value.retry_after == 2.0
+    assert raised.value.answered
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, rest.Refused),
+        (401, rest.RequestFailed),
+        (403, rest.Refused),
+        (404, rest.NotFound),
+        (409, rest.Conflict),
+        (410, rest.RequestFailed),
+        (422, rest.Invalid),
+        (429, rest.Unavailable),
+        (500, rest.Unavailable),
+        (None, rest.Unavailable),
+    ],
+)
+def test_each_status_has_its_kind(status: int | None, kind: type[rest.RequestFailed]) -> None:
+    assert type(rest.failure(status, "said")) is kind
+
+
+def test_a_refused_connection_is_unavailable_and_answered() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    transport = rest.Rest(client.ApiClient(configuration(f"http://127.0.0.1:{port}", "t")))
+    with pytest.raises(rest.Unavailable) as raised:
+        transport.request("GET", "/ok")
+    assert raised.value.status is None
+    assert raised.value.answered, "a refused connection is the other end's answer"
+    assert isinstance(raised.value.__cause__, urllib3.exceptions.HTTPError)
 
 
 @pytest.mark.timeout(30, method="thread")
@@ -91,8 +126,9 @@ def test_one_number_bounds_the_whole_request() -> None:
         silent.listen(1)
         host = f"http://127.0.0.1:{silent.getsockname()[1]}"
         transport = rest.Rest(client.ApiClient(configuration(host, "t")))
-        with pytest.raises(urllib3.exceptions.HTTPError):
+        with pytest.raises(rest.Unavailable) as raised:
             transport.request("GET", "/ok", timeout=0.5)
+        assert not raised.value.answered, "a timeout shows nothing answered"
 
 
 def test_the_claims_of_a_jwt_bearer_token_are_read_and_anything_else_is_none() -> None:

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_rendezvous.kube import _lines
+from k8s_rendezvous.rest import _lines
 
 EVENTS = st.lists(
     st.binary(min_size=1, max_size=40).map(lambda raw: raw.replace(b"\n", b"x")), max_size=8
