@@ -14,7 +14,11 @@ send), after as few as two lost datagrams of three.
 Silence is judged against the others. Only members of a rendezvous one of whose members
 has answered are judged: where none ever did, UDP from the operator does not reach them (a
 NetworkPolicy) or they are long gone, and their heartbeats judge them. And when most of the
-judged go silent at once, the operator is more likely cut off than they are, and nobody is.
+judged members go silent at once, the operator is more likely cut off than they are, and
+nobody is. Nodes waiting to be admitted (spares) are probed too, so that one cut off with
+the member it would replace is known to be; they are judged as members are, but not
+counted in that majority: a lost Kubernetes node that holds half the members and a spare
+is still judged.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class Target:
     instance: str
     addr: str
     port: int
+    waiting: bool = False
+    """A node waiting to be admitted, not a member."""
 
 
 def unreachable(
@@ -40,12 +46,13 @@ def unreachable(
 ) -> frozenset[Target]:
     """The targets whose last ``misses`` probes or more went unanswered (``unanswered``:
     each target's probes sent since its last answer), among those of a rendezvous with a
-    member that ever ``answered``; none while more than half of those are silent."""
+    target that ever ``answered``; none while more than half of the judged members are."""
     heard_from = {(target.namespace, target.rendezvous) for target in answered}
     judged = [
         target for target in unanswered if (target.namespace, target.rendezvous) in heard_from
     ]
     silent = frozenset(target for target in judged if unanswered[target] >= misses)
-    if 2 * len(silent) > len(judged):
+    members = [target for target in judged if not target.waiting]
+    if 2 * sum(1 for target in silent if not target.waiting) > len(members):
         return frozenset()
     return silent

@@ -108,12 +108,21 @@ def _uid(body: Mapping[str, Any]) -> object:
 def _probe_targets(
     key: Key, status: state.RendezvousStatus, requests: Mapping[str, state.NodeEntry]
 ) -> tuple[reachability.Target, ...]:
-    if status.state is not state.RoundState.SEALED:
-        return ()  # a stale round's members are re-joining, or lost
-    return tuple(
-        reachability.Target(*key, member.node, member.instance, entry.addr, entry.probe_port)
+    """The members of a sealed round (a stale round's are re-joining, or lost), and the
+    nodes waiting, in any state: a spare cut off with the member it would replace must be
+    known unreachable when that member is, not admitted in its place."""
+    members = [
+        (member.node, entry, False)
         for member in status.members
-        if (entry := requests.get(member.node)) and entry.probe_port and member.admits(entry)
+        if status.state is state.RoundState.SEALED
+        and (entry := requests.get(member.node))
+        and member.admits(entry)
+    ]
+    waiters = [(name, requests[name], True) for name in rounds.waiting(status, requests)]
+    return tuple(
+        reachability.Target(*key, node, entry.instance, entry.addr, entry.probe_port, waiting)
+        for node, entry, waiting in (*members, *waiters)
+        if entry.probe_port
     )
 
 

@@ -56,6 +56,8 @@ And what those rules rely on:
     sidecar, a stopped process) is not a joiner: never counted, never sealed, and named
     once by the decision. torch's c10d drops such a node after its keep-alive window; a
     round sealed with it would hang every agent of the round in torch's rank assignment.
+    Nor is a waiter whose agent answers none of the operator's probes (a spare on a
+    Kubernetes node cut off with a member it would replace), until it answers again.
 """
 
 from __future__ import annotations
@@ -333,15 +335,8 @@ class Context:
     @functools.cached_property
     def waiters(self) -> list[str]:
         """Nodes asking to be admitted to a round they are not already in, alive or not."""
-        stored = self.stored
-        admitted = {(m.node, m.instance, m.attempt) for m in (*stored.members, *stored.left_behind)}
         return [
-            name
-            for name, entry in self.requests.items()
-            if entry.intent is NodeIntent.JOIN
-            and not self.pod(name).gone_reason
-            # still running the round it was admitted to, not asking for another
-            and (name, entry.instance, entry.attempt) not in admitted
+            name for name in waiting(self.stored, self.requests) if not self.pod(name).gone_reason
         ]
 
     @functools.cached_property
@@ -361,10 +356,20 @@ class Context:
         return tuple(name for name in self.waiters if waiter_expired(self, name))
 
     @functools.cached_property
+    def unreachable_waiters(self) -> frozenset[str]:
+        """Waiters whose agents answer none of the operator's probes (rule 12)."""
+        if self.liveness is None:
+            return frozenset()
+        unreachable = self.liveness.unreachable
+        return frozenset(
+            name for name in self.waiters if (name, self.requests[name].instance) in unreachable
+        )
+
+    @functools.cached_property
     def joiners(self) -> list[str]:
-        """Waiters that count: their agents are alive."""
-        expired = set(self.expired_waiters)
-        return [name for name in self.waiters if name not in expired]
+        """Waiters that count: their agents are alive and reachable."""
+        out = set(self.expired_waiters) | self.unreachable_waiters
+        return [name for name in self.waiters if name not in out]
 
     @functools.cached_property
     def next_waiter_expiry(self) -> datetime.datetime | None:
@@ -747,6 +752,18 @@ def replaced(previous: Sequence[Member], rank: int, node: str) -> str | None:
     if rank < len(previous) and previous[rank].node != node:
         return previous[rank].node
     return None
+
+
+def waiting(status: RendezvousStatus, requests: Mapping[str, NodeEntry]) -> list[str]:
+    """Nodes asking to be admitted to a round of ``status`` they are not already in."""
+    admitted = {(m.node, m.instance, m.attempt) for m in (*status.members, *status.left_behind)}
+    return [
+        name
+        for name, entry in requests.items()
+        if entry.intent is NodeIntent.JOIN
+        # still running the round it was admitted to, not asking for another
+        and (name, entry.instance, entry.attempt) not in admitted
+    ]
 
 
 def waiter_expired(ctx: Context, name: str) -> bool:

@@ -3,8 +3,9 @@ stalls) and later thawed (SIGCONT), against the real control plane.
 
 Aspects: the frozen node runs our real handler in its own OS process, authenticated with
 its pod's bound token; the operator drops a frozen member once its agent answers none of
-the operator's probes for the probe window (3 s, long before its 30 s heartbeat window)
-and a frozen waiter once its Lease is not renewed for heartbeatTimeoutSeconds; the
+the operator's probes for the probe window (3 s, long before its 30 s heartbeat window),
+a frozen spare as soon, so that it never takes a frozen member's place, and a frozen
+waiter that answers no probes once its Lease is not renewed for heartbeatTimeoutSeconds; the
 survivors form a new round without it, with a new master; back from SIGCONT, its agent is
 told to re-rendezvous and joins a later round with a fresh rank, never disturbing the
 round formed without it. Every handler's result,
@@ -179,3 +180,46 @@ def test_a_node_frozen_while_joining_returns_its_old_round_then_joins_a_later_on
         record(rdzv, "zfrozen-0", back)
         assert sorted(j.wait(60).rank for j in third) == [0, 1]
         assert (back["round"], back["rank"], back["world_size"]) == (3, 2, 3), back
+
+
+def test_a_spare_frozen_with_a_member_does_not_take_its_place(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    pod_environment: Callable[..., dict[str, str]],
+    tmp_path: Path,
+) -> None:
+    """A Kubernetes node lost takes a member and the spare beside it: the survivor
+    re-forms alone, not with a spare that would never answer its rank assignment."""
+    rdzv = make_rendezvous(1, 2, lastCallTimeoutSeconds=30)  # heartbeats: 30 s, the default
+    pods = create_pods(admin_api, workers_namespace, ["frozen-member", "frozen-spare"])
+    (survivor,) = make_nodes(rdzv, 1)
+    member_env, spare_env = (pod_environment(p, p["status"]["podIP"]) for p in pods)
+    with (
+        NodeProcess(member_env, rdzv.name, "1:2", tmp_path / "member.log") as member,
+        NodeProcess(spare_env, rdzv.name, "1:2", tmp_path / "spare.log") as spare,
+    ):
+        assert member.answer(60)["ready"] == member.pid
+        assert spare.answer(60)["ready"] == spare.pid
+        member.send("next")
+        joining = survivor.join_in_background()
+        first = member.answer(60)
+        record(rdzv, "frozen-member", first)
+        assert joining.wait(60).world_size == 2 and first["world_size"] == 2
+        spare.send("next")
+        wait_for(lambda: rdzv.status().spares == 1 or None, 30, "the spare waiting")
+
+        spare.freeze()  # first: its silence is judged no later than the member's
+        member.freeze()
+        wait_for(
+            lambda: survivor.handler.num_nodes_waiting() > 0,
+            PROBE_WINDOW + 15,
+            "the survivor is told to re-rendezvous",
+            interval=0.05,
+        )
+        again = survivor.join_in_background().wait(60)
+        assert (again.rank, again.world_size) == (0, 1), "re-formed alone, not with the spare"
+        sealed = rdzv.status()
+        assert [m.node for m in sealed.members] == [survivor.pod]
+        assert sealed.nodes_waiting == 0, "the silent spare is not counted"

@@ -52,6 +52,17 @@ def test_nobody_is_judged_while_most_are_silent_for_the_operator_is_then_cut_off
         assert verdict == {t for t in unanswered if t.node.startswith("down-")}
 
 
+def test_a_silent_spare_is_judged_but_not_counted_against_the_members() -> None:
+    """A lost Kubernetes node holding half the members and the spare: more than half of
+    all targets are silent, yet the operator is not cut off (half its members answer)."""
+    spare = dataclasses.replace(target("spare"), waiting=True)
+    unanswered = {target("a"): 0, target("b"): 0, target("c"): MISSES, target("d"): MISSES}
+    unanswered[spare] = MISSES
+    assert unreachable(unanswered, set(unanswered), MISSES) == {target("c"), target("d"), spare}
+    everyone_silent = dict.fromkeys(unanswered, MISSES)
+    assert unreachable(everyone_silent, set(unanswered), MISSES) == frozenset()
+
+
 def test_a_probe_round_trips_and_nothing_else_is_taken_for_one() -> None:
     probe = state.Probe(bytes(range(state.PROBE_NONCE_BYTES)))
     assert len(probe.request()) == state.Probe.REQUEST_BYTES >= len(probe.reply())

@@ -585,6 +585,31 @@ def test_a_member_its_agent_silent_to_probes_is_lost_long_before_its_heartbeat_e
     assert world.status.state is RoundState.REFORMING
 
 
+def test_a_spare_cut_off_with_the_member_it_would_replace_is_not_admitted() -> None:
+    """A Kubernetes node lost takes a member and the spare beside it: both go silent to
+    the probes at once, and the round re-forms without either, until the spare answers."""
+    world = World(spec(1, 3), liveness=rounds.Liveness({}, since=T0))
+    for node in ("pod-0", "pod-1", "pod-2", "spare"):
+        world.join(node)
+    world.decide()
+    assert (world.ranks(), world.status.spares) == (["pod-0", "pod-1", "pod-2"], 1)
+    cut = {(node, world.requests[node].instance) for node in ("pod-1", "spare")}
+    world.liveness = dataclasses.replace(world.liveness, unreachable=frozenset(cut))
+    decision = world.decide()
+    assert [(loss.node, loss.reason) for loss in decision.losses] == [
+        ("pod-1", rounds.LOST_UNREACHABLE)
+    ]
+    for node in ("pod-0", "pod-2"):
+        world.join(node)
+    assert world.decide().sealed, "every survivor is back"
+    assert world.ranks() == ["pod-0", "pod-2"], "the silent spare was not sealed in"
+    assert world.status.nodes_waiting == 0
+
+    world.liveness = dataclasses.replace(world.liveness, unreachable=frozenset())
+    world.decide()
+    assert world.status.nodes_waiting == 1, "it counts again once it answers"
+
+
 def test_an_unreachable_agent_of_an_earlier_instance_loses_no_member() -> None:
     """The verdict names the agent probed: a restarted agent is judged anew."""
     world = World(spec(1, 2, heartbeat=30), liveness=rounds.Liveness({}, since=T0))
