@@ -181,6 +181,15 @@ def world(nodes: list[Node], size: int, after: float) -> list[dict[str, Any]]:
     return lines
 
 
+def start_world(rounds: Rounds, nodes: list[Node]) -> list[dict[str, Any]]:
+    """Round 1 with ``nodes`` in rank order, trained in: its progress lines."""
+    master = rounds.new()
+    for rank, node in enumerate(nodes):
+        node.publish(1, master, rank, len(nodes))
+        node.start(rank, len(nodes), rank, master)
+    return world(nodes, len(nodes), 0)
+
+
 def seen(lines: list[dict[str, Any]], *keys: str) -> set[tuple[Any, ...]]:
     return {tuple(line[key] for key in keys) for line in lines}
 
@@ -190,11 +199,7 @@ def test_a_lost_worker_and_a_new_one_are_reformed_around_the_running_workers(
 ) -> None:
     rounds = Rounds()
     a, b, c, d = nodes.values()
-    master = rounds.new()
-    for rank, node in enumerate((a, b, c)):
-        node.publish(1, master, rank, 3)
-        node.start(rank, 3, rank, master)
-    first = world([a, b, c], 3, 0)
+    first = start_world(rounds, [a, b, c])
     pids = {line["pod"]: line["pid"] for line in first}
 
     killed = time.time()
@@ -229,12 +234,7 @@ def test_workers_blocked_on_a_peer_that_stopped_answering_reform_once_it_is_drop
 ) -> None:
     rounds = Rounds()
     a, b, c, _ = nodes.values()
-    master = rounds.new()
-    for rank, node in enumerate((a, b, c)):
-        node.publish(1, master, rank, 3)
-        node.start(rank, 3, rank, master)
-    first = world([a, b, c], 3, 0)
-    pids = {line["pod"]: line["pid"] for line in first}
+    pids = {line["pod"]: line["pid"] for line in start_world(rounds, [a, b, c])}
 
     assert c.process is not None
     os.killpg(c.process.pid, signal.SIGSTOP)
@@ -254,13 +254,9 @@ def test_workers_blocked_on_a_peer_that_stopped_answering_reform_once_it_is_drop
 def test_a_worker_waiting_to_reform_stops_waiting_when_its_handler_gives_up(
     nodes: dict[str, Node],
 ) -> None:
-    rounds = Rounds()
+    rounds = Rounds()  # serves the round's store for as long as the test runs
     a, b, *_ = nodes.values()
-    master = rounds.new()
-    for rank, node in enumerate((a, b)):
-        node.publish(1, master, rank, 2)
-        node.start(rank, 2, rank, master)
-    world([a, b], 2, 0)
+    start_world(rounds, [a, b])
 
     assert b.process is not None
     os.killpg(b.process.pid, signal.SIGKILL)

@@ -88,25 +88,6 @@ def test_a_failed_answer_raises_its_statuss_error_with_the_api_servers_words(
     assert raised.value.answered
 
 
-@pytest.mark.parametrize(
-    ("status", "kind"),
-    [
-        (400, rest.Refused),
-        (401, rest.RequestFailed),
-        (403, rest.Refused),
-        (404, rest.NotFound),
-        (409, rest.Conflict),
-        (410, rest.RequestFailed),
-        (422, rest.Invalid),
-        (429, rest.Unavailable),
-        (500, rest.Unavailable),
-        (None, rest.Unavailable),
-    ],
-)
-def test_each_status_has_its_kind(status: int | None, kind: type[rest.RequestFailed]) -> None:
-    assert type(rest.failure(status, "said")) is kind
-
-
 def test_a_refused_connection_is_unavailable_and_answered() -> None:
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
