@@ -59,13 +59,18 @@ def test_a_tables_remote_addresses_are_read_in_the_hosts_byte_order() -> None:
     }
 
 
+# Loopback addresses no other test connects to: the whole suite runs in one process, and
+# a connection another test left open to the same address would be cut too.
+DROPPED, KEPT, CLIENT = "127.77.0.2", "127.77.0.3", "127.77.0.9"
+
+
 class Peer:
     """A listener on one loopback address and this process's connection to it."""
 
     def __init__(self, address: str) -> None:
         self.listener = socket.create_server((address, 0))
         self.client = socket.socket()
-        self.client.bind(("127.0.0.9", 0))  # so that the accepted end's remote is not ``address``
+        self.client.bind((CLIENT, 0))  # so that the accepted end's remote is not ``address``
         self.client.connect(self.listener.getsockname())
         self.server, _ = self.listener.accept()
 
@@ -76,7 +81,7 @@ class Peer:
 
 @pytest.fixture
 def peers() -> Iterator[tuple[Peer, Peer]]:
-    made = (Peer("127.0.0.2"), Peer("127.0.0.3"))
+    made = (Peer(DROPPED), Peer(KEPT))
     try:
         yield made
     finally:
@@ -97,7 +102,7 @@ def test_connections_to_a_dropped_address_are_shut_down_and_others_left_alone(
     dropped, kept = peers
     thread, received = blocked_receive(dropped.client)
 
-    assert cut_peers.shut_down_connections({"127.0.0.2"}) == 1
+    assert cut_peers.shut_down_connections({DROPPED}) == 1
     thread.join(timeout=30)
     assert received == [b""], "the blocked receive ended as if the peer had closed"
     kept.server.sendall(b"x")
@@ -121,7 +126,7 @@ def test_the_watch_cuts_when_a_round_that_dropped_the_address_is_published(
     thread, received = blocked_receive(dropped.client)
     watch.start()
     try:
-        handoff.write(tmp_path, handoff.ROUND_FILE, published(6, "127.0.0.2"))
+        handoff.write(tmp_path, handoff.ROUND_FILE, published(6, DROPPED))
         thread.join(timeout=30)
         assert received == [b""]
         wait_for(lambda: watch._cut_round == 6 or None, 30, "the watch to record the round")
