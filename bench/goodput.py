@@ -434,8 +434,12 @@ class Run:
         seed: int,
         gap: tuple[float, float] = GAP_SECONDS,
         rounds: int | None = None,
+        logs: Path | None = None,
     ) -> None:
         self.pool = pool
+        self.logs = logs
+        """Where each pod's log is kept at the end of the run (not committed: for reading a
+        fault's cost)."""
         self.gap = gap
         self.rounds = rounds
         """Ours: end once the Rendezvous has sealed this many rounds (a soak)."""
@@ -456,6 +460,10 @@ class Run:
         self._repairs: list[tuple[float, str, str]] = []
         self._rounds: list[tuple[float, str, int]] = []
         """(host clock, state, round) of each version of the Rendezvous seen."""
+        self._trace: list[Json] = []
+        """What each version of the Rendezvous said, for reading a fault's cost after."""
+        self._placements: dict[str, str] = {}
+        """Each pod of the run and the Kubernetes node it was bound to."""
 
     def manifest(self) -> Json:
         script = str(IN_PLACE_SCRIPT) if self.config.in_place else "train.py"
@@ -542,6 +550,7 @@ class Run:
                 with contextlib.suppress(Exception):
                     recorder.catch_up()
                 recorder.stop()
+            self._keep_logs()
             with contextlib.suppress(kubernetes.client.exceptions.ApiException):
                 self.core.delete_namespace(self.namespace, grace_period_seconds=0)
             # Its workers write into the directory until their kubelets have stopped them.
@@ -564,6 +573,8 @@ class Run:
         result = analyze(lines, injected, began, ended, self._rounds)
         result["leaks"] = leaks
         result["rounds"] = max((round_ for _, _, round_ in self._rounds), default=None)
+        result["trace"] = self._trace
+        result["placements"] = self._placements
         result["violations"] += self.violations + [
             f"round {round_}: member {pod} dead for more than {DEAD_MEMBER_GRACE} s"
             for (round_, pod), seen in self._dead_members.items()
@@ -730,7 +741,21 @@ class Run:
 
     def _on_rendezvous(self, event: Json) -> None:
         status = event["object"].get("status") or {}
-        self._rounds.append((time.time(), str(status.get("state")), int(status.get("round") or 0)))
+        now = time.time()
+        self._rounds.append((now, str(status.get("state")), int(status.get("round") or 0)))
+        self._trace.append(
+            {
+                "at": round(now, 3),
+                "state": status.get("state"),
+                "round": status.get("round"),
+                "members": [member.get("node") for member in status.get("members") or ()],
+                "nodesWaiting": status.get("nodesWaiting"),
+                "spares": status.get("spares"),
+                "formingCause": status.get("formingCause"),
+                "formingCauseMessage": status.get("formingCauseMessage"),
+                "lastCallDeadline": status.get("lastCallDeadline"),
+            }
+        )
 
     def _sample(self, stop: threading.Event) -> None:
         """Every second: the uid of every pod of the run (for the leak check) and, ours,
@@ -744,6 +769,9 @@ class Run:
                     for p in read_object(self.core.list_namespaced_pod, self.namespace)["items"]
                 }
                 self._pod_uids |= {p["metadata"]["uid"] for p in pods.values()}
+                self._placements.update(
+                    (name, node) for name, p in pods.items() if (node := dig(p, "spec", "nodeName"))
+                )
                 if self.config.c10d:
                     continue
                 body: Json = custom.get_namespaced_custom_object(
@@ -766,6 +794,28 @@ class Run:
                 if dead:
                     since = first_seen.setdefault(key, now)
                     self._dead_members[key] = now - since
+
+    def _keep_logs(self) -> None:
+        """The Events of the run's namespace, and the logs of its pods that are still there
+        and of the operator's."""
+        if self.logs is None:
+            return
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(kubernetes.client.exceptions.ApiException):
+            listed = self.core.list_namespaced_event(self.namespace, _preload_content=False)
+            (self.logs / "events.json").write_bytes(listed.data)
+        places = [(self.namespace, pod) for pod in self._placements] + [
+            (chart.NAMESPACE, p["metadata"]["name"])
+            for p in read_object(self.core.list_namespaced_pod, chart.NAMESPACE)["items"]
+        ]
+        for namespace, pod in places:
+            for previous in (False, True):
+                try:
+                    text = self.core.read_namespaced_pod_log(pod, namespace, previous=previous)
+                except kubernetes.client.exceptions.ApiException:
+                    continue
+                suffix = ".previous" if previous else ""
+                (self.logs / f"{pod}{suffix}.log").write_text(text)
 
     def _leaks(self, before: dict[str, set[str]]) -> Json:
         """What the run left once its pods are gone: processes in their cgroups, network
@@ -925,9 +975,16 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs:
             print(f"[goodput] {config.name}: {args.minutes} min", flush=True)
             try:
-                result = Run(pool, api, config, args.seed, (low, high), args.rounds).run(
-                    args.minutes
+                run = Run(
+                    pool,
+                    api,
+                    config,
+                    args.seed,
+                    (low, high),
+                    args.rounds,
+                    logs=args.out / "logs" / config.name,
                 )
+                result = run.run(args.minutes)
             except Exception as error:
                 result = {"config": config.name, "error": f"{type(error).__name__}: {error}"}
             shown = {k: v for k, v in result.items() if k != "timeline"}
