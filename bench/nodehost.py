@@ -75,7 +75,7 @@ class Slot:
 def _build_ours(spec: Json, common: Json) -> Any:
     import kubernetes.client
 
-    from k8s_rendezvous import kube
+    from k8s_rendezvous import config, kube
     from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
     configuration = kubernetes.client.Configuration(host=common["server"])
@@ -95,7 +95,7 @@ def _build_ours(spec: Json, common: Json) -> Any:
         addr=spec["addr"],
         min_nodes=int(spec["min_nodes"]),
         max_nodes=int(spec["max_nodes"]),
-        read_timeout=read_timeout,
+        settings=config.Settings(spec["namespace"], spec["rendezvous"], read_timeout=read_timeout),
     )
 
 

@@ -13,7 +13,7 @@ round watcher (:mod:`k8s_rendezvous.watch`) for a status the join step
 The other concerns live beside it: the parameters (:mod:`k8s_rendezvous.config`), the
 heartbeat (:mod:`k8s_rendezvous.heartbeat`), the round's store
 (:mod:`k8s_rendezvous.round_store`), the API (:mod:`k8s_rendezvous.api`, implemented by
-:mod:`k8s_rendezvous.kube`).
+:mod:`k8s_rendezvous.kube`), what its errors say (:mod:`k8s_rendezvous.messages`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any, Final
 
@@ -57,6 +57,7 @@ from k8s_rendezvous import (
     heartbeat,
     join,
     kube,
+    messages,
     partition,
     probes,
     reforming,
@@ -147,11 +148,7 @@ def _claim_node(reference: str, node: str) -> socket.socket:
             raise
         # Two agents under one node name would share its Lease: each join would overwrite
         # the other's request, and neither would ever be admitted.
-        raise KubernetesRendezvousStateError(
-            f"another torchrun agent of pod {node} already joins {reference}: a pod is one "
-            "node of a rendezvous, with one Lease. Run one torchrun per pod (more workers: "
-            "--nproc-per-node), or give each agent its own pod."
-        ) from error
+        raise KubernetesRendezvousStateError(messages.another_agent(node, reference)) from error
     return claim
 
 
@@ -211,19 +208,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         addr: The address other nodes reach this node at (pod IP or ``--local-addr``).
         min_nodes: torchrun's ``--nnodes`` minimum, checked against the spec.
         max_nodes: torchrun's ``--nnodes`` maximum, checked against the spec.
-        read_timeout: Seconds to retry the API server and to wait on the round's store.
-        configured_spec: Spec fields given in ``--rdzv-conf``, by their field in the
-            spec (:attr:`k8s_rendezvous.config.Settings.configured_spec`).
-        heartbeat_timeout: Seconds one renewal of the node's Lease may take (c10d's).
-        in_place: Re-form the node's round in place, keeping the workers, when they are
-            on the in-place path (:mod:`k8s_rendezvous.reforming`).
-        in_place_loss_timeout: Seconds the workers have to re-form into a round that
-            lost a member before the node falls back to torch's restart.
-        warm_start: Start the zygote the workers are forked from when their entrypoint
-            is :mod:`k8s_rendezvous.warm`.
-        health_check: The command run before each join (none: no check); a node whose
-            check fails joins no round (:mod:`k8s_rendezvous.health_check`).
-        health_check_timeout: Seconds the health check may run.
+        settings: What ``--rdzv-endpoint`` and ``--rdzv-conf`` say
+            (:class:`k8s_rendezvous.config.Settings`; none: every default, for the
+            client's Rendezvous).
     """
 
     def __init__(
@@ -235,25 +222,19 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         addr: str,
         min_nodes: int,
         max_nodes: int,
-        read_timeout: float = config.DEFAULT_READ_TIMEOUT_SECONDS,
-        configured_spec: Mapping[str, int] | None = None,
-        heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
-        in_place: bool = False,
-        in_place_loss_timeout: float = state.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS,
-        warm_start: bool = False,
-        health_check: Sequence[str] = (),
-        health_check_timeout: float = state.DEFAULT_HEALTH_CHECK_SECONDS,
+        settings: config.Settings | None = None,
     ) -> None:
         self._client = client
+        settings = settings or config.Settings(client.namespace, client.name)
         # First: it imports torch while this node joins, so that the first workers are
         # forked from it too.
-        self._zygote = warm.start_zygote() if warm_start else None
+        self._zygote = warm.start_zygote() if settings.warm_start else None
         self._run_id = run_id
         self._node = node
         self._addr = addr
         self._nnodes = (min_nodes, max_nodes)
-        self._read_timeout = read_timeout
-        self._configured_spec = dict(configured_spec or {})
+        self._read_timeout = settings.read_timeout
+        self._configured_spec = settings.configured_spec
         self._instance = uuid.uuid4().hex[:16]
         self._attempt = 0
         self._joined: join.Joined | None = None
@@ -264,7 +245,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         threading.Thread(
             target=self._open_connection_ahead, name="k8s-rendezvous-connect", daemon=True
         ).start()
-        self._heartbeat = heartbeat.Heartbeat(client, node, self._instance, heartbeat_timeout)
+        self._heartbeat = heartbeat.Heartbeat(
+            client, node, self._instance, settings.heartbeat_timeout
+        )
         self._probes = probes.ProbeResponder(node)
         self._sentinel = partition.Sentinel(
             node,
@@ -285,8 +268,8 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._node_checked = False
         self._closed_locally = False
         self._shut_down = False
-        self._health_check = tuple(health_check)
-        self._health_check_timeout = health_check_timeout
+        self._health_check = settings.health_check
+        self._health_check_timeout = settings.health_check_timeout
         self._failed_check: state.HealthCheckReport | None = None
         """Why this node's health check failed: every Leave it writes from then says so,
         shutdown()'s too, so that a later write cannot hide it from the operator."""
@@ -298,9 +281,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 self._wait_for_change,
                 self._rejoin_in_place,
                 self._join_lock,
-                in_place_loss_timeout,
+                settings.in_place_loss_timeout,
             )
-            if in_place
+            if settings.in_place
             else None
         )
 
@@ -328,14 +311,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 addr=addr,
                 min_nodes=params.min_nodes,
                 max_nodes=params.max_nodes,
-                read_timeout=settings.read_timeout,
-                configured_spec=settings.configured_spec,
-                heartbeat_timeout=settings.heartbeat_timeout,
-                in_place=settings.in_place,
-                in_place_loss_timeout=settings.in_place_loss_timeout,
-                warm_start=settings.warm_start,
-                health_check=settings.health_check,
-                health_check_timeout=settings.health_check_timeout,
+                settings=settings,
             )
         except BaseException:
             claim.close()
@@ -438,8 +414,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         if self._closed_locally or self._shut_down:
             called = "shutdown()" if self._shut_down else "set_closed()"
             raise KubernetesRendezvousClosedError(
-                f"node {self._node} called {called} on {self._client.reference}: it joins "
-                "no further round. Start a new torchrun to join again."
+                messages.joins_no_more(self._node, self._client.reference, called)
             )
         if self._health_check:
             self._check_health()
@@ -451,18 +426,18 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             offered = round_store.listen()
         except OSError as error:
             raise KubernetesRendezvousConnectionError(
-                f"node {self._node} could not open a port for its store to join "
-                f"{self._client.reference}: {error}. Check the pod's open-file limit."
+                messages.no_store_port(self._node, self._client.reference, error)
             ) from error
         with self._join_lock:
             try:
                 joined = self._next_round(offered)
             finally:
                 offered.close()  # a no-op once the round's store has taken it over
-            store = joined.store
+            store = self._round_store_handle
+            assert store is not None
             if self._reformer is not None:
                 agent = _calling_agent(caller)
-                store = self._reformer.started(joined, agent)
+                store = self._reformer.started(joined, store, agent)
             status = joined.status
             assert status.master is not None
             return RendezvousInfo(
@@ -497,32 +472,37 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         except RendezvousError as error:
             log.warning("node %s could not report its failed health check: %s", self._node, error)
         raise NodeUnhealthyError(
-            f"node {self._node} joins no round of {self._client.reference}: its health check "
-            f"({shlex.join(self._health_check)}) {how}. Its output ends: {report.tail[-256:]!r}. "
-            "The agent ends in failure so that its workload replaces the pod; `kubectl "
-            "describe rdzv` shows a HealthCheckFailed Warning naming the Kubernetes node."
+            messages.unhealthy(
+                self._node,
+                self._client.reference,
+                shlex.join(self._health_check),
+                how,
+                report.tail,
+            )
         )
 
-    def _rejoin_in_place(self) -> reforming.Joined:
-        """The next round, joined as next_rendezvous() joins one, for the in-place path
-        (the caller holds the join lock)."""
+    def _rejoin_in_place(self) -> tuple[join.Joined, Store]:
+        """The next round, joined as next_rendezvous() joins one, and its store, for the
+        in-place path (the caller holds the join lock)."""
         try:
             offered = round_store.listen()
         except OSError as error:
             raise KubernetesRendezvousConnectionError(
-                f"node {self._node} could not open a port for its store: {error}"
+                messages.no_store_port(self._node, self._client.reference, error)
             ) from error
         try:
-            return self._next_round(offered)
+            joined = self._next_round(offered)
         finally:
             offered.close()
+        assert self._round_store_handle is not None
+        return joined, self._round_store_handle
 
     def _wait_for_change(self, deadline: float) -> bool:
         """Whether the watched status shows, by the monotonic ``deadline``, a change the
         agent would restart its workers for (what makes num_nodes_waiting() positive)."""
         return self._watcher.wait(lambda status: self._waiting(status) > 0, deadline) is not None
 
-    def _next_round(self, offered: socket.socket) -> reforming.Joined:
+    def _next_round(self, offered: socket.socket) -> join.Joined:
         """Join the next round: ask (write a join request), then sync -> decide -> apply
         until the join step (:func:`k8s_rendezvous.join.decide`) admits the request to a
         round whose store answers; ask again whenever it says the request is spent."""
@@ -561,13 +541,20 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             decision = join.decide(status, request)
             if isinstance(decision, join.Closed):
                 if deadline.spare and not decision.in_failure:
-                    raise self._spare_released(decision)
-                raise self._closed_error(decision)
+                    raise KubernetesRendezvousGracefulExitError(
+                        messages.spare_released(
+                            self._node, self._client.reference, decision.reason, decision.message
+                        )
+                    )
+                raise KubernetesRendezvousClosedError(
+                    messages.closed(self._client.reference, decision.reason, decision.message)
+                )
             if isinstance(decision, join.Refused):
                 self._withdraw()
                 raise NodeRefusedError(
-                    f"the operator refused node {self._node}'s request to join "
-                    f"{self._client.reference} ({decision.reason}): {decision.message}"
+                    messages.refused(
+                        self._node, self._client.reference, decision.reason, decision.message
+                    )
                 )
             if isinstance(decision, join.Admitted):
                 log.info(
@@ -582,17 +569,16 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 )
                 store = self._round_store(decision, status.rank_zero_node, offered)
                 if store is not None:
-                    self._joined = join.Joined(decision.round, decision.rank, owner_uid)
+                    self._joined = join.Joined(status, decision.rank, owner_uid)
                     prefix = f"torch.rendezvous.{self._run_id}.{decision.round}"
                     self._round_store_handle = PrefixStore(prefix, store)
-                    return reforming.Joined(
-                        status, decision.rank, owner_uid, self._round_store_handle
-                    )
+                    return self._joined
                 # Stale before rank 0 answered (most likely its pod is gone): this round
                 # is spent, and the next forms without waiting out read_timeout.
                 decision = join.Rejoin(
-                    f"round {decision.round} went stale before its rank 0 (pod "
-                    f"{status.rank_zero_node}) answered at {decision.master.endpoint}"
+                    messages.rank_zero_silent(
+                        decision.round, status.rank_zero_node, decision.master.endpoint
+                    )
                 )
             assert isinstance(decision, join.Rejoin)  # the wait returns no status to wait on
             log.warning(
@@ -661,22 +647,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             return None
         if pod is not None:
             if pod != self._node:
-                return (
-                    f"node {self._node} runs with the token of pod {pod}, so it is not the "
-                    f"node it names: no round of {self._client.reference} can include it. "
-                    "Set POD_NAME to the pod's own name (the downward API's "
-                    "metadata.name), or leave it unset: the node then takes its pod's name "
-                    "from its token."
-                )
+                return messages.token_of_another_pod(self._node, self._client.reference, pod)
             return None  # a token bound to this very pod: it exists
         if exists is False:
-            return (
-                f"no Pod {self._node} exists in namespace {namespace}, and node "
-                f"{self._node} runs as {user}, not as a pod: the operator admits only pods "
-                f"of the Rendezvous' workload, so no round of {self._client.reference} can "
-                "include it. Run torchrun in the workload's pods, with their service "
-                "account token, and POD_NAME set to the pod's name."
-            )
+            return messages.not_a_pod(self._node, self._client.reference, namespace, user)
         if exists is None:
             log.warning(
                 "node %s has waited %.0f s to join %s and runs as %s, not as a pod, which "
@@ -707,15 +681,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             uid, min(deadline, time.monotonic() + _REMADE_WITHIN_SECONDS)
         )
         if obj is None:
-            namespace, name = self._client.namespace, self._client.name
             raise KubernetesRendezvousClosedError(
-                f"{self._client.reference} was deleted while node {self._node} waited to "
-                f"join, and was not made anew within {_REMADE_WITHIN_SECONDS:.0f} s: no "
-                "round can form. An annotated Job's Rendezvous is made anew by the operator "
-                "while the Job runs (check it runs: kubectl get events -n "
-                f"{namespace} --field-selector involvedObject.name={name}); any other is "
-                "made by torchrun when its pod may create it (the creator role), or by "
-                "hand."
+                messages.deleted(
+                    self._node,
+                    self._client.reference,
+                    self._client.namespace,
+                    self._client.name,
+                    _REMADE_WITHIN_SECONDS,
+                )
             )
         return obj
 
@@ -729,9 +702,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 served = round_store.serve(offered, self._read_timeout)
             except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
                 raise KubernetesRendezvousConnectionError(
-                    f"node {self._node} is rank 0 of round {admitted.round} of "
-                    f"{self._client.reference} but could not serve the round's store on port "
-                    f"{self._entry_port}: {error}. The next next_rendezvous() joins a new round."
+                    messages.store_not_served(
+                        self._node, self._client.reference, admitted.round, self._entry_port, error
+                    )
                 ) from error
             self._retired, self._serving = self._serving, served
             return served
@@ -743,12 +716,16 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             )
         except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
             raise KubernetesRendezvousConnectionError(
-                f"node {self._node} is rank {admitted.rank} of round {admitted.round} of "
-                f"{self._client.reference} but could not reach the round's store at "
-                f"{admitted.master.endpoint} (rank 0, pod {rank_zero_node}) within "
-                f"{self._read_timeout:.0f} s: {error}. Rank 0 has probably left, died or "
-                "stalled since the round was sealed; the next next_rendezvous() joins a new "
-                "round."
+                messages.store_unreachable(
+                    self._node,
+                    self._client.reference,
+                    rank=admitted.rank,
+                    round_number=admitted.round,
+                    endpoint=admitted.master.endpoint,
+                    rank_zero_node=rank_zero_node,
+                    timeout=self._read_timeout,
+                    error=error,
+                )
             ) from error
         if client is not None:
             self._retired, self._serving = self._serving, None
@@ -932,16 +909,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             spec = state.RendezvousSpec.from_dict(obj.get("spec"))
         except state.DecodeError as error:
             raise KubernetesRendezvousStateError(
-                f"{self._client.reference} has an invalid spec: {error}"
+                messages.invalid_spec(self._client.reference, error)
             ) from error
         if spec.run_id != self._run_id:
             # Merged into one round, nodes of two run ids would wait on different store
             # prefixes for ever; c10d keeps them in two rendezvous.
             raise KubernetesRendezvousStateError(
-                f"{self._client.reference} has runId {spec.run_id!r} but torchrun was given "
-                f"--rdzv-id={self._run_id!r}: its rounds are another run's. Give every node "
-                f"--rdzv-id={spec.run_id} (an annotated Job's pods get it as PET_RDZV_ID: "
-                "drop --rdzv-id from the command), or use another Rendezvous."
+                messages.other_run(self._client.reference, spec.run_id, self._run_id)
             )
         if not self._spec_checked:
             self._spec_checked = True
@@ -955,20 +929,17 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         return self._configured_spec.get("joinTimeoutSeconds", spec.join_timeout_seconds)
 
     def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
-        status = self._watcher.status or state.NodeView(self._node)
         self._withdraw()
-        members = ", ".join(status.member_nodes) or (
-            f"{status.world_size}, listed in its status" if status.world_size else "none"
-        )
-        namespace, name = self._client.namespace, self._client.name
         return KubernetesRendezvousTimeoutError(
-            f"no round of {self._client.reference} included node {self._node} within "
-            f"{self._join_timeout(spec)} s (minNodes={spec.min_nodes}, "
-            f"maxNodes={spec.max_nodes}); it is {status.state.value} after round "
-            f"{status.round} (members: {members}). The nodes that asked to join hold the "
-            f"Leases of `kubectl get leases -n {namespace} -l {state.NODE_LABEL}={name}`; "
-            f"check that the operator runs (kubectl describe rdzv {name} -n {namespace}) and "
-            "that enough pods are scheduled."
+            messages.timed_out(
+                self._node,
+                self._client.reference,
+                self._client.namespace,
+                self._client.name,
+                self._join_timeout(spec),
+                spec,
+                self._watcher.status or state.NodeView(self._node),
+            )
         )
 
     def _withdraw(self) -> None:
@@ -977,16 +948,3 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._write_intent(state.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)
-
-    def _spare_released(self, closed: join.Closed) -> KubernetesRendezvousGracefulExitError:
-        return KubernetesRendezvousGracefulExitError(
-            f"{self._client.reference} closed ({closed.reason}: {closed.message}) while node "
-            f"{self._node} waited as a spare (its round was full): it was not needed, and "
-            "ends without having trained."
-        )
-
-    def _closed_error(self, closed: join.Closed) -> KubernetesRendezvousClosedError:
-        return KubernetesRendezvousClosedError(
-            f"{self._client.reference} is closed ({closed.reason}: {closed.message}); no "
-            "further round will be formed. Create a new Rendezvous (or a new Job) to run again."
-        )

@@ -123,13 +123,18 @@ def is_decided(view: state.NodeView, request: state.NodeEntry) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Joined:
-    """The round a node last joined."""
+    """A round this node joined, as the join step admitted it."""
 
-    round: int
+    status: state.NodeView
+    """The round as this node saw it sealed."""
     rank: int
     uid: str
     """Of the Rendezvous the round belongs to: one made anew under the same name has
     rounds of its own."""
+
+    @property
+    def round(self) -> int:
+        return self.status.round
 
 
 def is_stale(view: state.NodeView | None, round_number: int) -> bool:

@@ -42,7 +42,7 @@ from typing import Any, Final, Protocol
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
 
-from k8s_rendezvous import handoff, in_place, state
+from k8s_rendezvous import handoff, in_place, join, state
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +91,6 @@ def late(take_up: TakeUp, rounds: list[int | None]) -> str | None:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Joined:
-    """A round this node joined: what the handler's join returns."""
-
-    status: state.NodeView
-    rank: int
-    uid: str
-    """Of the Rendezvous the round belongs to."""
-    store: Store
-    """The round's store with the agents' prefix."""
-
-
 class Observer(Protocol):
     """Told of a reformer's steps as they happen (a measurement's hook: the benchmark
     times recoveries with it); it decides nothing and must return at once."""
@@ -124,7 +112,7 @@ class Reformer:
             restart for (the handler's own judgement), or a deadline; returns whether one
             is there.
         rejoin: Joins the next round, as ``next_rendezvous()`` does (holding the
-            handler's join lock), and returns it.
+            handler's join lock), and returns it with its store (the agents' prefix).
         lock: The handler's join lock: a join by ``next_rendezvous()`` and one in place
             never overlap.
         loss_timeout: Seconds the workers have to re-form into a round that lost a
@@ -138,7 +126,7 @@ class Reformer:
         self,
         node: str,
         wait_for_change: Callable[[float], bool],
-        rejoin: Callable[[], Joined],
+        rejoin: Callable[[], tuple[join.Joined, Store]],
         lock: threading.Lock,
         loss_timeout: float,
     ) -> None:
@@ -153,7 +141,7 @@ class Reformer:
         self._agent: ElasticAgent | None = None
         self._store: in_place.SwitchedStore | None = None
         self._gave_up: str | None = None
-        self._joined: Joined | None = None
+        self._joined: join.Joined | None = None
         self._take_up: TakeUp | None = None
         self._busy = False
         self._stopped = threading.Event()
@@ -162,10 +150,11 @@ class Reformer:
 
     # -- called by the handler -----------------------------------------------------------
 
-    def started(self, joined: Joined, agent: ElasticAgent | None) -> Store:
-        """``next_rendezvous()`` joined ``joined`` for ``agent`` (``None`` if it was not
-        called by torch's agent): the workers it starts are told the round; the agent gets
-        a store that follows the node's round."""
+    def started(self, joined: join.Joined, store: Store, agent: ElasticAgent | None) -> Store:
+        """``next_rendezvous()`` joined ``joined`` (``store``: its store with the agents'
+        prefix) for ``agent`` (``None`` if it was not called by torch's agent): the workers
+        it starts are told the round; the agent gets a store that follows the node's
+        round."""
         self._agent = agent
         self._gave_up = None
         self._joined = joined
@@ -173,7 +162,7 @@ class Reformer:
         for stale in self.directory.glob("worker-*.json"):  # the stopped workers'
             stale.unlink(missing_ok=True)
         self._publish(joined, None)
-        self._store = in_place.SwitchedStore(joined.store)
+        self._store = in_place.SwitchedStore(store)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"k8s-rendezvous-in-place-{self._node}", daemon=True
@@ -285,14 +274,14 @@ class Reformer:
         log.info("node %s re-forms its round in place; its workers keep running", self._node)
         if self.observer is not None:
             self.observer.rejoining()
-        joined = self._rejoin()
+        joined, store = self._rejoin()
         # Its fields are typed as torch's __init__ leaves them (None): Any to set them.
         group: Any = self._agent.get_worker_group()
         # torch's own rank assignment, on the round's store, for the agent: a newcomer's
         # agent does its part of the same exchange in its next_rendezvous().
         assign: Any = self._agent._assign_worker_ranks  # type: ignore[attr-defined]
         status = joined.status
-        workers = assign(joined.store, joined.rank, status.world_size, group.spec)
+        workers = assign(store, joined.rank, status.world_size, group.spec)
         for running, assigned in zip(group.workers, workers, strict=True):
             assigned.id = running.id
         assert status.master is not None
@@ -301,7 +290,7 @@ class Reformer:
         group.group_world_size = status.world_size
         group.master_addr = status.master.addr
         group.master_port = status.master.port
-        self._store.inner = joined.store  # the agent's store, for its exit barrier
+        self._store.inner = store  # the agent's store, for its exit barrier
         before = self._joined.status if self._joined is not None else state.NodeView(self._node)
         lost = lost_members(before, status)
         self._joined = joined
@@ -321,7 +310,7 @@ class Reformer:
             time.monotonic() - started,
         )
 
-    def _publish(self, joined: Joined, first: Any, lost: tuple[str, ...] = ()) -> None:
+    def _publish(self, joined: join.Joined, first: Any, lost: tuple[str, ...] = ()) -> None:
         status = joined.status
         assert status.master is not None
         handoff.write(

@@ -37,7 +37,7 @@ from devkit.cluster.controlplane import ControlPlane
 from devkit.manifests import WORKLOAD_SELECTOR
 from devkit.operator import OperatorProcess
 from devkit.waiting import WaitTimeout, wait_for
-from k8s_rendezvous import errors, kube, state
+from k8s_rendezvous import config, errors, kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 log = logging.getLogger("soak")
@@ -471,7 +471,9 @@ class Soak:
             addr=pod.addr,
             min_nodes=self.config.min_nodes,
             max_nodes=self.config.max_nodes,
-            read_timeout=self.config.read_timeout,
+            settings=config.Settings(
+                self.namespace, self.name, read_timeout=self.config.read_timeout
+            ),
         )
 
     def _status(self) -> state.RendezvousStatus:

@@ -22,7 +22,7 @@ from devkit import chart, manifests, namespaces
 from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import config, kube, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 
@@ -407,9 +407,13 @@ def attach_nodes(
                 addr=addr,
                 min_nodes=min_nodes,
                 max_nodes=max_nodes,
-                read_timeout=read_timeout,
-                configured_spec=configured_spec,
-                **handler_options,
+                settings=config.Settings(
+                    rendezvous.namespace,
+                    rendezvous.name,
+                    read_timeout=read_timeout,
+                    configured_spec=configured_spec or {},
+                    **handler_options,
+                ),
             )
             node = Node(name, addr, handler, api, rendezvous)
             created.append(node)

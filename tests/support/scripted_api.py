@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous import config, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 
@@ -33,7 +33,7 @@ class ScriptedRendezvousClient:
             addr="127.0.0.1",
             min_nodes=self.spec.min_nodes,
             max_nodes=self.spec.max_nodes,
-            **options,
+            settings=config.Settings(self.namespace, self.name, **options),
         )
 
     def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:

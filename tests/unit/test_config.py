@@ -17,7 +17,6 @@ from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.events.api import NodeState, RdzvEvent
 
 from k8s_rendezvous import config, state
-from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 SPEC = state.RendezvousSpec(
     2,
@@ -91,14 +90,8 @@ class SealsAlone(ScriptedRendezvousClient):
 def test_a_node_given_every_spec_tunable_joins_and_says_where_the_resource_differs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handler = KubernetesRendezvousHandler(
-        SealsAlone(state.RendezvousSpec(1, 1, "run")),
-        run_id="run",
-        node="pod-0",
-        addr="127.0.0.1",
-        min_nodes=1,
-        max_nodes=1,
-        configured_spec={tunable.field: 45 for tunable in state.SPEC_TUNABLES},
+    handler = SealsAlone(state.RendezvousSpec(1, 1, "run")).handler(
+        "pod-0", configured_spec={tunable.field: 45 for tunable in state.SPEC_TUNABLES}
     )
     try:
         with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
@@ -126,14 +119,7 @@ def test_a_join_records_torchelastics_rendezvous_events_as_c10d_does(
 
     monkeypatch.setitem(event_handlers._log_handlers, "dynamic_rendezvous", Collect())
     monkeypatch.delitem(events._events_loggers, "dynamic_rendezvous", raising=False)
-    handler = KubernetesRendezvousHandler(
-        SealsAlone(state.RendezvousSpec(1, 1, "run")),
-        run_id="run",
-        node="pod-0",
-        addr="127.0.0.1",
-        min_nodes=1,
-        max_nodes=1,
-    )
+    handler = SealsAlone(state.RendezvousSpec(1, 1, "run")).handler("pod-0")
     try:
         handler.next_rendezvous()
     finally:

@@ -36,7 +36,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 
-from k8s_rendezvous import handoff, state
+from k8s_rendezvous import config, handoff, state
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
 SPEC = state.RendezvousSpec(1, 2, "run", join_timeout_seconds=30)
@@ -135,9 +135,13 @@ def handler(
         addr=addr,
         min_nodes=1,
         max_nodes=2,
-        read_timeout=10,
-        in_place=in_place,
-        in_place_loss_timeout=loss_timeout,
+        settings=config.Settings(
+            client.namespace,
+            client.name,
+            read_timeout=10,
+            in_place=in_place,
+            in_place_loss_timeout=loss_timeout,
+        ),
     )
 
 

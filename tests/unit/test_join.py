@@ -137,7 +137,9 @@ def test_a_node_of_a_sliced_round_is_admitted_to_the_rank_its_slice_gives() -> N
     )
 
 
-JOINED = join.Joined(round=2, rank=1, uid="uid-1")
+JOINED = join.Joined(
+    view(round=2, members=(OTHER,), master=MASTER, state=SEALED), rank=1, uid="uid-1"
+)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from tests.support.scripted_api import ScriptedRendezvousClient
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from k8s_rendezvous import round_store, state
+from k8s_rendezvous import config, round_store, state
 from k8s_rendezvous.errors import KubernetesRendezvousConnectionError
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
 
@@ -74,7 +74,7 @@ def handler_for(client: ScriptedRendezvousClient, node: str) -> KubernetesRendez
         addr="127.0.0.1",
         min_nodes=2,
         max_nodes=2,
-        read_timeout=10,
+        settings=config.Settings(client.namespace, client.name, read_timeout=10),
     )
 
 
