@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the workload controllers tests/controllers runs against the test control plane
-# (Kueue, JobSet, Kubeflow Trainer v2) from the Go module proxy into a versioned cache
+# (Kueue, JobSet, Kubeflow Trainer v2, LeaderWorkerSet) from the Go module proxy into a versioned cache
 # directory beside build.sh's; anything already built is skipped.
 #
 #   devkit/cluster/build-controllers.sh    # prints the directory holding them
@@ -14,7 +14,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 . "$here/versions.env"
 
 cache=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}
-out=$cache/controllers-kueue${KUEUE_VERSION}-jobset${JOBSET_VERSION}-trainer${TRAINER_VERSION}
+out=$cache/controllers-kueue${KUEUE_VERSION}-jobset${JOBSET_VERSION}-trainer${TRAINER_VERSION}-lws${LWS_VERSION}
 mkdir -p "$out"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
@@ -32,7 +32,7 @@ module_dir() {  # module_dir MODULE@VERSION: its source, downloaded into the mod
 # deprecations), which the proxy here refuses for JobSet.
 build() {
   local dir=$1 module=$2 package=$3 flags=$4 scratch="$out/.work/$1" name
-  name=$(basename "$package"); [ "$package" != . ] || name=$dir
+  name=$(basename "$package"); [ "$package" != . ] && [ "$name" != cmd ] || name=$dir
   rm -rf "$scratch"; mkdir -p "$scratch" "$out/$dir"
   cp -r "$(module_dir "$module")" "$scratch/src"; chmod -R u+w "$scratch/src"
   ( cd "$scratch/src" && go build -mod=readonly -trimpath -ldflags "-s -w $flags" \
@@ -72,6 +72,13 @@ build_jobset() {  # JobSet's manager is its module's root package
     config/components/manager
 }
 
+build_lws() {
+  build lws "sigs.k8s.io/lws@v$LWS_VERSION" cmd \
+    "$(version_flags sigs.k8s.io/lws/pkg/version "$LWS_VERSION")"
+  manifests lws "sigs.k8s.io/lws@v$LWS_VERSION" \
+    config/crd/bases config/rbac config/webhook config/manager
+}
+
 build_trainer() {
   build trainer "github.com/kubeflow/trainer/v2@v$TRAINER_VERSION" cmd/trainer-controller-manager ""
   manifests trainer "github.com/kubeflow/trainer/v2@v$TRAINER_VERSION" \
@@ -85,6 +92,7 @@ start=$(date +%s)
 have kueue kueue || step kueue "Kueue v$KUEUE_VERSION (about 5 minutes cold on 2 cores)" build_kueue
 have jobset jobset || step jobset "JobSet v$JOBSET_VERSION" build_jobset
 have trainer trainer-controller-manager || step trainer "Kubeflow Trainer v$TRAINER_VERSION" build_trainer
+have lws lws || step lws "LeaderWorkerSet v$LWS_VERSION" build_lws
 rm -rf "$out/.work"
 log "controllers ready in $out ($(( $(date +%s) - start )) s)"
 echo "$out"

@@ -16,7 +16,6 @@ from k8s_rendezvous_operator import (
     events,
     injection,
     kube,
-    membership,
     metrics,
     names,
     observe,
@@ -88,9 +87,6 @@ class Jobs:
         one small entry per Job in the watched namespaces."""
         self._arrived = asyncio.Condition()
         """Notified at each Job event: the webhook's requests waiting for their Job."""
-        self._controllers: dict[Key, tuple[str, ...]] = {}
-        """Per Job (namespace, uid) whose pods asked to join: the uids of its controllers,
-        as :meth:`with_ancestors` read them."""
 
     def get(self, key: Key) -> observe.JobObservation | None:
         memory = self._jobs.get(key)
@@ -109,8 +105,6 @@ class Jobs:
         and let its parallelism and completion inform the rounds. Unannotated Jobs cost a
         scan of their annotations and nothing else."""
         uid = (body.get("metadata") or {}).get("uid", "")
-        if deleted:
-            self._controllers.pop((key[0], uid), None)
         job = None if deleted else observe.observe_job(body)
         await self._remember_for_webhook(key, uid, job, deleted)
         if job is None:
@@ -510,30 +504,3 @@ class Jobs:
                     await self._arrived.wait_for(lambda: watched() is not None)
             found = watched()
         return None if found is None else found[1]
-
-    async def with_ancestors(
-        self,
-        namespace: str,
-        workload: membership.Workload,
-        identities: Mapping[str, membership.PodIdentity | None],
-    ) -> dict[str, membership.PodIdentity | None]:
-        """The pods' identities with their Job's controller where that decides whether they
-        belong (a JobSet-owned Rendezvous: its pods are its Jobs'). Each Job is read once:
-        its controller does not change, and the answer is kept by the Job's uid."""
-        result = dict(identities)
-        for node, identity in identities.items():
-            if identity is None or identity.controller_uid is None:
-                continue
-            job = membership.job_to_resolve_for(workload, identity)
-            if job is None:
-                continue
-            known = (namespace, identity.controller_uid)
-            ancestors = self._controllers.get(known)
-            if ancestors is None:
-                body = await asyncio.to_thread(self._api.get_job, namespace, job)
-                ancestors = membership.job_ancestors(identity, body)
-                if ancestors is None:
-                    continue  # gone or made anew: refused now, read again at its next event
-                self._controllers[known] = ancestors
-            result[node] = dataclasses.replace(identity, ancestors=ancestors)
-        return result

@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast
+from urllib.parse import quote
 
 from kubernetes import client
 
 from k8s_rendezvous import rest, state
-from k8s_rendezvous_operator import metrics
+from k8s_rendezvous_operator import metrics, workloads
 
 ApiClient = client.ApiClient
 """The authenticated client the operator's API doors are made from."""
@@ -109,6 +110,10 @@ class ReconcilerApi(Protocol):
     ) -> None: ...
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def get_owner(
+        self, namespace: str, reference: workloads.Reference
+    ) -> dict[str, Any] | None: ...
 
     def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None: ...
 
@@ -325,6 +330,21 @@ class OperatorApi:
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}")
+        except NotFound:
+            return None
+
+    def get_owner(self, namespace: str, reference: workloads.Reference) -> dict[str, Any] | None:
+        """The object ``reference`` names, of a kind read on the way up to a workload
+        (:data:`workloads.READ`); ``None`` if not found."""
+        resource = reference.resource
+        if resource is None:
+            raise ValueError(f"{reference}: objects of kind {reference.kind} are not read")
+        group = reference.of_kind.group
+        version = quote(reference.api_version.rpartition("/")[2], safe="")
+        root = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        path = f"{root}/namespaces/{namespace}/{resource}/{quote(reference.name, safe='')}"
+        try:
+            return self._request("GET", path)
         except NotFound:
             return None
 

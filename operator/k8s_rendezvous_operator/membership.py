@@ -5,10 +5,10 @@ A pod can write only its own Lease (the admission policy ties the Lease to the p
 bound token), but it can name any Rendezvous in it and any address. So the operator counts
 a request only when:
 
-1. the pod belongs to the Rendezvous' workload: its controller chain reaches the
-   Rendezvous' controller owner (the annotated Job, or the workload of the pod that created
-   it, which the operator makes its owner: :func:`creator_to_adopt`,
-   :func:`workload_reference`), and its labels match ``spec.podSelector`` if one is set. A
+1. the pod belongs to the Rendezvous' workload: its controller, or one its controller
+   stands for (:mod:`.workloads`), is the Rendezvous' controller owner (the annotated Job,
+   or the workload of the pod that created it, which the operator makes its owner:
+   :func:`creator_to_adopt`), and its labels match ``spec.podSelector`` if one is set. A
    Rendezvous with neither (made by hand, without a selector) admits nobody: there is no
    workload to check against;
 2. the address it offers is one of its pod's IPs (its node's, for a host-network pod), so
@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from k8s_rendezvous import state
+from k8s_rendezvous_operator import workloads
 
 REFUSED_NO_RULE = "NoWorkload"
 REFUSED_OTHER_WORKLOAD = "OtherWorkload"
@@ -37,19 +38,18 @@ class PodIdentity:
     """What the Pod object says about who a pod is and where it can be reached."""
 
     uid: str
-    controller_uid: str | None
-    controller: str | None
-    """``Kind/name`` of its controller, for messages."""
+    controller: workloads.Reference | None
     labels: tuple[tuple[str, str], ...]
     addresses: frozenset[str]
     """Its ``status.podIPs`` (its node's ``status.hostIPs`` on the host network), in
     canonical form."""
-    controller_job: str | None = None
-    """The name of its controller, if that is a Job: whose own controller (a JobSet's)
-    may be the workload (:func:`job_to_resolve_for`)."""
     ancestors: tuple[str, ...] = ()
-    """The uids of its controller's own controllers, nearest first, where the operator has
-    read them (:func:`with_ancestors`); the Pod object alone does not say."""
+    """The uids of the controllers its controller stands for, nearest first, where the
+    operator has read them (:func:`to_climb`); the Pod object alone does not say."""
+
+    @property
+    def controller_uid(self) -> str | None:
+        return None if self.controller is None else self.controller.uid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,27 +76,9 @@ def canonical_address(text: str) -> str | None:
         return None
 
 
-JOB_API_VERSION = "batch/v1"
-JOBSET_GROUP = "jobset.x-k8s.io"
-
-
-def _controller(metadata: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    return next((o for o in metadata.get("ownerReferences") or [] if o.get("controller")), None)
-
-
-def _is_job(owner: Mapping[str, Any]) -> bool:
-    return owner.get("apiVersion") == JOB_API_VERSION and owner.get("kind") == "Job"
-
-
-def _is_jobset(owner: Mapping[str, Any]) -> bool:
-    group = str(owner.get("apiVersion") or "").partition("/")[0]
-    return group == JOBSET_GROUP and owner.get("kind") == "JobSet"
-
-
 def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
     metadata = body.get("metadata") or {}
     status = body.get("status") or {}
-    controller = _controller(metadata)
     if (body.get("spec") or {}).get("hostNetwork"):
         listed = [item.get("ip") for item in status.get("hostIPs") or []] or [status.get("hostIP")]
     else:
@@ -109,11 +91,9 @@ def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
     labels = metadata.get("labels") or {}
     return PodIdentity(
         uid=str(metadata.get("uid") or ""),
-        controller_uid=controller.get("uid") if controller else None,
-        controller=f"{controller.get('kind')}/{controller.get('name')}" if controller else None,
+        controller=workloads.controller(metadata),
         labels=tuple(sorted((k, v) for k, v in labels.items() if k != state.NODE_LABEL)),
         addresses=addresses,
-        controller_job=str(controller.get("name")) if controller and _is_job(controller) else None,
     )
 
 
@@ -121,79 +101,29 @@ def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) 
     """The pod whose controller is to own ``rendezvous``: the pod that made it, if it has
     no controller owner yet and no ``spec.podSelector`` says whose pods it admits."""
     metadata = rendezvous.get("metadata") or {}
-    if _controller(metadata) is not None or spec.pod_selector is not None:
+    if workloads.controller(metadata) is not None or spec.pod_selector is not None:
         return None
     creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
     return creator if isinstance(creator, str) and creator else None
 
 
-def _reference(owner: Mapping[str, Any]) -> dict[str, Any]:
-    return state.owner_reference(
-        str(owner.get("apiVersion")),
-        str(owner.get("kind")),
-        str(owner.get("name")),
-        str(owner.get("uid")),
-    )
-
-
-def job_to_resolve(pod: Mapping[str, Any]) -> str | None:
-    """The name of ``pod``'s controller if it is a Job: its own controller decides the
-    workload (:func:`workload_reference`)."""
-    owner = _controller(pod.get("metadata") or {})
-    return str(owner.get("name")) if owner is not None and _is_job(owner) else None
-
-
-def workload_reference(
-    pod: Mapping[str, Any], job: Mapping[str, Any] | None = None
-) -> dict[str, Any] | None:
-    """An ownerReference (not blocking deletion) to the workload whose pods a Rendezvous
-    made by ``pod`` admits, or ``None`` for a bare pod: the pod's controller (a Job, a
-    StatefulSet...), except that a Job controlled by a JobSet stands for its JobSet
-    (``job`` is the pod's controller Job as the API server has it, if it is one).
-
-    A JobSet's pods come from several Jobs (replicas, replicated Jobs), and on a
-    failure-policy restart it deletes its Jobs and makes them anew: owned by one Job, the
-    Rendezvous would refuse the pods of the others and be garbage-collected with it
-    mid-run. The JobSet is the workload that lasts. Other controllers of Jobs are not
-    followed: a CronJob's Jobs are separate runs, each with its own rendezvous."""
-    owner = _controller(pod.get("metadata") or {})
-    if owner is None:
+def to_climb(workload: Workload, identity: PodIdentity) -> workloads.Reference | None:
+    """The pod's controller, if the controllers it stands for must be read to tell whether
+    the pod belongs to ``workload``: only when the Rendezvous is owned, not by the pod's
+    controller, and that controller may stand for another."""
+    reference = identity.controller
+    if workload.owner_uid is None or reference is None or reference.uid == workload.owner_uid:
         return None
-    if job is not None and _is_job(owner):
-        metadata = job.get("metadata") or {}
-        parent = _controller(metadata)
-        if metadata.get("uid") == owner.get("uid") and parent is not None and _is_jobset(parent):
-            return _reference(parent)
-    return _reference(owner)
-
-
-def job_to_resolve_for(workload: Workload, identity: PodIdentity) -> str | None:
-    """The name of the Job whose controller must be read to tell whether a pod of it
-    belongs to ``workload``: only when the Rendezvous is owned and the pod's own
-    controller, a Job, is not the owner."""
-    if workload.owner_uid is None or identity.controller_uid == workload.owner_uid:
-        return None
-    return identity.controller_job
-
-
-def job_ancestors(identity: PodIdentity, job: Mapping[str, Any] | None) -> tuple[str, ...] | None:
-    """The uids of the controllers above a pod's controller Job, from ``job`` as read, for
-    :attr:`PodIdentity.ancestors`; ``None`` if ``job`` is not that Job (gone, or made anew
-    under the same name since)."""
-    metadata = (job or {}).get("metadata") or {}
-    if job is None or metadata.get("uid") != identity.controller_uid:
-        return None
-    owner = _controller(metadata)
-    return (str(owner["uid"]),) if owner is not None and owner.get("uid") else ()
+    return reference if workloads.may_stand_for_another(reference) else None
 
 
 def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:
     metadata = rendezvous.get("metadata") or {}
-    owner = _controller(metadata)
+    owner = workloads.controller(metadata)
     return Workload(
         name=str(metadata.get("name") or ""),
-        owner_uid=owner.get("uid") if owner else None,
-        owner=f"{owner.get('kind')}/{owner.get('name')}" if owner else None,
+        owner_uid=owner.uid if owner else None,
+        owner=str(owner) if owner else None,
         selector=spec.pod_selector,
     )
 

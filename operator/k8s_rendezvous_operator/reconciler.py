@@ -23,10 +23,12 @@ from k8s_rendezvous_operator import (
     membership,
     metrics,
     observe,
+    owners,
     reachability,
     reasons,
     rounds,
     slices,
+    workloads,
 )
 from k8s_rendezvous_operator.events import Key
 
@@ -154,6 +156,7 @@ class Reconciler:
         self.jobs = jobs.Jobs(
             api, post, self.request, self._as_jobs_see_it, worker_role=worker_role
         )
+        self._owners = owners.Owners(api.get_owner)
         self._rendezvous: dict[Key, RendezvousMemory] = {}
         self._pods: dict[Key, PodMemory] = {}
         self._running: dict[Key, asyncio.Task[None]] = {}
@@ -603,7 +606,7 @@ class Reconciler:
             if (observation := self.observed((namespace, node))) is not None
         }
         workload = membership.workload_of(body, spec)
-        identities = await self.jobs.with_ancestors(
+        identities = await self._with_ancestors(
             namespace,
             workload,
             {node: observation.identity for node, observation in pods.items()},
@@ -835,21 +838,39 @@ class Reconciler:
                 self._label_pod((namespace, node), rendezvous)
             )
 
+    async def _with_ancestors(
+        self,
+        namespace: str,
+        workload: membership.Workload,
+        identities: Mapping[str, membership.PodIdentity | None],
+    ) -> dict[str, membership.PodIdentity | None]:
+        """The pods' identities with the controllers their controller stands for, where
+        that decides whether they belong (:func:`membership.to_climb`); a pod whose chain
+        is not known now stays as it is, refused until its next event."""
+        result = dict(identities)
+        for node, identity in identities.items():
+            if identity is None or (reference := membership.to_climb(workload, identity)) is None:
+                continue
+            above = await self._owners.above(namespace, reference)
+            if above is not None:
+                ancestors = tuple(parent.uid for parent in above)
+                result[node] = dataclasses.replace(identity, ancestors=ancestors)
+        return result
+
     async def _adopt(self, key: Key, body: Mapping[str, Any], creator: str) -> bool:
         """Make the workload of the pod that created the Rendezvous its owner (once per
-        Rendezvous): its controller, or the JobSet of its Job
-        (:func:`membership.workload_reference`); ``True`` if it now has one. The pod only
+        Rendezvous): its controller, or the workload that stands behind it (a Job's JobSet,
+        a LeaderWorkerSet: :mod:`.workloads`); ``True`` if it now has one. The pod only
         said that it made it (the admission policy holds that to its token): which
-        workload that is, is the word of the Pod and Job objects, never the pod's."""
+        workload that is, is the word of the Pod and its controllers' objects, never the
+        pod's."""
         namespace, name = key
         try:
             pod = await asyncio.to_thread(self._api.get_pod, namespace, creator)
-            job_name = None if pod is None else membership.job_to_resolve(pod)
-            job = None
-            if job_name is not None:
-                job = await asyncio.to_thread(self._api.get_job, namespace, job_name)
-            owner = None if pod is None else membership.workload_reference(pod, job)
-            if owner is not None:
+            controller = None if pod is None else workloads.controller(pod.get("metadata") or {})
+            if controller is not None:
+                above = await self._owners.above(namespace, controller) or ()
+                owner = workloads.workload(controller, above).owner_reference()
                 adopted = await asyncio.to_thread(
                     self._api.adopt_rendezvous, namespace, name, body["metadata"]["uid"], owner
                 )

@@ -12,7 +12,13 @@ import kubernetes.client
 import pytest
 from tests.controllers import controllers
 from tests.controllers import fixtures as fixtures_of_controllers
-from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
+from tests.controllers.fixtures import (  # noqa: F401
+    jobset,
+    kueue,
+    lws,
+    running_controllers,
+    trainer,
+)
 from tests.controllers.kubelet import Kubelet
 from tests.support import fixtures
 

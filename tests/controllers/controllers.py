@@ -1,4 +1,5 @@
-"""Kueue, JobSet and Kubeflow Trainer v2 as local processes against the test control plane.
+"""Kueue, JobSet, Kubeflow Trainer v2 and LeaderWorkerSet as local processes against the
+test control plane.
 
 Each controller is the binary devkit/cluster/build-controllers.sh built from its Go module,
 installed the way its release manifests install it: its CRDs, its ClusterRole (bound to a
@@ -62,7 +63,7 @@ STOP_GRACE_SECONDS = 10.0
 
 def build_controllers(*, stream_log: bool = False) -> Path:
     """Run devkit/cluster/build-controllers.sh (a no-op once cached); the directory it
-    prints, holding ``kueue/``, ``jobset/`` and ``trainer/``."""
+    prints, holding ``kueue/``, ``jobset/``, ``trainer/`` and ``lws/``."""
     return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
 
 
@@ -573,6 +574,49 @@ def trainer(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates
     )
 
 
+def lws(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) -> Controller:
+    """The LeaderWorkerSet controller."""
+    manifests = built / "lws" / "manifests" / "config"
+    health, webhook = free_port(), free_port()
+    user = "lws-controller-manager"
+    installed = install(
+        plane,
+        "lws",
+        [manifests / "crd" / "bases"],
+        role_for(
+            documents(manifests / "rbac" / "role.yaml"), "manager-role", "lws-manager-role", user
+        ),
+        manifests / "webhook" / "manifests.yaml",
+        webhook,
+        certs,
+    )
+    config = _config(
+        workdir,
+        "lws",
+        {
+            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            "webhook": {
+                "port": webhook,
+                "host": HOST,
+                "certDir": str(certs.serving_dir(workdir / "lws-webhook-certs")),
+            },
+            "metrics": {"bindAddress": "0"},
+            "health": {"healthProbeBindAddress": f"{HOST}:{health}"},
+        },
+    )
+    return Controller(
+        "lws",
+        [str(built / "lws" / "lws"), f"--config={config}"],
+        {"KUBECONFIG": str(certs.client_kubeconfig(plane, user))},
+        workdir,
+        health,
+        installed,
+    )
+
+
 @dataclasses.dataclass
 class Controllers:
     """The controllers of a test layer, started on first use (:meth:`ensure`); :meth:`stop`
@@ -600,5 +644,10 @@ class Controllers:
 
 
 StartController = Callable[[ControlPlane, Path, Path, Certificates], Controller]
-ALL: dict[str, StartController] = {"kueue": kueue, "jobset": jobset, "trainer": trainer}
+ALL: dict[str, StartController] = {
+    "kueue": kueue,
+    "jobset": jobset,
+    "trainer": trainer,
+    "lws": lws,
+}
 VERSIONS = {name: read_versions()[f"{name.upper()}_VERSION"] for name in ALL}

@@ -1,8 +1,8 @@
-"""Kueue, JobSet and Kubeflow Trainer v2 as fixtures, for every layer that runs them against
-the session's control plane (tests/controllers with the stand-in kubelet, tests/nodes on
-real nodes): each controller is started by the first test that asks for it (``kueue``,
-``jobset``, ``trainer``), and a layer's conftest stops them all, their webhooks
-unregistered, after its last test (:func:`stop_after_layer`)."""
+"""Kueue, JobSet, Kubeflow Trainer v2 and LeaderWorkerSet as fixtures, for every layer
+that runs them against the session's control plane (tests/controllers with the stand-in
+kubelet, tests/nodes on real nodes): each controller is started by the first test that
+asks for it (``kueue``, ``jobset``, ``trainer``, ``lws``), and a layer's conftest stops
+them all, their webhooks unregistered, after its last test (:func:`stop_after_layer`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def build_if_needed(session: pytest.Session) -> None:
     if any(CONTROLLER_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line("building/locating Kueue, JobSet, Trainer (build-controllers.sh)")
+            reporter.write_line(
+                "building/locating Kueue, JobSet, Trainer, LeaderWorkerSet (build-controllers.sh)"
+            )
         session.config.stash[_built_key] = controllers.build_controllers()
 
 
@@ -76,6 +78,11 @@ def kueue(running_controllers: controllers.Controllers) -> controllers.Controlle
 @pytest.fixture
 def jobset(running_controllers: controllers.Controllers) -> controllers.Controller:
     return running_controllers.ensure("jobset")
+
+
+@pytest.fixture
+def lws(running_controllers: controllers.Controllers) -> controllers.Controller:
+    return running_controllers.ensure("lws")
 
 
 @pytest.fixture

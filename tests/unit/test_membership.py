@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import membership, observe
+from k8s_rendezvous_operator import membership, observe, workloads
 
 JOB_UID = "job-uid-1"
 
@@ -22,7 +22,15 @@ def pod(
     host_network: bool = False,
 ) -> dict[str, Any]:
     owners = (
-        [{"kind": "Job", "name": "train", "uid": controller_uid, "controller": True}]
+        [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "name": "train",
+                "uid": controller_uid,
+                "controller": True,
+            }
+        ]
         if controller_uid
         else []
     )
@@ -45,7 +53,15 @@ def pod(
 
 
 def rendezvous(owner_uid: str | None = JOB_UID, **spec: Any) -> tuple[dict[str, Any], Any]:
-    owners = [{"kind": "Job", "name": "train", "uid": owner_uid, "controller": True}]
+    owners = [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": "train",
+            "uid": owner_uid,
+            "controller": True,
+        }
+    ]
     body = {
         "metadata": {"name": "train", "ownerReferences": owners if owner_uid else []},
         "spec": {"minNodes": 1, "maxNodes": 4, "runId": "train", **spec},
@@ -233,106 +249,47 @@ def test_a_pod_made_rendezvous_is_adopted_by_its_creators_controller_only() -> N
     selecting = {**made, "spec": {**made["spec"], "podSelector": {"matchLabels": {"a": "b"}}}}
     selected = state.RendezvousSpec.from_dict(selecting["spec"])
     assert membership.creator_to_adopt(selecting, selected) is None, "an admin's rule"
-    body = pod()
-    body["metadata"]["ownerReferences"][0]["apiVersion"] = "batch/v1"
-    assert membership.workload_reference(body) == {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "name": "train",
-        "uid": JOB_UID,
-        "controller": True,
-        "blockOwnerDeletion": False,
-    }
-    assert membership.workload_reference(pod(controller_uid=None)) is None
 
 
 JOBSET_UID = "jobset-uid-1"
+JOBSET = workloads.Reference("jobset.x-k8s.io/v1alpha2", "JobSet", "train", JOBSET_UID)
 
 
 def jobset_pod(name: str = "train-workers-0-0", job_uid: str = JOB_UID) -> dict[str, Any]:
     body = pod(name, controller_uid=job_uid)
-    body["metadata"]["ownerReferences"][0].update(apiVersion="batch/v1", name="train-workers-0")
+    body["metadata"]["ownerReferences"][0].update(name="train-workers-0")
     return body
-
-
-def job(uid: str = JOB_UID, controller: dict[str, Any] | None = None) -> dict[str, Any]:
-    jobset = {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "name": "train",
-        "uid": JOBSET_UID,
-        "controller": True,
-    }
-    owner = jobset if controller is None else controller
-    return {"metadata": {"name": "train-workers-0", "uid": uid, "ownerReferences": [owner]}}
 
 
 def jobset_rendezvous() -> tuple[dict[str, Any], Any]:
     body, spec = rendezvous(JOBSET_UID)
-    body["metadata"]["ownerReferences"][0].update(kind="JobSet")
+    body["metadata"]["ownerReferences"][0].update(apiVersion=JOBSET.api_version, kind="JobSet")
     return body, spec
-
-
-def test_a_rendezvous_made_by_a_jobsets_pod_is_owned_by_the_jobset_not_its_job() -> None:
-    body = jobset_pod()
-    assert membership.job_to_resolve(body) == "train-workers-0"
-    assert membership.workload_reference(body, job()) == {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "name": "train",
-        "uid": JOBSET_UID,
-        "controller": True,
-        "blockOwnerDeletion": False,
-    }
-
-
-def test_a_job_of_any_other_controller_or_made_anew_stays_the_owner() -> None:
-    cron = {"apiVersion": "batch/v1", "kind": "CronJob", "uid": "c-1", "controller": True}
-    owner = membership.workload_reference(jobset_pod(), job(controller=cron))
-    assert owner is not None and owner["uid"] == JOB_UID, "a CronJob's runs are separate"
-    replaced = membership.workload_reference(jobset_pod(), job(uid="job-uid-2"))
-    assert replaced is not None and replaced["uid"] == JOB_UID, "not the pod's Job any more"
-    unread = membership.workload_reference(jobset_pod(), None)
-    assert unread is not None and unread["uid"] == JOB_UID, "its Job not read: no JobSet known"
 
 
 def test_a_pod_of_a_jobsets_job_is_admitted_once_its_jobs_controller_is_read() -> None:
     body, spec = jobset_rendezvous()
     workload = membership.workload_of(body, spec)
     identity = membership.identify_pod(jobset_pod())
-    assert membership.job_to_resolve_for(workload, identity) == "train-workers-0"
+    job = membership.to_climb(workload, identity)
+    assert job == workloads.Reference("batch/v1", "Job", "train-workers-0", JOB_UID)
     unread = membership.refusal(workload, "train-workers-0-0", identity, entry())
     assert unread is not None and unread.reason == membership.REFUSED_OTHER_WORKLOAD
     assert "controlled by Job/train-workers-0, not by JobSet/train, which owns" in unread.message
-    ancestors = membership.job_ancestors(identity, job())
-    assert ancestors == (JOBSET_UID,)
-    read = dataclasses.replace(identity, ancestors=ancestors)
+    read = dataclasses.replace(identity, ancestors=(JOBSET_UID,))
     assert membership.refusal(workload, "train-workers-0-0", read, entry()) is None
-
-
-def test_the_job_of_another_jobset_or_none_admits_no_pod() -> None:
-    body, spec = jobset_rendezvous()
-    workload = membership.workload_of(body, spec)
-    identity = membership.identify_pod(jobset_pod())
-    other = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "uid": "jobset-uid-2"}
-    for parent in ({**other, "controller": True}, {**other, "controller": False}):
-        found = membership.job_ancestors(identity, job(controller=parent))
-        assert found is not None and JOBSET_UID not in found
-        assert membership.refusal(
-            workload, "p", dataclasses.replace(identity, ancestors=found), entry()
-        )
-    assert membership.job_ancestors(identity, job(uid="job-uid-2")) is None, "made anew"
-    assert membership.job_ancestors(identity, None) is None, "gone"
+    other = dataclasses.replace(identity, ancestors=("jobset-uid-2",))
+    assert membership.refusal(workload, "train-workers-0-0", other, entry()) is not None
 
 
 def test_a_job_owned_rendezvous_needs_no_read_of_its_pods_job() -> None:
     identity = membership.identify_pod(jobset_pod())
     owned = membership.workload_of(*rendezvous())
-    assert membership.job_to_resolve_for(owned, identity) is None, "the pod's own Job owns it"
+    assert membership.to_climb(owned, identity) is None, "the pod's own Job owns it"
     unowned = membership.workload_of(*rendezvous(None))
-    assert membership.job_to_resolve_for(unowned, identity) is None, "nothing to reach"
+    assert membership.to_climb(unowned, identity) is None, "nothing to reach"
     bare = membership.identify_pod(pod(controller_uid=None))
-    assert membership.job_to_resolve_for(membership.workload_of(*jobset_rendezvous()), bare) is None
+    assert membership.to_climb(membership.workload_of(*jobset_rendezvous()), bare) is None
 
 
 def test_a_pod_whose_ips_are_not_reported_yet_is_held_back_not_refused() -> None:

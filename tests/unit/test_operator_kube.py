@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from tests.support.local_http import QuietHandler, serving
 
 from k8s_rendezvous.state import RendezvousSpec
-from k8s_rendezvous_operator import kube
+from k8s_rendezvous_operator import kube, workloads
 
 WEBHOOKS = [{"name": "torchrun-env.k8s-rendezvous.dev"}]
 
@@ -164,13 +164,16 @@ def test_expected_answers_are_results_not_errors(
 ) -> None:
     host, statuses, seen = answers
     api = door(host)
-    statuses += [404, 404, 404, 409, 409]
+    statuses += [404, 404, 404, 404, 409, 409]
     assert api.get_job("ns", "j") is None
+    leader = workloads.Reference("v1", "Pod", "train-0", "u")
+    assert api.get_owner("ns", leader) is None
     assert api.get_pod("ns", "p") is None
     assert api.service_account_exists("ns", "sa") is False
     assert api.create_rendezvous("ns", "r", RendezvousSpec(1, 1, "run"), {}) is None
     api.bind_worker_role("ns", "j", "uid", "sa", "role")  # bound already
-    assert [method for method, _ in seen] == ["GET", "GET", "GET", "POST", "POST"]
+    assert [method for method, _ in seen] == ["GET", "GET", "GET", "GET", "POST", "POST"]
+    assert seen[1][1] == "/api/v1/namespaces/ns/pods/train-0"
 
 
 @pytest.mark.parametrize(("call", "status"), [("create", 409), ("update", 409), ("update", 404)])

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, reasons, reconciler, rounds
+from k8s_rendezvous_operator import kube, reasons, reconciler, rounds, workloads
 
 NS = "ns"
 NAME = "r"
@@ -114,6 +114,9 @@ class FakeApi:
         raise AssertionError("no annotated Job here")
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None
+
+    def get_owner(self, namespace: str, reference: workloads.Reference) -> dict[str, Any] | None:
         return None
 
     def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
