@@ -51,6 +51,8 @@ TODAY: set[Rule] = {
     ("", "pods", "patch", ""),  # setting that label on a node's pod
     ("", "pods", "get", ""),  # spec.rankOrder: a pod's node before its watch event
     ("", "nodes", "get", ""),  # spec.rankOrder: that node's labels
+    # A node's pod's StatefulSet: whether it stands for another workload (LeaderWorkerSet)
+    ("apps", "statefulsets", "get", ""),
     ("coordination.k8s.io", "leases", "list", ""),  # nodes' heartbeat Leases (same label)
     ("coordination.k8s.io", "leases", "watch", ""),
     ("", "events", "create", ""),  # kopf posts Events; it never patches them

@@ -481,17 +481,30 @@ def kueue(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) 
     )
 
 
-def jobset(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) -> Controller:
-    """The JobSet controller."""
-    manifests = built / "jobset" / "manifests" / "config" / "components"
+def _configured(
+    plane: ControlPlane,
+    workdir: Path,
+    certs: Certificates,
+    name: str,
+    manifests: Path,
+    configuration: str,
+    command: list[str],
+) -> Controller:
+    """A controller whose manifests are kubebuilder's (``crd/bases``, ``rbac/role.yaml``
+    with its ``manager-role``, ``webhook/manifests.yaml``) and whose configuration file has
+    the ``internalCertManagement`` switch: JobSet's and LeaderWorkerSet's (``configuration``:
+    its apiVersion)."""
     health, webhook = free_port(), free_port()
-    user = "jobset-controller-manager"
+    user = f"{name}-controller-manager"
     installed = install(
         plane,
-        "jobset",
+        name,
         [manifests / "crd" / "bases"],
         role_for(
-            documents(manifests / "rbac" / "role.yaml"), "manager-role", "jobset-manager-role", user
+            documents(manifests / "rbac" / "role.yaml"),
+            "manager-role",
+            f"{name}-manager-role",
+            user,
         ),
         manifests / "webhook" / "manifests.yaml",
         webhook,
@@ -499,25 +512,25 @@ def jobset(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates)
     )
     config = _config(
         workdir,
-        "jobset",
+        name,
         {
-            "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+            "apiVersion": configuration,
             "kind": "Configuration",
             "leaderElection": {"leaderElect": False},
             "internalCertManagement": {"enable": False},
             "webhook": {
                 "port": webhook,
                 "host": HOST,
-                "certDir": str(certs.serving_dir(workdir / "jobset-webhook-certs")),
+                "certDir": str(certs.serving_dir(workdir / f"{name}-webhook-certs")),
             },
             "metrics": {"bindAddress": "0"},
             "health": {"healthProbeBindAddress": f"{HOST}:{health}"},
         },
     )
     return Controller(
-        "jobset",
+        name,
         [
-            str(built / "jobset" / "jobset"),
+            *command,
             f"--config={config}",
             "--metrics-bind-address=0",
             f"--health-probe-bind-address={HOST}:{health}",
@@ -526,6 +539,15 @@ def jobset(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates)
         workdir,
         health,
         installed,
+    )
+
+
+def jobset(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) -> Controller:
+    """The JobSet controller."""
+    manifests = built / "jobset" / "manifests" / "config" / "components"
+    command = [str(built / "jobset" / "jobset")]
+    return _configured(
+        plane, workdir, certs, "jobset", manifests, "config.jobset.x-k8s.io/v1alpha1", command
     )
 
 
@@ -577,43 +599,9 @@ def trainer(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates
 def lws(plane: ControlPlane, built: Path, workdir: Path, certs: Certificates) -> Controller:
     """The LeaderWorkerSet controller."""
     manifests = built / "lws" / "manifests" / "config"
-    health, webhook = free_port(), free_port()
-    user = "lws-controller-manager"
-    installed = install(
-        plane,
-        "lws",
-        [manifests / "crd" / "bases"],
-        role_for(
-            documents(manifests / "rbac" / "role.yaml"), "manager-role", "lws-manager-role", user
-        ),
-        manifests / "webhook" / "manifests.yaml",
-        webhook,
-        certs,
-    )
-    config = _config(
-        workdir,
-        "lws",
-        {
-            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
-            "kind": "Configuration",
-            "leaderElection": {"leaderElect": False},
-            "internalCertManagement": {"enable": False},
-            "webhook": {
-                "port": webhook,
-                "host": HOST,
-                "certDir": str(certs.serving_dir(workdir / "lws-webhook-certs")),
-            },
-            "metrics": {"bindAddress": "0"},
-            "health": {"healthProbeBindAddress": f"{HOST}:{health}"},
-        },
-    )
-    return Controller(
-        "lws",
-        [str(built / "lws" / "lws"), f"--config={config}"],
-        {"KUBECONFIG": str(certs.client_kubeconfig(plane, user))},
-        workdir,
-        health,
-        installed,
+    command = [str(built / "lws" / "lws")]
+    return _configured(
+        plane, workdir, certs, "lws", manifests, "config.lws.x-k8s.io/v1alpha1", command
     )
 
 
