@@ -915,7 +915,13 @@ class Reconciler:
         except kube.NotFound:
             self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
             key = (pod[0], rendezvous)
-            if (known := self.known_body(key)) is not None:
+            # A Lease a pod wrote (its uid annotation says which) outlives that pod: the pod
+            # is gone, nothing is misconfigured, and a restarted operator would otherwise
+            # warn again of every pod a long job ever replaced. Only a node that never ran
+            # in a pod is told to.
+            memory = self._pods.get(pod)
+            never_a_pod = memory is None or memory.writer is None
+            if never_a_pod and (known := self.known_body(key)) is not None:
                 lease = state.lease_name(rendezvous, pod[1])
                 message = reasons.node_without_pod(pod[1], pod[0], lease)
                 self._warn(key, known, reasons.NODE_WITHOUT_POD, message, pod=pod[1])

@@ -319,6 +319,36 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
     assert reasons.NODE_WITHOUT_POD in harness.events.reasons()
 
 
+def test_the_lease_of_a_pod_gone_for_good_is_no_node_without_a_pod(harness: Harness) -> None:
+    """A restarted operator finds the Lease of a member whose pod was deleted long ago: the
+    member is lost, but nobody is told to run torchrun in a pod (it did)."""
+    previous = state.RendezvousStatus(
+        state=state.RoundState.SEALED,
+        round=1,
+        members=(
+            state.Member("p1", "i1", 1, "10.0.0.1"),
+            state.Member("p2", "i2", 1, "10.0.0.2"),
+        ),
+        master=state.Master("10.0.0.1", 29500),
+        sealed_at=T0,
+    )
+
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")  # p2's pod is gone
+        for node in (1, 2):
+            request = entry(node, attempt=2)
+            lease = state.NodeLease(
+                NAME, f"p{node}", request.instance, request, pod_uid=f"uid-p{node}"
+            )
+            harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), previous))
+
+    asyncio.run(scenario())
+    lost = [e for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
+    assert [e.message for e in lost] == [reasons.member_lost("p2", 1, 1, rounds.LOST_POD_NOT_FOUND)]
+    assert reasons.NODE_WITHOUT_POD not in harness.events.reasons()
+
+
 def test_a_deleted_rendezvous_is_forgotten_whole(harness: Harness) -> None:
     async def scenario() -> None:
         harness.api.add_pod("p1", "10.0.0.1")
