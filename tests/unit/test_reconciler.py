@@ -289,10 +289,9 @@ def test_a_refused_write_is_said_once_and_not_retried(harness: Harness) -> None:
     assert condition_only["conditions"][0]["reason"] == reasons.INVALID_RENDEZVOUS
 
 
-def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) -> None:
-    """A restarted operator: the stored round's members re-join, but p2's pod is gone.
-    Sealing before the labelling answered would seal p2 in; waiting for it loses p2."""
-    previous = state.RendezvousStatus(
+def sealed_p1_p2() -> state.RendezvousStatus:
+    """Round 1 sealed with p1 and p2, as a restarted operator finds it."""
+    return state.RendezvousStatus(
         state=state.RoundState.SEALED,
         round=1,
         members=(
@@ -302,6 +301,12 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
         master=state.Master("10.0.0.1", 29500),
         sealed_at=T0,
     )
+
+
+def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) -> None:
+    """A restarted operator: the stored round's members re-join, but p2's pod is gone.
+    Sealing before the labelling answered would seal p2 in; waiting for it loses p2."""
+    previous = sealed_p1_p2()
 
     async def scenario() -> None:
         harness.api.add_pod("p1", "10.0.0.1")  # p2 has no pod any more
@@ -322,16 +327,7 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
 def test_the_lease_of_a_pod_gone_for_good_is_no_node_without_a_pod(harness: Harness) -> None:
     """A restarted operator finds the Lease of a member whose pod was deleted long ago: the
     member is lost, but nobody is told to run torchrun in a pod (it did)."""
-    previous = state.RendezvousStatus(
-        state=state.RoundState.SEALED,
-        round=1,
-        members=(
-            state.Member("p1", "i1", 1, "10.0.0.1"),
-            state.Member("p2", "i2", 1, "10.0.0.2"),
-        ),
-        master=state.Master("10.0.0.1", 29500),
-        sealed_at=T0,
-    )
+    previous = sealed_p1_p2()
 
     async def scenario() -> None:
         harness.api.add_pod("p1", "10.0.0.1")  # p2's pod is gone
