@@ -26,7 +26,6 @@ last call 1 s: the smallest setting that does not expire healthy nodes).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Cluster
-from devkit.processes import LocalProcess, container_environment, local_environment
+from devkit.processes import LocalProcess, container_environment, json_lines, local_environment
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -145,19 +144,10 @@ class Node(LocalProcess):
         )
 
     def lines(self) -> list[Json]:
-        return _read_lines(self.progress_path)
+        return json_lines(self.progress_path)
 
     def events(self) -> list[Json]:
-        return _read_lines(self.events_path)
-
-
-def _read_lines(path: Path) -> list[Json]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    # A line being appended may be incomplete; it is whole on the next read.
-    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        return json_lines(self.events_path)
 
 
 def lines_of(nodes: Iterable[Node]) -> list[Json]:
@@ -501,7 +491,6 @@ def markdown(section: Json) -> list[str]:
     summary = section["summary"]
     names = list(summary)
     lines = [
-        "",
         f"## Recovery: node lost or added to training resumed ({section['nodes']} nodes x "
         f"{section['workers_per_node']} gloo workers, min {section['min_nodes']})",
         "",

@@ -9,12 +9,14 @@ failure looks like to Kubernetes: the whole process tree dies at once (:func:`ki
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from devkit.cluster.controlplane import ControlPlane
 from devkit.paths import REPO
@@ -101,6 +103,17 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a node's process has appended to ``path`` so far (none if it has not
+    made the file yet)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    # A line being appended may be incomplete; it is whole on the next read.
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
 def local_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a local node that is no pod (torch's own backends): this
     process's, without its credentials or in-cluster address, with :data:`LOCAL_PROCESS_ENV`
@@ -120,8 +133,8 @@ class LocalProcess:
     torchrun's log directory and the in-place hand-off directory of a killed node stay with
     its files), and what :meth:`spawn` adds.
 
-    Users: the benchmark's nodes (bench/recovery.py), tests/e2e's pods and tests/contract's
-    c10d nodes.
+    Users: the benchmark's nodes (bench/recovery.py), tests/e2e's pods and bare workers
+    (test_in_place_workers.py), and tests/contract's c10d nodes.
     """
 
     def __init__(self, name: str, directory: Path, log_name: str = "output.log") -> None:

@@ -21,7 +21,6 @@ tests/e2e, tests/contract and tests/controllers use this module.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,7 +32,7 @@ from tests.support.fixtures import create_pods, delete_pod
 
 from devkit.cluster.controlplane import ControlPlane
 from devkit.paths import TRAIN_SCRIPT
-from devkit.processes import LocalProcess, container_environment
+from devkit.processes import LocalProcess, container_environment, json_lines
 from devkit.waiting import wait_for
 
 PROGRESS_ENV = "TRAIN_PROGRESS_FILE"
@@ -243,12 +242,7 @@ class LocalPod(LocalProcess):
 
     def progress_lines(self) -> list[dict[str, Any]]:
         """The progress lines as written, with any keys beyond :class:`Step`'s."""
-        try:
-            text = self.progress_path.read_text()
-        except FileNotFoundError:
-            return []
-        # A line being appended may be incomplete; it is whole on the next read.
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        return json_lines(self.progress_path)
 
     def api_client(self) -> kubernetes.client.ApiClient:
         """A client with this pod's own credentials (its bound token), as its container has."""

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -34,7 +32,7 @@ import pytest
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from devkit.paths import REPO
-from devkit.processes import LOCAL_PROCESS_ENV, kill_tree
+from devkit.processes import LocalProcess, json_lines
 from devkit.waiting import wait_for
 from k8s_rendezvous import handoff
 
@@ -43,16 +41,14 @@ SIZE = 4
 UID = "rendezvous-uid"
 
 
-class Node:
+class Node(LocalProcess):
     """One node's handoff directory and its single worker process."""
 
     def __init__(self, name: str, directory: Path) -> None:
-        self.name = name
-        self.directory = directory / name
-        self.directory.mkdir(parents=True)
-        self.progress = directory / f"{name}.jsonl"
-        self.log = directory / f"{name}.log"
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(name, directory / name, log_name="worker.log")
+        self.handoff = self.directory / "handoff"
+        self.handoff.mkdir()
+        self.progress_path = self.directory / "progress.jsonl"
 
     def publish(
         self,
@@ -64,7 +60,7 @@ class Node:
         **ranks: int,
     ) -> None:
         handoff.write(
-            self.directory,
+            self.handoff,
             handoff.ROUND_FILE,
             handoff.PublishedRound(
                 round_number,
@@ -79,50 +75,39 @@ class Node:
         )
 
     def give_up(self, reason: str) -> None:
-        published = handoff.read_round(self.directory)
+        published = handoff.read_round(self.handoff)
         assert published is not None
         handoff.write(
-            self.directory, handoff.ROUND_FILE, dataclasses.replace(published, fallback=reason)
+            self.handoff, handoff.ROUND_FILE, dataclasses.replace(published, fallback=reason)
         )
 
     def start(self, rank: int, world_size: int, group_rank: int, master: str) -> None:
         host, _, port = master.rpartition(":")
-        env = {
-            **os.environ,
-            **LOCAL_PROCESS_ENV,
-            handoff.DIRECTORY_ENV: str(self.directory),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": "0",
-            "GROUP_RANK": str(group_rank),
-            "MASTER_ADDR": host,
-            "MASTER_PORT": port,
-            "POD_NAME": self.name,
-            "TRAIN_PROGRESS_FILE": str(self.progress),
-        }
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--steps", "100000", "--step-seconds", "0.02"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                start_new_session=True,
-            )
+        self.spawn(
+            [sys.executable, str(SCRIPT), "--steps", "100000", "--step-seconds", "0.02"],
+            {
+                handoff.DIRECTORY_ENV: str(self.handoff),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": "0",
+                "GROUP_RANK": str(group_rank),
+                "MASTER_ADDR": host,
+                "MASTER_PORT": port,
+                "POD_NAME": self.name,
+                "TRAIN_PROGRESS_FILE": str(self.progress_path),
+            },
+        )
 
     def lines(self) -> list[dict[str, Any]]:
-        try:
-            text = self.progress.read_text()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        return json_lines(self.progress_path)
+
+    def send(self, number: signal.Signals) -> None:
+        """Send ``number`` to the worker's process group (its session, by PID)."""
+        assert self.pid is not None, f"{self.name} was never started"
+        os.killpg(self.pid, number)
 
     def tail(self) -> str:
-        return f"=== {self.name}\n" + "\n".join(self.log.read_text().splitlines()[-15:])
-
-    def stop(self) -> None:
-        if self.process is not None:
-            kill_tree(self.process)
+        return f"=== {self.name}\n{self.log_tail(15)}"
 
 
 class Rounds:
@@ -171,7 +156,7 @@ def world(nodes: list[Node], size: int, after: float) -> list[dict[str, Any]]:
         } == names:
             return lines
         for node in nodes:
-            assert node.process is not None and node.process.poll() is None, node.tail()
+            assert node.running(), node.tail()
         return None
 
     try:
@@ -203,8 +188,7 @@ def test_a_lost_worker_and_a_new_one_are_reformed_around_the_running_workers(
     pids = {line["pod"]: line["pid"] for line in first}
 
     killed = time.time()
-    assert c.process is not None
-    os.killpg(c.process.pid, signal.SIGKILL)
+    c.send(signal.SIGKILL)
     master = rounds.new()
     a.publish(2, master, 0, 2, base_rank=0, world_size=2)
     b.publish(2, master, 1, 2, base_rank=1, world_size=2)
@@ -236,8 +220,7 @@ def test_workers_blocked_on_a_peer_that_stopped_answering_reform_once_it_is_drop
     a, b, c, _ = nodes.values()
     pids = {line["pod"]: line["pid"] for line in start_world(rounds, [a, b, c])}
 
-    assert c.process is not None
-    os.killpg(c.process.pid, signal.SIGSTOP)
+    c.send(signal.SIGSTOP)
     # Without the cut, a and b would wait in their next all-reduce for gloo's timeout (30
     # minutes). Every node here has the same address: the survivors cut each other too,
     # and re-form all the same (on Kubernetes only the lost pod's address is cut). Round
@@ -248,7 +231,7 @@ def test_workers_blocked_on_a_peer_that_stopped_answering_reform_once_it_is_drop
     b.publish(2, master, 1, 2, ("127.0.0.1",), base_rank=1, world_size=2)
     smaller = world([a, b], 2, dropped)
     assert seen(smaller, "pod", "pid", "rank") == {("a", pids["a"], 0), ("b", pids["b"], 1)}
-    assert "shut down" in a.log.read_text() and "shut down" in b.log.read_text()
+    assert "shut down" in a.log() and "shut down" in b.log()
 
 
 def test_a_worker_waiting_to_reform_stops_waiting_when_its_handler_gives_up(
@@ -258,16 +241,15 @@ def test_a_worker_waiting_to_reform_stops_waiting_when_its_handler_gives_up(
     a, b, *_ = nodes.values()
     start_world(rounds, [a, b])
 
-    assert b.process is not None
-    os.killpg(b.process.pid, signal.SIGKILL)
-    wait_for(lambda: "re-forming the world in place" in a.log.read_text(), 60, "a's recovery")
+    b.send(signal.SIGKILL)
+    wait_for(lambda: "re-forming the world in place" in a.log(), 60, "a's recovery")
     a.give_up("the join in place failed")
 
     def gave_up() -> str | None:
-        record = handoff.read_worker(a.directory, 0)
+        record = handoff.read_worker(a.handoff, 0)
         return None if record is None else record.fallback
 
     reason = wait_for(gave_up, 60, "a's worker to give up")
     assert "the node's handler gave up: the join in place failed" in reason
-    assert "falling back to torch's restart" in a.log.read_text()
-    assert a.process is not None and a.process.poll() is None, "it waits for the agent to stop it"
+    assert "falling back to torch's restart" in a.log()
+    assert a.running(), "it waits for the agent to stop it"
