@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -323,9 +324,9 @@ PROCESS_COLUMNS: tuple[Column, ...] = (
 )
 
 
-def markdown(results: Json) -> str:
+def _header(results: Json) -> list[str]:
     meta = results["meta"]
-    lines = [
+    return [
         f"# Benchmark results ({meta['mode']} mode)",
         "",
         f"`{meta['command']}` on {meta['machine']['cpus']} CPUs, started {meta['started']}, "
@@ -349,6 +350,9 @@ def markdown(results: Json) -> str:
             (("target", _key("name")), ("verdict", _key("verdict"))), results.get("targets", [])
         ),
     ]
+
+
+def _seal_section(results: Json) -> list[str]:
     seal = results.get("seal_latency") or {}
     backends = [b for b in ("ours", "c10d", "etcd-v2") if b in seal]
     sizes = sorted({int(n) for b in backends for n in seal[b]})
@@ -358,8 +362,7 @@ def markdown(results: Json) -> str:
         ("c10d / ours", _key("ratio")),
         ("machine CPU busy, ours", lambda row: _cell(row["busy"], digits=2)),
     ]
-    lines += [
-        "",
+    lines = [
         "## 1. Seal latency (min = max = N; last call to last return)",
         "",
         *_table(seal_columns, _seal_rows(seal, backends, sizes)),
@@ -377,9 +380,12 @@ def markdown(results: Json) -> str:
             "",
             *_table(SEAL_CPU_COLUMNS, cpu_rows),
         ]
+    return lines
+
+
+def _failure_section(results: Json) -> list[str]:
     failure = results.get("failure_to_new_world") or {}
-    lines += [
-        "",
+    lines = [
         "## 2. Failure to new world (8 nodes, min 7; one killed)",
         "",
         *_table(
@@ -397,27 +403,32 @@ def markdown(results: Json) -> str:
             + ", ".join(f"{key} {value:.0f}" for key, value in by.items())
             + ".",
         ]
+    return lines
+
+
+def _scaleup_section(results: Json) -> list[str]:
     scaleup = results.get("scaleup_notice") or {}
-    analysis = results.get("cost_analysis") or {}
-    lines += [
-        "",
+    return [
         "## 3. Scale-up notice (4 running, maxNodes 5; a fifth calls next_rendezvous())",
         "",
         *_table(
             SCALEUP_COLUMNS,
             ({**(stats or {}), "backend": backend} for backend, stats in scaleup.items()),
         ),
-        "",
-        "## 4. Cost per round (ours, API server /metrics)",
-        "",
-        *_table(COST_COLUMNS, analysis.get("rows", [])),
     ]
+
+
+def _cost_section(results: Json) -> list[str]:
+    analysis = results.get("cost_analysis") or {}
 
     def slope(key: str) -> str:
         value = analysis.get(key)
         return f"{value:.2f}" if isinstance(value, float) else "-"
 
-    lines += [
+    lines = [
+        "## 4. Cost per round (ours, API server /metrics)",
+        "",
+        *_table(COST_COLUMNS, analysis.get("rows", [])),
         "",
         f"Log-log slopes against N: requests {slope('requests_slope')}, watch events "
         f"{slope('watch_events_slope')}, watch bytes {slope('watch_bytes_slope')} "
@@ -428,34 +439,35 @@ def markdown(results: Json) -> str:
         last = rows[-1]
         by = ", ".join(f"{k} {v:.0f}" for k, v in last["requests_by"].items())
         lines += ["", f"Requests at N={last['nodes']} by verb and resource: {by}."]
-    scale = results.get("scale") or {}
-    if scale:
-        runs = scale.get("runs") or []
-        processes = (runs[0].get("processes") or {}) if runs else {}
-        lines += [
-            "",
-            f"## 5. Scale: {scale['nodes']} nodes, min = max = {scale['nodes']}",
-            "",
-            f"Sealed and released (last call to last return): {_cell(scale.get('seal'))}; "
-            f"first call to last return: {_cell(scale.get('first_call_to_last_return'))}.",
-            "",
-            *_table(
-                PROCESS_COLUMNS, ({**usage, "name": name} for name, usage in processes.items())
-            ),
-        ]
-        together = scale.get("concurrent") or {}
-        lines += [
-            "",
-            f"{together.get('rendezvous')} concurrent rendezvous of {together.get('nodes_each')} "
-            "nodes: per-rendezvous seal latency median "
-            f"{_cell(together.get('per_rendezvous_median'))}, "
-            f"worst {_cell(together.get('per_rendezvous_max'))}; all sealed "
-            f"{_cell(together.get('all_sealed'))}.",
-        ]
+    return lines
+
+
+def _scale_section(results: Json) -> list[str]:
+    scale = results["scale"]
+    runs = scale.get("runs") or []
+    processes = (runs[0].get("processes") or {}) if runs else {}
+    together = scale.get("concurrent") or {}
+    return [
+        f"## 5. Scale: {scale['nodes']} nodes, min = max = {scale['nodes']}",
+        "",
+        f"Sealed and released (last call to last return): {_cell(scale.get('seal'))}; "
+        f"first call to last return: {_cell(scale.get('first_call_to_last_return'))}.",
+        "",
+        *_table(PROCESS_COLUMNS, ({**usage, "name": name} for name, usage in processes.items())),
+        "",
+        f"{together.get('rendezvous')} concurrent rendezvous of {together.get('nodes_each')} "
+        "nodes: per-rendezvous seal latency median "
+        f"{_cell(together.get('per_rendezvous_median'))}, "
+        f"worst {_cell(together.get('per_rendezvous_max'))}; all sealed "
+        f"{_cell(together.get('all_sealed'))}.",
+    ]
+
+
+def _footprint_section(results: Json) -> list[str]:
     footprint = results.get("footprint") or {}
     plugin = results.get("import") or {}
-    lines += [
-        "",
+    load = plugin.get("plugin_load_ms") or {}
+    lines = [
         "## 6. Footprint",
         "",
         f"- Operator RSS idle: {footprint.get('operator_rss_idle_mb')} MB; with "
@@ -463,9 +475,7 @@ def markdown(results: Json) -> str:
         f"nodes: {footprint.get('operator_rss_live_mb')} MB; at the end of the run: "
         f"{footprint.get('operator_rss_end_mb')} MB.",
         f"- Plugin load (cold, what torch does for our entry point): "
-        f"{(plugin.get('plugin_load_ms') or {}).get('median')} ms median "
-        f"({(plugin.get('plugin_load_ms') or {}).get('min')}-"
-        f"{(plugin.get('plugin_load_ms') or {}).get('max')}); `import "
+        f"{load.get('median')} ms median ({load.get('min')}-{load.get('max')}); `import "
         f"torch.distributed.elastic.rendezvous` {plugin.get('import_rendezvous_ms_with_plugin')} "
         f"ms with it, {plugin.get('import_rendezvous_ms_without_plugin')} ms without (A/B "
         f"medians, {plugin.get('repetitions')} runs each; the difference, "
@@ -482,46 +492,30 @@ def markdown(results: Json) -> str:
             "Probe, no Kubernetes involved: TCPStore clients connecting at once to one "
             f"TCPStore server (what ours does in every round): {shown}.",
         ]
-    if results.get("recovery"):
-        from bench import recovery
-
-        lines += recovery.markdown(results["recovery"])
-    for backend, why in (results.get("absent") or {}).items():
-        lines += ["", f"**{backend} absent:** {why}"]
-    lines += ["", f"Plots: {', '.join(_plot_names(results))}.", ""]
-    return "\n".join(lines)
+    return lines
 
 
-_SECTION_PLOTS = (
-    ("seal_latency.png", ("seal_latency", "scale")),
-    ("failure_scaleup.png", ("failure_to_new_world", "scaleup_notice")),
-    ("cost.png", ("cost",)),
-    ("scale.png", ("scale",)),
-    ("recovery_timeline.png", ("recovery",)),
-)
+def _recovery_section(results: Json) -> list[str]:
+    from bench import recovery
 
-
-def _plot_names(results: Json) -> list[str]:
-    """The plots a run has data for (a run of a few sections draws only theirs)."""
-    return [name for name, keys in _SECTION_PLOTS if any(results.get(key) for key in keys)]
+    return recovery.markdown(results["recovery"])
 
 
 # -- plots ------------------------------------------------------------------------------------
 
 
-def plots(results: Json, out: Path) -> None:
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    drawn = _plot_names(results)
-    if "recovery_timeline.png" in drawn:
-        from bench import recovery
+    return plt
 
-        recovery.plot(results["recovery"], out / "recovery_timeline.png")
-    if drawn == ["recovery_timeline.png"]:
-        return  # a run of the recovery section alone
+
+def _draw_seal(results: Json, path: Path) -> None:
+    """Seal latency against N, per backend (and the scale section's point)."""
+    plt = _pyplot()
     seal = results.get("seal_latency") or {}
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for backend, per_size in seal.items():
@@ -555,9 +549,13 @@ def plots(results: Json, out: Path) -> None:
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    figure.savefig(out / "seal_latency.png", dpi=110)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
+
+def _draw_failure_scaleup(results: Json, path: Path) -> None:
+    """Failure to new world and scale-up notice, side by side."""
+    plt = _pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for axis, data, title in (
         (left, results.get("failure_to_new_world") or {}, "Failure to new world (8 nodes)"),
@@ -579,9 +577,13 @@ def plots(results: Json, out: Path) -> None:
         for position, value in enumerate(medians):
             axis.annotate(f"{value:.2f} s", (position, value), ha="center", va="bottom", fontsize=8)
     figure.tight_layout()
-    figure.savefig(out / "failure_scaleup.png", dpi=110)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
+
+def _draw_cost(results: Json, path: Path) -> None:
+    """Requests and watch bytes per round against N."""
+    plt = _pyplot()
     analysis = results.get("cost_analysis") or {}
     rows = analysis.get("rows") or []
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -618,9 +620,13 @@ def plots(results: Json, out: Path) -> None:
             axis.grid(True, which="both", alpha=0.3)
             axis.legend()
     figure.tight_layout()
-    figure.savefig(out / "cost.png", dpi=110)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
+
+def _draw_scale(results: Json, path: Path) -> None:
+    """CPU and RSS by process during the scale section's round."""
+    plt = _pyplot()
     runs = (results.get("scale") or {}).get("runs") or []
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     if runs and runs[0].get("processes"):
@@ -638,8 +644,73 @@ def plots(results: Json, out: Path) -> None:
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(out / "scale.png", dpi=110)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _draw_recovery(results: Json, path: Path) -> None:
+    from bench import recovery
+
+    recovery.plot(results["recovery"], path)
+
+
+def plots(results: Json, out: Path) -> None:
+    """Each plot of :data:`SECTIONS` the run has data for, into ``out``."""
+    for section in _shown(results):
+        if section.plot is not None:
+            section.plot.draw(results, out / section.plot.name)
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plot:
+    name: str
+    draw: Callable[[Json, Path], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A part of the report: shown when the run has any of ``shown_by`` in its results."""
+
+    shown_by: tuple[str, ...]
+    render: Callable[[Json], list[str]]
+    plot: Plot | None = None
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(("seal_latency", "scale"), _seal_section, Plot("seal_latency.png", _draw_seal)),
+    Section(
+        ("failure_to_new_world", "scaleup_notice"),
+        _failure_section,
+        Plot("failure_scaleup.png", _draw_failure_scaleup),
+    ),
+    Section(("failure_to_new_world", "scaleup_notice"), _scaleup_section),
+    Section(("cost",), _cost_section, Plot("cost.png", _draw_cost)),
+    Section(("scale",), _scale_section, Plot("scale.png", _draw_scale)),
+    Section(("footprint", "import", "tcpstore_connect"), _footprint_section),
+    Section(("recovery",), _recovery_section, Plot("recovery_timeline.png", _draw_recovery)),
+)
+"""The report's sections in order; a run of a few sections shows and draws only theirs."""
+
+
+def _shown(results: Json) -> list[Section]:
+    return [s for s in SECTIONS if any(results.get(key) for key in s.shown_by)]
+
+
+def markdown(results: Json) -> str:
+    lines = _header(results)
+    for section in _shown(results):
+        lines += ["", *section.render(results)]
+    for backend, why in (results.get("absent") or {}).items():
+        lines += ["", f"**{backend} absent:** {why}"]
+    lines += ["", f"Plots: {', '.join(_plot_names(results))}.", ""]
+    return "\n".join(lines)
+
+
+def _plot_names(results: Json) -> list[str]:
+    return [section.plot.name for section in _shown(results) if section.plot is not None]
 
 
 if __name__ == "__main__":
