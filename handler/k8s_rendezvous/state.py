@@ -101,6 +101,8 @@ DEFAULT_HEARTBEAT_TIMEOUT_SECONDS: Final = 30
 MIN_HEARTBEAT_TIMEOUT_SECONDS: Final = 3
 MAX_RESTARTS: Final = 2**31 - 1
 """The CRD's bound on ``spec.maxRestarts``."""
+MAX_SPARES: Final = 100_000
+"""The CRD's bound on ``spec.spares``: as many as a round's most nodes."""
 CLOSED_RESTARTS_EXHAUSTED: Final = "RestartsExhausted"
 """``status.closedReason`` when a failure found the job's restart budget spent: the job has
 failed, so every node ends with ``RendezvousClosedError``, a spare too (not the graceful
@@ -197,6 +199,20 @@ SPEC_TUNABLES: Final = (
         "(default: no budget, as with c10d)",
         unit="restarts",
         maximum=MAX_RESTARTS,
+    ),
+    SpecTunable(
+        "spares",
+        "spares",
+        "spares",
+        "spares",
+        None,
+        0,
+        "how many nodes the workload keeps waiting beyond a full round, each ready to take a "
+        "lost member's rank at once; the SparesReady condition says when fewer wait. The "
+        "workload makes them, not the operator (default: none declared; for an annotated "
+        "Job, its parallelism beyond maxNodes)",
+        unit="nodes",
+        maximum=MAX_SPARES,
     ),
 )
 """Every tunable number of the spec, in the CRD's order."""
@@ -604,6 +620,9 @@ class RendezvousSpec:
     """The job's restart budget: re-forms caused by a failure that may follow the first
     round, whichever node failed (``None``: no budget, as with torch's c10d, where only
     each agent's own ``--max-restarts`` bounds its restarts)."""
+    spares: int | None = None
+    """How many nodes the workload means to keep waiting beyond a full round (``None``:
+    none declared, and nothing is reported about them)."""
 
     @property
     def heartbeat_interval_seconds(self) -> float:

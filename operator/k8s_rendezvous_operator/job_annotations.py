@@ -19,6 +19,7 @@ PREFIX: Final = f"{state.GROUP}/"
 NODES: Final = f"{PREFIX}nodes"
 TUNABLES: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TUNABLES}
 """The annotation of each tunable of the spec."""
+SPARES: Final = f"{PREFIX}spares"
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
 AGENT_SETTINGS: Final = {f"{PREFIX}{s.annotation}": s for s in state.AGENT_SETTINGS}
@@ -151,6 +152,10 @@ def parse(
         return raw
 
     tunables: dict[str, Any] = {t.attribute: number(key, t) for key, t in TUNABLES.items()}
+    beyond = 0 if bounds is None or parallelism is None else parallelism - bounds[1]
+    if SPARES not in ours and beyond > 0:
+        # A Job's pods beyond MAX wait as spares: they are its declaration.
+        tunables["spares"] = beyond
     run_id = text(RUN_ID, lambda v: bool(_RUN_ID.match(v)), "not a run id")
     rank_order = text(
         RANK_ORDER,

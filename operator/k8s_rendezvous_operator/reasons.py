@@ -59,6 +59,23 @@ def forming_message(round_: int) -> str:
     return f"forming round {round_}"
 
 
+# ``SparesReady`` (set while ``spec.spares`` is); SPARES_SHORT is also the Warning posted
+# when it turns False.
+SPARES_WAITING: Final = "SparesWaiting"
+SPARES_SHORT: Final = "SparesShort"
+
+
+def spares_message(waiting: int, declared: int) -> str:
+    said = f"{waiting} of {declared} declared spare(s) wait beyond the full round"
+    if waiting >= declared:
+        return said
+    return (
+        f"{said}: a member lost now is replaced only when the workload makes another pod "
+        "that joins (an annotated Job: pods beyond maxNodes); see kubectl get pods for "
+        "pending or failing ones"
+    )
+
+
 # Why a rendezvous closed (``status.closedMessage``, the ``Closed`` condition and Event).
 
 

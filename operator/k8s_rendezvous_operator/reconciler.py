@@ -817,6 +817,8 @@ class Reconciler:
                 status.world_size,
                 status.master.endpoint,
             )
+        if (short := rounds.spares_lost(previous, status)) is not None:
+            self._post(targets, warning=True, reason=reasons.SPARES_SHORT, message=short)
         if decision.closed:
             self._post(
                 targets,

@@ -97,6 +97,9 @@ CONDITION_READY: Final = "Ready"
 """True while a sealed round is current and complete."""
 CONDITION_CLOSED: Final = "Closed"
 """True once no further round will be formed."""
+CONDITION_SPARES_READY: Final = "SparesReady"
+"""Set while ``spec.spares`` is: whether as many spares wait as the workload declared, as
+counted at the latest seal and while that round stays current."""
 
 # Reasons a member leaves a round; they appear in Events and in `kubectl describe`.
 LOST_POD_DELETED: Final = "PodDeleted"
@@ -813,7 +816,7 @@ def set_condition(
 
 
 def _with_conditions(
-    status: RendezvousStatus, now: datetime.datetime, generation: int
+    spec: RendezvousSpec, status: RendezvousStatus, now: datetime.datetime, generation: int
 ) -> RendezvousStatus:
     def setting(
         conditions: tuple[Condition, ...], type_: str, value: bool, reason: str, message: str
@@ -853,12 +856,37 @@ def _with_conditions(
                 status.state.value,
                 reasons.forming_message(status.round + 1),
             )
+    if spec.spares is None:
+        conditions = tuple(c for c in conditions if c.type != CONDITION_SPARES_READY)
+    elif status.state is RoundState.SEALED:
+        # Spares are counted only while a sealed round stands (a forming round admits them).
+        conditions = setting(
+            conditions,
+            CONDITION_SPARES_READY,
+            status.spares >= spec.spares,
+            reasons.SPARES_WAITING if status.spares >= spec.spares else reasons.SPARES_SHORT,
+            reasons.spares_message(status.spares, spec.spares),
+        )
     return dataclasses.replace(status, conditions=conditions, observed_generation=generation)
+
+
+def spares_lost(previous: RendezvousStatus, status: RendezvousStatus) -> str | None:
+    """The ``SparesReady`` message when the declared spares, all waiting before, no longer
+    are: the protection they gave is lost. ``None`` otherwise; a shortfall from the start
+    is said by the condition alone, as spares often join just after the first seal."""
+
+    def spares_ready(of: RendezvousStatus) -> Condition | None:
+        return next((c for c in of.conditions if c.type == CONDITION_SPARES_READY), None)
+
+    before, after = spares_ready(previous), spares_ready(status)
+    if before is None or before.status != "True" or after is None or after.status != "False":
+        return None
+    return after.message
 
 
 def _decided(ctx: Context, verdict: Verdict) -> Decision:
     """The one exit: conditions set, and what to write and await."""
-    status = _with_conditions(verdict.status, ctx.now, ctx.generation)
+    status = _with_conditions(ctx.spec, verdict.status, ctx.now, ctx.generation)
     return Decision(
         **{field.name: getattr(verdict, field.name) for field in dataclasses.fields(Verdict)}
         | {"status": status, "expired_waiters": ctx.expired_waiters},

@@ -25,6 +25,7 @@ from tests.support.jobs import make_job, wait_webhook_registered
 
 from devkit.cluster.controlplane import ControlPlane, read_object
 from devkit.waiting import wait_for
+from k8s_rendezvous import state
 
 pytestmark = [pytest.mark.usefixtures("operator_process"), pytest.mark.webhook]
 
@@ -184,6 +185,20 @@ def test_a_spare_pod_outwaits_its_join_timeout_and_steps_in_without_failing_the_
         assert spare.still_running_after(3 * join_timeout), describe(nodes)
         status = batch.read_namespaced_job(job, workers_namespace).status
         assert not status.failed and status.active == 3, status
+        rendezvous = kubernetes.client.CustomObjectsApi(admin_api)
+
+        def spares_ready() -> tuple[int, str | None]:
+            body = rendezvous.get_namespaced_custom_object(
+                state.GROUP, state.VERSION, workers_namespace, state.PLURAL, job
+            )
+            conditions = (body.get("status") or {}).get("conditions") or []
+            ready = [c["status"] for c in conditions if c["type"] == "SparesReady"]
+            return body["spec"].get("spares"), (ready or [None])[0]
+
+        assert wait_for(lambda: spares_ready()[1], 10, "SparesReady") and spares_ready() == (
+            1,
+            "True",
+        ), "the Job's pod beyond its nodes is its declared spare"
 
         lost = next(node for node in nodes if node is not spare)
         survivor = next(node for node in nodes if node not in (spare, lost))
@@ -191,5 +206,6 @@ def test_a_spare_pod_outwaits_its_join_timeout_and_steps_in_without_failing_the_
         lost.kill()
         back = wait_world([survivor, spare], 4, after=deleted, timeout=FORM_TIMEOUT, min_step=1)
         timing("member pod deleted -> first step with the spare in", back.first_step_at - deleted)
+        assert spares_ready() == (1, "False"), "the spare is in the world: none waits"
     finally:
         pods.stop_all()

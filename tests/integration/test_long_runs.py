@@ -58,10 +58,13 @@ HEARTBEAT_TIMEOUT = 3  # the CRD's minimum: nodes renew every second
 
 
 def full_round_and_a_spare(
-    make_rendezvous: Callable[..., Rendezvous], make_nodes: Callable[..., list[Node]], size: int
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    size: int,
+    **spec: object,
 ) -> tuple[Rendezvous, list[Node], Node, Joining]:
     """A round sealed with ``size`` members (its max), and a node waiting beyond it."""
-    rdzv = make_rendezvous(size, size)
+    rdzv = make_rendezvous(size, size, **spec)
     members = make_nodes(rdzv, size)
     join_all(members)
     (spare,) = make_nodes(rdzv, 1, configured_spec=SPARE_TIMEOUTS)
@@ -131,6 +134,56 @@ def test_the_spare_takes_the_lost_members_rank_and_the_survivors_keep_theirs(
         "the seal counted",
     )
     assert changes == 1, "one rank changed hands: the spare's"
+
+
+def spares_ready(status: state.RendezvousStatus) -> tuple[str, str, str] | None:
+    found = [c for c in status.conditions if c.type == "SparesReady"]
+    return None if not found else (found[0].status, found[0].reason, found[0].message)
+
+
+def test_declared_spares_are_ready_and_a_warning_says_when_the_protection_is_lost(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+    control_plane: ControlPlane,
+) -> None:
+    rdzv, members, _, waiting = full_round_and_a_spare(make_rendezvous, make_nodes, 2, spares=1)
+    ready = rdzv.wait(lambda s: spares_ready(s) is not None and s.spares == 1, "SparesReady")
+    assert spares_ready(ready) == (
+        "True",
+        "SparesWaiting",
+        "1 of 1 declared spare(s) wait beyond the full round",
+    )
+    table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace, "-o", "wide")
+    header, row = table.stdout.splitlines()
+    shown = dict(zip(header.split(), row.split(), strict=False))
+    assert (shown["SPARES"], shown["DECLARED"]) == ("1", "1"), table.stdout
+
+    delete_pod(admin_api, rdzv.namespace, members[1].pod)
+    survivor = members[0].join_in_background()
+    assert waiting.wait(30).world_size == 2 and survivor.wait(30).world_size == 2
+    short = rdzv.wait(
+        lambda s: s.round == 2 and (spares_ready(s) or ("",))[0] == "False",
+        "SparesReady False once the spare took the lost member's place",
+    )
+    condition = spares_ready(short)
+    assert condition is not None and condition[1] == "SparesShort"
+    warnings = wait_for(
+        lambda: [
+            m for kind, reason, m in rdzv.events() if (kind, reason) == ("Warning", "SparesShort")
+        ],
+        10,
+        "the SparesShort Warning",
+    )
+    assert warnings == [condition[2]] and warnings[0].startswith("0 of 1 declared spare(s)")
+
+    (replacement,) = make_nodes(rdzv, 1)
+    replacement.join_in_background()
+    restored = rdzv.wait(
+        lambda s: (spares_ready(s) or ("",))[0] == "True",
+        "SparesReady again once the workload's next pod waits",
+    )
+    assert (restored.round, restored.spares) == (2, 1), "a new spare does not disturb the round"
 
 
 def test_a_shrink_moves_only_the_last_rank_into_the_hole(

@@ -103,6 +103,7 @@ def test_a_node_given_every_spec_tunable_joins_and_says_where_the_resource_diffe
         "job_max_restarts=none",
         "keep_alive_interval",
         "last_call_timeout=30",
+        "spares=none",
     ], "join and close timeouts are the node's own deadlines, as in c10d: nothing to overrule"
 
 

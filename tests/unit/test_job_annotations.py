@@ -43,6 +43,7 @@ def test_every_optional_key() -> None:
         run_id="exp-7",
         rank_order="topology.kubernetes.io/zone",
         max_restarts="0",
+        spares="0",
     )
     assert spec == state.RendezvousSpec(
         2,
@@ -54,7 +55,27 @@ def test_every_optional_key() -> None:
         9,
         rank_order_node_label="topology.kubernetes.io/zone",
         max_restarts=0,
+        spares=0,
     )
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "values", "spares"),
+    [
+        (6, {}, 2),  # its pods beyond MAX are its declaration
+        (4, {}, None),
+        (None, {}, None),
+        (6, {"spares": "1"}, 1),  # the annotation wins
+        (6, {"spares": "0"}, 0),
+        (4, {"spares": "3"}, 3),  # more than it makes: the condition will say so
+    ],
+)
+def test_a_jobs_spares_are_its_pods_beyond_max_unless_annotated(
+    parallelism: int | None, values: dict[str, str], spares: int | None
+) -> None:
+    spec = parse(parallelism, nodes="2:4", **values)
+    assert isinstance(spec, state.RendezvousSpec)
+    assert spec.spares == spares
 
 
 @pytest.mark.parametrize(

@@ -256,6 +256,54 @@ def test_a_spare_for_rank_zero_takes_the_last_rank_which_moves_to_zero() -> None
     assert [m.replaces for m in world.status.members] == ["pod-0", None, None, "pod-3"]
 
 
+def spares_ready(status: RendezvousStatus) -> tuple[str, str, str] | None:
+    found = [c for c in status.conditions if c.type == rounds.CONDITION_SPARES_READY]
+    return None if not found else (found[0].status, found[0].reason, found[0].message)
+
+
+def test_declared_spares_are_reported_ready_until_one_replaces_a_lost_member() -> None:
+    world = sealed_with_a_spare(3)
+    world.spec = dataclasses.replace(world.spec, spares=1)
+    world.decide()
+    ready = world.status
+    assert spares_ready(ready) == ("True", "SparesWaiting", reasons.spares_message(1, 1))
+
+    assert rejoin_survivors(world, "pod-1").sealed
+    short = spares_ready(world.status)
+    assert short is not None and short[:2] == ("False", "SparesShort")
+    assert "0 of 1 declared spare(s) wait" in short[2] and "another pod" in short[2]
+    assert rounds.spares_lost(ready, world.status) == short[2], "the protection was lost"
+    assert rounds.spares_lost(world.status, world.status) is None, "said once, not again"
+
+    world.join("second-spare")
+    world.decide()
+    assert spares_ready(world.status) == ("True", "SparesWaiting", reasons.spares_message(1, 1))
+
+
+def test_a_shortfall_from_the_first_seal_is_in_the_condition_without_a_warning() -> None:
+    world = World(dataclasses.replace(spec(2, 2), spares=1))
+    world.join("a")
+    world.join("b")
+    first = world.decide()
+    assert first.sealed and spares_ready(world.status) == (
+        "False",
+        "SparesShort",
+        reasons.spares_message(0, 1),
+    )
+    assert rounds.spares_lost(first.previous or RendezvousStatus(), world.status) is None
+
+
+def test_no_declared_spares_no_condition_and_a_withdrawn_declaration_removes_it() -> None:
+    world = sealed_with_a_spare(2)
+    assert spares_ready(world.status) is None
+    world.spec = dataclasses.replace(world.spec, spares=1)
+    world.decide()
+    assert spares_ready(world.status) is not None
+    world.spec = dataclasses.replace(world.spec, spares=None)
+    world.decide()
+    assert spares_ready(world.status) is None
+
+
 def test_the_history_says_why_each_round_was_formed_and_how_long_it_took() -> None:
     world = sealed_with_a_spare(4)
     world.tick(2)
