@@ -34,6 +34,11 @@ RESTARTS: Final = Counter(
 NODES_WAITING: Final = Gauge(
     "k8s_rendezvous_nodes_waiting", "Sum of status.nodesWaiting over all rendezvous."
 )
+SPARES_SHORT: Final = Gauge(
+    "k8s_rendezvous_spares_short",
+    "Rendezvous whose SparesReady condition is False: fewer nodes wait beyond the full round "
+    "than their spec.spares declares.",
+)
 API_ERRORS: Final = Counter(
     "k8s_rendezvous_api_errors_total", "Failed API calls of the operator.", ["kind"]
 )

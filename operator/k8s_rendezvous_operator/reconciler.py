@@ -92,6 +92,8 @@ class RendezvousMemory:
     reported: each request is reported once."""
     waiting: int = 0
     """Its ``nodesWaiting``, for the gauge summed over every rendezvous."""
+    spares_short: bool = False
+    """Its ``SparesReady`` is False, for the gauge counted over every rendezvous."""
     slices_written: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """What each of its RendezvousSlices was last written with."""
     published: slices.Publication | None = None
@@ -239,7 +241,7 @@ class Reconciler:
             self._pods.pop((key[0], node), None)
         if memory.timer:
             memory.timer.cancel()
-        metrics.NODES_WAITING.set(sum(m.waiting for m in self._rendezvous.values()))
+        self._set_gauges()
 
     async def job_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         await self.jobs.seen(key, body, deleted)
@@ -757,7 +759,13 @@ class Reconciler:
             metrics.RESTARTS.inc(status.restarts - previous.restarts)
         # A closed rendezvous' nodesWaiting tells its members to end, not that nodes wait.
         memory.waiting = 0 if status.state is state.RoundState.CLOSED else status.nodes_waiting
+        memory.spares_short = rounds.spares_short(status)
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        """The gauges over every rendezvous remembered."""
         metrics.NODES_WAITING.set(sum(m.waiting for m in self._rendezvous.values()))
+        metrics.SPARES_SHORT.set(sum(m.spares_short for m in self._rendezvous.values()))
 
     async def _with_topology(
         self,

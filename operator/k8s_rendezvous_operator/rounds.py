@@ -870,15 +870,21 @@ def _with_conditions(
     return dataclasses.replace(status, conditions=conditions, observed_generation=generation)
 
 
+def _spares_ready(status: RendezvousStatus) -> Condition | None:
+    return next((c for c in status.conditions if c.type == CONDITION_SPARES_READY), None)
+
+
+def spares_short(status: RendezvousStatus) -> bool:
+    """Whether fewer spares wait than the workload declared (``SparesReady`` is False)."""
+    condition = _spares_ready(status)
+    return condition is not None and condition.status == "False"
+
+
 def spares_lost(previous: RendezvousStatus, status: RendezvousStatus) -> str | None:
     """The ``SparesReady`` message when the declared spares, all waiting before, no longer
     are: the protection they gave is lost. ``None`` otherwise; a shortfall from the start
     is said by the condition alone, as spares often join just after the first seal."""
-
-    def spares_ready(of: RendezvousStatus) -> Condition | None:
-        return next((c for c in of.conditions if c.type == CONDITION_SPARES_READY), None)
-
-    before, after = spares_ready(previous), spares_ready(status)
+    before, after = _spares_ready(previous), _spares_ready(status)
     if before is None or before.status != "True" or after is None or after.status != "False":
         return None
     return after.message

@@ -141,12 +141,17 @@ def spares_ready(status: state.RendezvousStatus) -> tuple[str, str, str] | None:
     return None if not found else (found[0].status, found[0].reason, found[0].message)
 
 
+@pytest.mark.metrics
 def test_declared_spares_are_ready_and_a_warning_says_when_the_protection_is_lost(
     make_rendezvous: Callable[..., Rendezvous],
     make_nodes: Callable[..., list[Node]],
     admin_api: kubernetes.client.ApiClient,
     control_plane: ControlPlane,
+    operator_process: OperatorProcess,
 ) -> None:
+    def short_of_spares() -> float:
+        return operator_metrics(operator_process)["k8s_rendezvous_spares_short"]
+
     rdzv, members, _, waiting = full_round_and_a_spare(make_rendezvous, make_nodes, 2, spares=1)
     ready = rdzv.wait(lambda s: spares_ready(s) is not None and s.spares == 1, "SparesReady")
     assert spares_ready(ready) == (
@@ -176,6 +181,7 @@ def test_declared_spares_are_ready_and_a_warning_says_when_the_protection_is_los
         "the SparesShort Warning",
     )
     assert warnings == [condition[2]] and warnings[0].startswith("0 of 1 declared spare(s)")
+    assert wait_for(lambda: short_of_spares() == 1, 10, "one rendezvous short of spares")
 
     (replacement,) = make_nodes(rdzv, 1)
     replacement.join_in_background()
@@ -184,6 +190,7 @@ def test_declared_spares_are_ready_and_a_warning_says_when_the_protection_is_los
         "SparesReady again once the workload's next pod waits",
     )
     assert (restored.round, restored.spares) == (2, 1), "a new spare does not disturb the round"
+    assert wait_for(lambda: short_of_spares() == 0, 10, "the gauge back at 0")
 
 
 def test_a_shrink_moves_only_the_last_rank_into_the_hole(
