@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,9 +91,3 @@ def spread(ids: Sequence[int], workers: int) -> list[list[int]]:
     for position, node in enumerate(ids):
         lists[position % workers].append(node)
     return lists
-
-
-def wait_until(moment: float) -> None:
-    delay = moment - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
