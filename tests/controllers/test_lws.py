@@ -21,8 +21,9 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.controllers import controllers
+from tests.controllers import controllers, leaderworkersets
 from tests.controllers.kubelet import Kubelet
+from tests.controllers.leaderworkersets import GROUP, NAME, PODS, VERSION
 from tests.e2e.harness import timing, wait_world
 from tests.support.fixtures import Rendezvous
 
@@ -31,41 +32,17 @@ from devkit.waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("operator_process", "creator_role")
 
-GROUP, VERSION = "leaderworkerset.x-k8s.io", "v1"
-NAME = "train"
-PODS = f"leaderworkerset.sigs.k8s.io/name={NAME}"
 FORM_TIMEOUT = 180
 
 
 def leader_worker_set(size: int) -> dict[str, Any]:
-    """One group of ``size`` pods (the leader uses the workers' template)."""
+    """One group of ``size`` pods, played by the stand-in kubelet."""
     container = {
-        "name": "trainer",
+        "name": leaderworkersets.CONTAINER,
         "image": "example.invalid/trainer",
-        "command": [
-            "torchrun",
-            "--rdzv-backend=kubernetes",
-            f"--rdzv-endpoint={NAME}",
-            f"--nnodes=2:{size}",
-            "--max-restarts=3",
-            "train.py",
-            "--steps",
-            "100000",
-        ],
+        "command": [*leaderworkersets.torchrun(size), "--steps", "100000"],
     }
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "LeaderWorkerSet",
-        "metadata": {"name": NAME},
-        "spec": {
-            "replicas": 1,
-            "leaderWorkerTemplate": {
-                "size": size,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "workerTemplate": {"spec": {"containers": [container]}},
-            },
-        },
-    }
+    return leaderworkersets.manifest({"containers": [container]}, size=size)
 
 
 class LeaderWorkerSets:

@@ -16,7 +16,13 @@ from typing import Any
 import kubernetes.client
 import pytest
 from tests.controllers import fixtures as fixtures_of_controllers
-from tests.controllers.fixtures import jobset, kueue, running_controllers, trainer  # noqa: F401
+from tests.controllers.fixtures import (  # noqa: F401
+    jobset,
+    kueue,
+    lws,
+    running_controllers,
+    trainer,
+)
 
 from devkit import chart
 from devkit.cluster import images

@@ -1,6 +1,7 @@
-"""The workload controllers users run, on real nodes: the real Kueue, JobSet and Kubeflow
-Trainer v2 controllers make the Jobs and pods; real kubelets run them in the trainer image;
-the operator is the chart's, from its image; faults are real (an agent killed by PID).
+"""The workload controllers users run, on real nodes: the real Kueue, JobSet, Kubeflow
+Trainer v2 and LeaderWorkerSet controllers make the Jobs and pods; real kubelets run them
+in the trainer image; the operator is the chart's, from its image; faults are real (an
+agent killed by PID).
 
 tests/controllers covers the same controllers in more cases (gated pods, preemption,
 shrinking) with a stand-in kubelet, where a test can hold a container back; here each
@@ -15,6 +16,10 @@ Aspects:
 - the example ClusterTrainingRuntime and elastic TrainJob (examples/trainer/) train; a
   killed agent's container is restarted in its pod by the kubelet (JobSet defaults the
   restartPolicy to OnFailure) and rejoins, the TrainJob neither failing nor restarting;
+- a LeaderWorkerSet's group trains in one world, in a Rendezvous its first pod makes and the
+  LeaderWorkerSet owns (each worker admitted three controllers up from its own); a killed
+  agent makes the controller recreate the whole group, which trains in the next round of
+  the same Rendezvous;
 - Kueue admits an elastic Job within its quota; a scale-up beyond the quota waits as a
   gated slice the world never counts; more quota admits the slice and the world grows to
   include its pod; the time from the slice's admission to that world is measured.
@@ -32,7 +37,7 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
-from tests.controllers import controllers, jobsets, queueing, timeline
+from tests.controllers import controllers, jobsets, leaderworkersets, queueing, timeline
 from tests.e2e.harness import timing
 from tests.support import fixtures
 
@@ -262,6 +267,61 @@ def test_an_elastic_trainjob_trains_and_a_killed_container_restarts_and_rejoins(
     conditions = dig(found, "status", "conditions", default=[])
     assert not [c for c in conditions if c["type"] == "Failed" and c["status"] == "True"], found
     assert jobset_restarts(admin_api, controlled_namespace) == 0
+
+
+# -- LeaderWorkerSet ----------------------------------------------------------------------
+
+
+def test_a_leaderworkerset_group_trains_and_its_recreated_group_rejoins(
+    lws: controllers.Controller,
+    controlled_namespace: str,
+    admin_api: kubernetes.client.ApiClient,
+    node_images: dict[str, images.ImageArchive],
+) -> None:
+    container = {
+        "name": leaderworkersets.CONTAINER,
+        "command": [*leaderworkersets.torchrun(2), *TRAIN_ARGS],
+    }
+    pod_spec = on_real_nodes({"containers": [container]}, node_images["trainer"].reference)
+    custom = kubernetes.client.CustomObjectsApi(admin_api)
+    started = time.time()
+    made = custom.create_namespaced_custom_object(
+        leaderworkersets.GROUP,
+        leaderworkersets.VERSION,
+        controlled_namespace,
+        "leaderworkersets",
+        leaderworkersets.manifest(pod_spec, size=2),
+    )
+    job = TrainingJob(admin_api, controlled_namespace, NAME, selector=leaderworkersets.PODS)
+    world = job.wait_world(2, after=started)
+    timing(
+        "LeaderWorkerSet (real nodes): created -> first step of its world of 2",
+        world.first_step - started,
+    )
+    before = rendezvous(admin_api, controlled_namespace)
+    owner = ("LeaderWorkerSet", NAME, made["metadata"]["uid"])
+    assert controller_owner(before) == owner, "a worker is admitted three controllers up"
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in job.running_pods()}
+    assert set(uids) == set(world.pods.values()) == {"train-0", "train-0-1"}
+
+    # The worker's agent is SIGKILLed: its container restarts, so the controller makes the
+    # whole group anew, under the same names.
+    killed = time.time()
+    os.kill(agent_pid(pod_named(job, "train-0-1")), signal.SIGKILL)
+    again = job.wait_world(2, after=killed)
+    timing(
+        "LeaderWorkerSet (real nodes): a worker's agent killed -> first step of the "
+        "recreated group's world",
+        again.first_step - killed,
+    )
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in job.running_pods()}
+    assert now.keys() == uids.keys() and not set(now.values()) & set(uids.values()), (
+        "every pod of the group made anew"
+    )
+    after = rendezvous(admin_api, controlled_namespace)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"], "the same Rendezvous"
+    assert after["status"]["round"] > before["status"]["round"]
+    assert controller_owner(after) == owner
 
 
 # -- Kueue ---------------------------------------------------------------------------------
