@@ -99,7 +99,7 @@ CONDITION_CLOSED: Final = "Closed"
 """True once no further round will be formed."""
 CONDITION_SPARES_READY: Final = "SparesReady"
 """Set while ``spec.spares`` is: whether as many spares wait as the workload declared, as
-counted at the latest seal and while that round stays current."""
+counted at the latest seal and while that round stays current; removed once closed."""
 
 # Reasons a member leaves a round; they appear in Events and in `kubectl describe`.
 LOST_POD_DELETED: Final = "PodDeleted"
@@ -856,7 +856,8 @@ def _with_conditions(
                 status.state.value,
                 reasons.forming_message(status.round + 1),
             )
-    if spec.spares is None:
+    if spec.spares is None or status.state is RoundState.CLOSED:
+        # Nothing declared, or nothing left to protect.
         conditions = tuple(c for c in conditions if c.type != CONDITION_SPARES_READY)
     elif status.state is RoundState.SEALED:
         # Spares are counted only while a sealed round stands (a forming round admits them).

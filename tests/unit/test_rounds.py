@@ -304,6 +304,16 @@ def test_no_declared_spares_no_condition_and_a_withdrawn_declaration_removes_it(
     assert spares_ready(world.status) is None
 
 
+def test_a_closed_rendezvous_has_no_spares_to_keep() -> None:
+    world = sealed_with_a_spare(2)
+    world.spec = dataclasses.replace(world.spec, spares=1)
+    world.decide()
+    assert spares_ready(world.status) is not None
+    world.decide(close=("Finished", "the job finished"))
+    assert world.status.state is RoundState.CLOSED
+    assert spares_ready(world.status) is None and not rounds.spares_short(world.status)
+
+
 def test_the_history_says_why_each_round_was_formed_and_how_long_it_took() -> None:
     world = sealed_with_a_spare(4)
     world.tick(2)
