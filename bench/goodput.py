@@ -1,8 +1,8 @@
 """Goodput under a fault schedule, on real nodes, ours beside torch's c10d.
 
-    python bench/goodput.py                               # every configuration, 20 min each
+    python bench/goodput.py                               # c10d, ours, ours-spare: 20 min each
     python bench/goodput.py --minutes 4 --configs ours    # a short look at one
-    python bench/goodput.py --configs ours-spare --gap 10,15 --rounds 1000 --minutes 180 \
+    python bench/goodput.py --configs ours-warm --gap 10,15 --rounds 1000 --minutes 165 \
         --out bench/results/soak                          # the soak: dense faults, 1,000 rounds
     python bench/goodput.py --report                      # the report again, from results.json
 
@@ -12,7 +12,8 @@ configuration trains examples/elastic_train.py (gloo, one worker per pod, 4 pods
 world) for ``--minutes`` while the same seeded schedule injects a fault every 60-90 s,
 drawn in turn from a shuffled deck of every kind (:data:`FAULTS`). Configurations
 (:data:`CONFIGS`): torch's c10d tuned as users run it without a cluster DNS; ours by
-default; ours with warm worker starts, in-place re-forming and one spare pod.
+default; ours with warm worker starts, in-place re-forming and one spare pod (and, for the
+soak, the same without the spare).
 
 The workers append one JSON line per step to a file per pod on a hostPath, so that what a
 deleted pod or a lost node trained is still counted. From those lines, for each
@@ -147,7 +148,17 @@ CONFIGS = {
         in_place=True,
         warm=True,
     ),
+    "ours-warm": Config(
+        "ours-warm",
+        "ours with warm worker starts and in-place re-forming, no spare: the soak's, since "
+        "each loss then forms two rounds (the shrink, and the replacement's)",
+        rdzv_conf="warm_start=1,in_place=1",
+        in_place=True,
+        warm=True,
+    ),
 }
+GOODPUT_CONFIGS = ("c10d", "ours", "ours-spare")
+"""What the goodput section compares; the others serve the soak."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -944,7 +955,7 @@ def plot(results: Sequence[Json], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(GOODPUT_CONFIGS))
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
