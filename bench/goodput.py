@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -687,16 +688,17 @@ class Run:
             record["node"] = victim["spec"]["nodeName"]
         nodes = self.pool.nodes
         assert nodes is not None
-        if kind == "worker":
+        if kind in ("worker", "container"):
             assert victim is not None
-            pid = worker_pid(victim)
+            try:
+                pid = (worker_pid if kind == "worker" else agent_pid)(victim)
+            except ValueError:  # not one such process now: its agent is restarting workers
+                record["at"] = time.time()
+                record["kind"] = "none (no process to take)"
+                return record
             record["at"] = time.time()
-            os.kill(pid, signal.SIGKILL)
-        elif kind == "container":
-            assert victim is not None
-            pid = agent_pid(victim)
-            record["at"] = time.time()
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         elif kind == "pod":
             record["at"] = time.time()
             self.core.delete_namespaced_pod(record["victim"], self.namespace)
@@ -997,6 +999,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 result = run.run(args.minutes)
             except Exception as error:
+                traceback.print_exc()
                 result = {"config": config.name, "error": f"{type(error).__name__}: {error}"}
             shown = {k: v for k, v in result.items() if k != "timeline"}
             print(f"[goodput] {json.dumps(shown)[:2000]}", flush=True)
@@ -1020,12 +1023,14 @@ def write(meta: Json, results: Sequence[Json], out: Path) -> None:
     (out / "results.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
     )
-    plot(results, out / "timeline.png")
+    trained = any("error" not in result for result in results)
+    if trained:
+        plot(results, out / "timeline.png")
     (out / "results.md").write_text(
         f"# Goodput under a fault schedule, on real nodes\n\n{meta['date']}, `{meta['command']}` "
         f"({meta['seconds']:.0f} s); how it is measured: bench/goodput.py.\n\n"
         + table(results)
-        + "\n\n![timeline](timeline.png)\n"
+        + ("\n\n![timeline](timeline.png)\n" if trained else "\n")
     )
     print(table(results))
 
