@@ -29,6 +29,7 @@ workers, so those waiting stop waiting.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import shutil
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 
 _WAKE_SECONDS: Final = 1.0
 """How often the idle reformer looks up from its wait (to notice it was stopped)."""
+
+
+_ASSIGN_WAIT: Final = datetime.timedelta(seconds=2)
+"""How long one try of the rank assignment waits on the round's store (a few
+milliseconds are enough while every member is alive)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,14 +280,20 @@ class Reformer:
         log.info("node %s re-forms its round in place; its workers keep running", self._node)
         if self.observer is not None:
             self.observer.rejoining()
-        joined, store = self._rejoin()
         # Its fields are typed as torch's __init__ leaves them (None): Any to set them.
         group: Any = self._agent.get_worker_group()
-        # torch's own rank assignment, on the round's store, for the agent: a newcomer's
-        # agent does its part of the same exchange in its next_rendezvous().
-        assign: Any = self._agent._assign_worker_ranks  # type: ignore[attr-defined]
+        while True:
+            joined, store = self._rejoin()
+            workers = self._assign_ranks(joined, store, group.spec)
+            if workers is not None:
+                break
+            log.warning(
+                "node %s: round %d went stale before every member did its part of the rank "
+                "assignment (one was lost since the seal); joining the next",
+                self._node,
+                joined.status.round,
+            )
         status = joined.status
-        workers = assign(store, joined.rank, status.world_size, group.spec)
         for running, assigned in zip(group.workers, workers, strict=True):
             assigned.id = running.id
         assert status.master is not None
@@ -309,6 +321,33 @@ class Reformer:
             workers[0].world_size,
             time.monotonic() - started,
         )
+
+    def _assign_ranks(self, joined: join.Joined, store: Store, spec: Any) -> list[Any] | None:
+        """torch's own rank assignment, on the round's store, for the agent (a newcomer's
+        agent does its part of the same exchange after its ``next_rendezvous()``); ``None``
+        if the round went stale first. A member lost after the seal never does its part:
+        the exchange is tried in short waits, between which the reformer looks whether
+        the round went stale, rather than hold up the next round (which waits for this
+        node) for the store's whole timeout."""
+        assert self._agent is not None
+        assign: Any = self._agent._assign_worker_ranks  # type: ignore[attr-defined]
+        # A property of every torch store, missing from its type stubs.
+        bound: datetime.timedelta = store.timeout  # type: ignore[attr-defined]
+        deadline = time.monotonic() + bound.total_seconds()
+        store.set_timeout(min(bound, _ASSIGN_WAIT))
+        try:
+            while True:
+                try:
+                    workers: list[Any] = assign(store, joined.rank, joined.status.world_size, spec)
+                    return workers
+                except RuntimeError:  # torch's DistStoreError (a part missing) or its
+                    # DistNetworkError (rank 0's store gone: the round goes stale too)
+                    if self._wait_for_change(time.monotonic()):
+                        return None
+                    if time.monotonic() >= deadline:
+                        raise
+        finally:
+            store.set_timeout(bound)
 
     def _publish(self, joined: join.Joined, first: Any, lost: tuple[str, ...] = ()) -> None:
         status = joined.status

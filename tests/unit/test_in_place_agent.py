@@ -13,6 +13,9 @@ the operator is scripted.
 - A member lost: the workers must re-form into the round without it within
   ``in_place_loss_timeout`` (one blocked on a peer cut off never would), or the agent
   restarts them.
+- A member lost after the seal, before its agent did its part of torch's rank assignment:
+  the survivor gives that round up as soon as it goes stale and re-forms into the next
+  one in place, rather than wait out the store's timeout and fall back.
 - Without ``in_place``, nothing of this exists.
 """
 
@@ -351,6 +354,36 @@ def test_workers_that_do_not_reform_after_a_loss_are_restarted_past_the_bound(
             assert "pod-2" in reason and "in_place_loss_timeout" in reason
             published = handoff.read_round(reformer_directory(survivor_handler))
             assert published is not None and published.fallback == reason
+    finally:
+        lost_handler.shutdown()
+        survivor_handler.shutdown()
+
+
+def test_a_member_lost_before_it_did_its_part_of_the_rank_assignment_holds_nothing_up() -> None:
+    operator = LosingOperator()
+    survivor_handler = handler(operator, "pod-1")
+    lost_handler = handler(operator, "pod-2", addr="127.0.0.2")
+    survivor = agent(survivor_handler)
+    try:
+        survivor._initialize_workers(survivor._worker_group)
+        group = survivor.get_worker_group()
+        register_workers(survivor_handler, group)
+        # pod-2 joins round 2 and dies before its agent does its part of torch's rank
+        # assignment: the survivor's part waits on it.
+        info = lost_handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (1, 2)
+
+        operator.lose()
+
+        def published() -> handoff.PublishedRound | None:
+            found = handoff.read_round(reformer_directory(survivor_handler))
+            return found if found is not None and found.round == 3 else None
+
+        third = until(published, "round 3 published to the survivor's workers")
+        assert third.in_place and third.fallback is None, "re-formed in place, no restart"
+        assert (group.group_rank, group.group_world_size) == (0, 1)
+        assert operator.entries["pod-1"].attempt == 3, "round 2 given up for round 3"
+        assert survivor_handler.num_nodes_waiting() == 0
     finally:
         lost_handler.shutdown()
         survivor_handler.shutdown()
