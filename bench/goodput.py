@@ -2,8 +2,8 @@
 
     python bench/goodput.py                               # c10d, ours, ours-spare: 20 min each
     python bench/goodput.py --minutes 4 --configs ours    # a short look at one
-    python bench/goodput.py --configs ours-warm --gap 10,15 --rounds 1000 --minutes 165 \
-        --out bench/results/soak                          # the soak: dense faults, 1,000 rounds
+    python bench/goodput.py --configs ours-warm --gap 10,15 --doubles 0.25 --rounds 1000 \
+        --minutes 80 --out bench/results/soak             # the soak: dense faults, two at once
     python bench/goodput.py --report                      # the report again, from results.json
 
 Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
@@ -170,19 +170,31 @@ class Fault:
 
 
 def schedule(
-    seed: int, seconds: float, kinds: Sequence[str], gap: tuple[float, float] = GAP_SECONDS
+    seed: int,
+    seconds: float,
+    kinds: Sequence[str],
+    gap: tuple[float, float] = GAP_SECONDS,
+    doubles: float = 0.0,
 ) -> list[Fault]:
     """A fault every ``gap`` seconds (uniform) within ``seconds``, each kind in turn from a
-    deck shuffled anew once dealt, so that every kind comes about as often."""
+    deck shuffled anew once dealt, so that every kind comes about as often; a share
+    ``doubles`` of them come with the next card at the same moment (two at once)."""
     rng = random.Random(seed)
     faults: list[Fault] = []
     deck: list[str] = []
-    at = rng.uniform(*gap)
-    while at < seconds:
+
+    def deal() -> str:
+        nonlocal deck
         if not deck:
             deck = list(kinds)
             rng.shuffle(deck)
-        faults.append(Fault(round(at, 1), deck.pop()))
+        return deck.pop()
+
+    at = rng.uniform(*gap)
+    while at < seconds:
+        faults.append(Fault(round(at, 1), deal()))
+        if doubles and rng.random() < doubles:
+            faults.append(Fault(round(at, 1), deal()))
         at += rng.uniform(*gap)
     return faults
 
@@ -447,8 +459,10 @@ class Run:
         gap: tuple[float, float] = GAP_SECONDS,
         rounds: int | None = None,
         logs: Path | None = None,
+        doubles: float = 0.0,
     ) -> None:
         self.pool = pool
+        self.doubles = doubles
         self.logs = logs
         """Where each pod's log is kept at the end of the run (not committed: for reading a
         fault's cost)."""
@@ -550,7 +564,7 @@ class Run:
         try:
             protected = self._start(job)
             began = time.time()
-            planned = schedule(self.seed, minutes * 60, list(FAULTS), self.gap)
+            planned = schedule(self.seed, minutes * 60, list(FAULTS), self.gap, self.doubles)
             injected = self._follow(job, protected, planned, began, minutes * 60)
             ended = time.time()
             self._check_end()
@@ -733,8 +747,10 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
         else:
             record["at"] = time.time()
-            self.pool.control_plane.stop_apiserver()
-            self.pool.control_plane.start_apiserver()
+            try:
+                self.pool.control_plane.stop_apiserver()
+            finally:  # even when interrupted: the run's cleanup needs the API server
+                self.pool.control_plane.start_apiserver()
         return record
 
     def _repair(self, node: str) -> None:
@@ -968,6 +984,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, help="ours: end a configuration once this many rounds sealed"
     )
+    parser.add_argument(
+        "--doubles",
+        type=float,
+        default=0.0,
+        help="the share of faults that come with a second at once (a soak: 0.25)",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument(
         "--report",
@@ -996,6 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
                     (low, high),
                     args.rounds,
                     logs=args.out / "logs" / config.name,
+                    doubles=args.doubles,
                 )
                 result = run.run(args.minutes)
             except Exception as error:
@@ -1011,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "schedule": [
             dataclasses.asdict(f)
-            for f in schedule(args.seed, args.minutes * 60, list(FAULTS), (low, high))
+            for f in schedule(args.seed, args.minutes * 60, list(FAULTS), (low, high), args.doubles)
         ],
     }
     write(meta, results, args.out)

@@ -821,6 +821,9 @@ disabled_plugins = {json.dumps(disabled)}
         results = CNI_CACHE / "results"
         if results.is_dir():
             for entry in results.glob(f"{network}-*"):
+                # The loopback plugin's result for the same sandbox goes with it.
+                sandbox = entry.name.removeprefix(f"{network}-").rpartition("-")[0]
+                (results / f"cni-loopback-{sandbox}-lo").unlink(missing_ok=True)
                 entry.unlink(missing_ok=True)
         containers_logs = Path("/var/log/containers")
         if containers_logs.is_dir():

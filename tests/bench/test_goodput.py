@@ -55,6 +55,20 @@ def test_the_schedule_is_seeded_spaced_and_deals_every_kind_in_turn() -> None:
         assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
 
 
+def test_a_soaks_schedule_brings_some_faults_two_at_once_from_the_same_deck() -> None:
+    kinds = list(goodput.FAULTS)
+    single = goodput.schedule(7, 60 * 60, kinds, (10.0, 15.0))
+    faults = goodput.schedule(7, 60 * 60, kinds, (10.0, 15.0), doubles=0.25)
+    assert faults == goodput.schedule(7, 60 * 60, kinds, (10.0, 15.0), doubles=0.25)
+    moments = [fault.at for fault in faults]
+    pairs = len(moments) - len(set(moments))
+    assert 0.15 * len(set(moments)) < pairs < 0.35 * len(set(moments)), (pairs, len(moments))
+    assert max(moments.count(at) for at in moments) == 2
+    assert len({f.at for f in single}) == len(single), "none by default"
+    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
+        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+
+
 def test_an_undisturbed_run_has_a_goodput_of_one() -> None:
     lines = world("a:1", ["p0", "p1", "p2", "p3"], 100.0, 400.0)
     result = goodput.analyze(lines, [], 100.0, 400.0)
