@@ -52,6 +52,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="training steps to run")
     parser.add_argument("--step-seconds", type=float, default=0.1, help="sleep per step")
+    parser.add_argument(
+        "--compute-seconds",
+        type=float,
+        default=0.0,
+        help="work before each step's all-reduce, as a forward and backward pass (a sleep)",
+    )
     args = parser.parse_args()
 
     started = time.time()
@@ -68,6 +74,7 @@ def main() -> int:
             if world.reformed():
                 reformed_at = time.time()
                 step, model = share_state(step, model)
+            time.sleep(args.compute_seconds)
             gradient = torch.ones(SIZE)
             dist.all_reduce(gradient)
             model += gradient / world.world_size

@@ -13,7 +13,12 @@ So each in-place worker runs :class:`Watch`: when its node's handler publishes a
 that dropped members (:attr:`k8s_rendezvous.handoff.PublishedRound.lost_addresses`, the
 pod IPs the operator checked them by) while the worker is still in an older world, it
 shuts down this process's TCP connections to those addresses. Only connections to a
-member the operator has already dropped are touched: the world they belong to is over.
+member the operator has already dropped are touched: the world they belong to is over. A
+member dropped because its pod is being deleted (a drain, an eviction:
+:attr:`~k8s_rendezvous.handoff.PublishedRound.leaving_addresses`) is finishing the step in
+flight with this worker, and leaves at the step boundary: it is cut off only if still
+connected :data:`~k8s_rendezvous.handoff.STOP_GRACE_SECONDS` later (its pod deleted while
+its node was cut off), and not at all once this worker re-formed without it.
 Linux only (``/proc``); elsewhere nothing is cut and ``in_place_loss_timeout`` bounds the
 wait as before. NCCL's transports are not TCP sockets of this process and are not cut.
 """
@@ -26,6 +31,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final
@@ -41,14 +47,20 @@ _TCP_TABLES: Final = (Path("/proc/self/net/tcp"), Path("/proc/self/net/tcp6"))
 
 
 def addresses_to_cut(
-    published: handoff.PublishedRound | None, world_round: int, cut_round: int
+    published: handoff.PublishedRound | None,
+    world_round: int,
+    cut_round: int,
+    *,
+    leaving: bool = False,
 ) -> frozenset[str]:
     """The addresses whose connections to shut down, given the round the node's handler
     published, the round of the worker's current world and the last round already acted
-    on: those the published round lost, once per round, while the world is older."""
+    on: those the published round lost (``leaving``: those it lost that are leaving, to
+    be cut after the grace), once per round, while the world is older."""
     if published is None or published.round <= max(world_round, cut_round):
         return frozenset()
-    return frozenset(filter(None, map(_canonical, published.lost_addresses)))
+    listed = published.leaving_addresses if leaving else published.lost_addresses
+    return frozenset(filter(None, map(_canonical, listed)))
 
 
 def remote_addresses(table: str) -> dict[int, str]:
@@ -115,6 +127,10 @@ class Watch:
         self._path = directory / handoff.ROUND_FILE
         self._world_round = world_round
         self._cut_round = 0
+        self._leaving_round = 0
+        self._leavers: tuple[int, float, frozenset[str]] | None = None
+        """Members the latest round dropped while they leave: (round, when they are cut
+        off by ``time.monotonic()``, their addresses)."""
         self._seen: tuple[int, int] | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="k8s-rendezvous-cut", daemon=True)
@@ -133,6 +149,7 @@ class Watch:
             except (OSError, handoff.HandoffError) as error:
                 # The in-place path reads the same file and says what is wrong with it.
                 log.debug("could not read the published round: %s", error)
+            self._cut_leavers()
 
     def _once(self) -> None:
         status = self._path.stat()
@@ -141,7 +158,13 @@ class Watch:
             return
         self._seen = seen
         published = handoff.read_round(self._path.parent)
-        addresses = addresses_to_cut(published, self._world_round(), self._cut_round)
+        world_round = self._world_round()
+        leaving = addresses_to_cut(published, world_round, self._leaving_round, leaving=True)
+        if published is not None and leaving:
+            self._leaving_round = published.round
+            due = time.monotonic() + handoff.STOP_GRACE_SECONDS
+            self._leavers = (published.round, due, leaving)
+        addresses = addresses_to_cut(published, world_round, self._cut_round)
         if published is None or not addresses:
             return
         self._cut_round = published.round
@@ -151,6 +174,25 @@ class Watch:
             "blocked on it fails now",
             published.round,
             ", ".join(sorted(addresses)),
+            shut,
+        )
+
+    def _cut_leavers(self) -> None:
+        """Cut the leaving members still connected once their grace is over, unless this
+        worker re-formed without them meanwhile."""
+        if self._leavers is None or time.monotonic() < self._leavers[1]:
+            return
+        round_number, _, addresses = self._leavers
+        self._leavers = None
+        if self._world_round() >= round_number:
+            return
+        shut = shut_down_connections(addresses)
+        log.warning(
+            "round %d dropped %s while leaving, still in this worker's world %.0f s later: "
+            "shut down %d connection(s) to it",
+            round_number,
+            ", ".join(sorted(addresses)),
+            handoff.STOP_GRACE_SECONDS,
             shut,
         )
 

@@ -37,6 +37,12 @@ from k8s_rendezvous import state
 DIRECTORY_ENV: Final = "K8S_RENDEZVOUS_IN_PLACE_DIR"
 """Names the shared directory to the workers; unset, they cannot re-form in place."""
 ROUND_FILE: Final = "round.json"
+STOP_GRACE_SECONDS: Final = 10.0
+"""How long a worker told to stop (SIGTERM from torch's agent: its pod is being deleted, or
+the agent restarts its workers) may take to finish the step in flight before it ends
+anyway (:mod:`k8s_rendezvous.in_place`), and so how long its peers let a leaving member
+finish before they cut it off (:mod:`k8s_rendezvous.cut_peers`): a step blocked on a peer
+that is gone would otherwise hold the agent until it SIGKILLs (30 s)."""
 SCHEMA_VERSION: Final = 1
 """Version of both records' layout (``schemaVersion`` in each); a reader refuses a record
 of another version as unreadable, so an agent and workers of different k8s-rendezvous
@@ -76,6 +82,10 @@ class PublishedRound:
     lost_addresses: tuple[str, ...] = ()
     """The addresses of the members of this node's previous round that this one dropped:
     the workers shut their connections to them down (:mod:`k8s_rendezvous.cut_peers`)."""
+    leaving_addresses: tuple[str, ...] = ()
+    """Those of the dropped members whose pods are being deleted (the status' ``leaving``):
+    their workers finish the step in flight, so the workers cut them off only if they are
+    still connected :data:`STOP_GRACE_SECONDS` later."""
 
     @property
     def in_place(self) -> bool:
@@ -94,6 +104,7 @@ class PublishedRound:
             "worldSize": self.world_size,
             "fallback": self.fallback,
             "lostAddresses": list(self.lost_addresses),
+            "leavingAddresses": list(self.leaving_addresses),
         }
 
     @classmethod
@@ -111,6 +122,7 @@ class PublishedRound:
                 world_size=fields.optional_integer("worldSize"),
                 fallback=fields.optional_string("fallback"),
                 lost_addresses=fields.strings("lostAddresses"),
+                leaving_addresses=fields.strings("leavingAddresses"),
             )
 
 

@@ -44,6 +44,9 @@ import datetime
 import logging
 import os
 import random
+import signal
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -158,6 +161,62 @@ class _Target:
         return [self.key(kind, rank) for rank in range(self.world_size)]
 
 
+class _StepBoundaryStop:
+    """SIGTERM taken at a step boundary: the step in flight is finished, with every peer,
+    and the worker then leaves, so that a planned removal (a drain, an eviction) costs the
+    others no step. Between steps (re-forming, or waiting for the agent to restart it) the
+    worker leaves at once, as without it; a step not done within
+    :data:`~k8s_rendezvous.handoff.STOP_GRACE_SECONDS` is given up.
+
+    A Python signal handler runs only when the main thread returns to the interpreter,
+    never while it is blocked in a collective, so the signal is watched from a thread,
+    through the byte its C handler writes to :func:`signal.set_wakeup_fd`."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.in_step = False
+
+    def install(self) -> bool:
+        """Take SIGTERM (main thread only); ``False`` if another wakeup fd is in use."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            reader.close()
+            writer.close()
+            log.warning("a signal wakeup fd is in use: SIGTERM ends this worker mid-step")
+            return False
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: None)  # the watcher acts
+        self._keep = (reader, writer)
+        threading.Thread(target=self._watch, name="k8s-rdzv-stop", daemon=True).start()
+        return True
+
+    def _watch(self) -> None:
+        reader = self._keep[0]
+        while signal.SIGTERM not in reader.recv(64):
+            pass
+        if not self.in_step:
+            leave("SIGTERM between steps: leaving now")
+        self.requested.set()
+        grace = handoff.STOP_GRACE_SECONDS
+        log.warning(
+            "SIGTERM: finishing the step in flight, then leaving at the step boundary "
+            "(at most %.0f s)",
+            grace,
+        )
+        time.sleep(grace)
+        leave(f"SIGTERM: the step in flight did not end within {grace:.0f} s")
+
+
+def leave(reason: str) -> None:
+    """End this worker now, as SIGTERM would have (its connections close with it, so peers
+    blocked on it fail at once and re-form)."""
+    log.warning("%s", reason)
+    logging.shutdown()
+    os._exit(128 + signal.SIGTERM)
+
+
 class World:
     """This worker's place in the world, kept through changes of the world.
 
@@ -187,6 +246,7 @@ class World:
         self._seen: tuple[int, int] | None = None
         """(inode, mtime) of the round file last read: it is read again only when changed."""
         self._latest = published
+        self._stop = _StepBoundaryStop()
 
     # -- what the training loop reads ----------------------------------------------------
 
@@ -229,6 +289,15 @@ class World:
         If the node was admitted to a newer round (a node arrived) and every worker of
         that round is there, the workers switch to it here, together.
         """
+        if self._stop.requested.is_set():
+            leave("SIGTERM: the step in flight is done; leaving at the step boundary")
+        self._stop.in_step = False
+        try:
+            return self._reformed()
+        finally:
+            self._stop.in_step = True
+
+    def _reformed(self) -> bool:
         if self._fresh:
             self._fresh = False
             return True
@@ -263,6 +332,7 @@ class World:
             if error is not None:
                 raise error
             raise InPlaceFallback("this worker is not on the in-place path")
+        self._stop.in_step = False
         log.warning("a collective failed (%s); re-forming the world in place", error)
         started = time.monotonic()
         _release(error)
@@ -529,4 +599,5 @@ def init_process_group(
         world._fall_back(f"{type(failure).__name__}: {failure}")
     # For the life of the worker: the world it watches for is the process's default group.
     cut_peers.Watch(Path(directory), lambda: world.round).start()
+    world._stop.install()
     return world

@@ -75,12 +75,22 @@ def lost_members(before: state.NodeView, after: state.NodeView) -> tuple[str, ..
     return tuple(node for node in before.member_nodes if node not in kept)
 
 
-def lost_addresses(before: state.NodeView, after: state.NodeView) -> tuple[str, ...]:
-    """The addresses of ``before``'s round that ``after``'s round no longer has: a member
-    whose agent restarted in its pod keeps its address, and its old workers' connections
-    closed when they died."""
+def dropped_addresses(
+    before: state.NodeView, after: state.NodeView
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The addresses of ``before``'s round that ``after``'s round no longer has: those to
+    cut off at once, and those of members leaving (``after.leaving``: their pods are being
+    deleted, and their workers finish the step in flight). A member whose agent restarted
+    in its pod keeps its address, and its old workers' connections closed when they died."""
     kept = set(after.member_addresses)
-    return tuple(dict.fromkeys(a for a in before.member_addresses if a not in kept))
+    leaving = set(after.leaving)
+    dropped = [
+        (node, address)
+        for node, address in zip(before.member_nodes, before.member_addresses, strict=True)
+        if address not in kept
+    ]
+    lost = dict.fromkeys(address for node, address in dropped if node not in leaving)
+    return tuple(lost), tuple(dict.fromkeys(a for _, a in dropped if a not in lost))
 
 
 def late(take_up: TakeUp, rounds: list[int | None]) -> str | None:
@@ -308,7 +318,7 @@ class Reformer:
         self._joined = joined
         if lost:
             self._take_up = TakeUp(status.round, lost, time.monotonic() + self._loss_timeout)
-        self._publish(joined, workers[0] if workers else None, lost_addresses(before, status))
+        self._publish(joined, workers[0] if workers else None, *dropped_addresses(before, status))
         log.info(
             "node %s is rank %d of %d in round %d, re-formed in place (workers kept as ranks "
             "%d-%d of %d) in %.3f s",
@@ -349,7 +359,13 @@ class Reformer:
         finally:
             store.set_timeout(bound)
 
-    def _publish(self, joined: join.Joined, first: Any, lost: tuple[str, ...] = ()) -> None:
+    def _publish(
+        self,
+        joined: join.Joined,
+        first: Any,
+        lost: tuple[str, ...] = (),
+        leaving: tuple[str, ...] = (),
+    ) -> None:
         status = joined.status
         assert status.master is not None
         handoff.write(
@@ -364,6 +380,7 @@ class Reformer:
                 base_rank=None if first is None else first.global_rank,
                 world_size=None if first is None else first.world_size,
                 lost_addresses=lost,
+                leaving_addresses=leaving,
             ),
         )
         if self.observer is not None:

@@ -1406,6 +1406,12 @@ class RendezvousStatus:
     """Kubernetes nodes on which a member failed, oldest first, at most
     :data:`MAX_EXCLUDED_NODES` and none older than :data:`EXCLUDED_NODE_TTL`: the webhook
     keeps the workload's new pods off them."""
+    leaving: tuple[str, ...] = ()
+    """Members of the round before the latest that it dropped while their pods were being
+    deleted (a drain, an eviction, a scale-down): their workers may still be finishing the
+    step in flight, so nodes re-forming in place let them leave rather than cut them off
+    (:data:`k8s_rendezvous.handoff.STOP_GRACE_SECONDS`). Not in a RendezvousSlice, whose
+    nodes learn of no member they lost."""
 
     @property
     def world_size(self) -> int:
@@ -1458,6 +1464,7 @@ class RendezvousStatus:
             "history": [record.to_dict() for record in self.history],
             "restarts": self.restarts,
             "excludedNodes": [excluded.to_dict() for excluded in self.excluded_nodes],
+            "leaving": list(self.leaving),
         }
 
     def slice_fields(self, indexes: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
@@ -1561,6 +1568,7 @@ class RendezvousStatus:
                 ExcludedNode.from_dict(item, f"{field}.excludedNodes[{index}]")
                 for index, item in enumerate(_list(data, "excludedNodes", field))
             )[-MAX_EXCLUDED_NODES:],
+            leaving=Fields(data, field).strings("leaving"),
         )
 
 
@@ -1597,6 +1605,8 @@ class NodeView:
     """See :attr:`RendezvousStatus.slices`: more than 0 tells the node to watch its slice."""
     own_refusals: tuple[Refusal, ...] = ()
     """This pod's entries in ``refused``."""
+    leaving: tuple[str, ...] = ()
+    """See :attr:`RendezvousStatus.leaving` (empty when read from a slice)."""
 
     @property
     def round_key(self) -> str:
@@ -1661,6 +1671,7 @@ class NodeView:
                 for index, item in enumerate(_list(data, "refused", field))
                 if type(item) is not dict or item.get("node") == node
             ),
+            leaving=() if sliced else Fields(data, field).strings("leaving"),
         )
 
 

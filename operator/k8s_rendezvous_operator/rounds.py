@@ -28,7 +28,10 @@ sets the conditions. Each numbered rule is the function named with it:
    either ``maxNodes`` joined, every node we know of has joined (after a stale round: all
    survivors are back; for a first round: the workload's expected nodes), or the last call
    (``lastCallTimeoutSeconds`` after ``minNodes`` were reached) has passed. The round goes
-   into ``history`` with its cause and how long forming it took.
+   into ``history`` with its cause and how long forming it took, and names in ``leaving``
+   the members it dropped whose pods are being deleted (a planned removal): their workers
+   finish the step in flight, so the nodes re-forming in place let them leave rather than
+   cut them off.
 7. :func:`keeps_forming`: otherwise the round keeps forming, with its last call set while
    ``minNodes`` have joined.
 
@@ -662,6 +665,7 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         forming_cause=None,
         forming_cause_message=None,
         history=(*status.history, record)[-MAX_HISTORY:],
+        leaving=tuple(loss.node for loss in ctx.losses if loss.reason == LOST_POD_TERMINATING),
     )
     wake_at = None
     if ctx.liveness is not None:

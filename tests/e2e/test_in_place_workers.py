@@ -11,7 +11,13 @@ the operator sealed it.
   round that dropped its address is published.
 - A node arrives: the running workers train on until it has joined, then switch to a
   world of 3 together, the newcomer last.
-- The handler gives up: a worker waiting to re-form stops waiting and says why.
+- The handler gives up: a worker waiting to re-form stops waiting and says why, and ends
+  at once at the agent's SIGTERM.
+- A worker told to stop (SIGTERM, as torch's agent sends when the pod is deleted) inside
+  a step finishes it with its peers, who do not cut it off (the round names it leaving),
+  then leaves at the step boundary: the others re-form without doing any step twice. One
+  whose step outlasts the grace period leaves when it is over; one that stops answering
+  instead of leaving is cut off once the grace is over.
 
 No Kubernetes here: tests/e2e/test_in_place.py runs the whole path.
 """
@@ -57,6 +63,7 @@ class Node(LocalProcess):
         group_rank: int,
         nodes: int,
         lost_addresses: tuple[str, ...] = (),
+        leaving: tuple[str, ...] = (),
         **ranks: int,
     ) -> None:
         handoff.write(
@@ -71,6 +78,7 @@ class Node(LocalProcess):
                 ranks.get("base_rank"),
                 ranks.get("world_size"),
                 lost_addresses=lost_addresses,
+                leaving_addresses=leaving,
             ),
         )
 
@@ -81,10 +89,17 @@ class Node(LocalProcess):
             self.handoff, handoff.ROUND_FILE, dataclasses.replace(published, fallback=reason)
         )
 
-    def start(self, rank: int, world_size: int, group_rank: int, master: str) -> None:
+    def start(
+        self, rank: int, world_size: int, group_rank: int, master: str, compute: float = 0.0
+    ) -> None:
         host, _, port = master.rpartition(":")
         self.spawn(
-            [sys.executable, str(SCRIPT), "--steps", "100000", "--step-seconds", "0.02"],
+            [
+                sys.executable,
+                str(SCRIPT),
+                *("--steps", "100000", "--step-seconds", "0.02"),
+                *("--compute-seconds", str(compute)),
+            ],
             {
                 handoff.DIRECTORY_ENV: str(self.handoff),
                 "RANK": str(rank),
@@ -166,12 +181,12 @@ def world(nodes: list[Node], size: int, after: float) -> list[dict[str, Any]]:
     return lines
 
 
-def start_world(rounds: Rounds, nodes: list[Node]) -> list[dict[str, Any]]:
+def start_world(rounds: Rounds, nodes: list[Node], compute: float = 0.0) -> list[dict[str, Any]]:
     """Round 1 with ``nodes`` in rank order, trained in: its progress lines."""
     master = rounds.new()
     for rank, node in enumerate(nodes):
         node.publish(1, master, rank, len(nodes))
-        node.start(rank, len(nodes), rank, master)
+        node.start(rank, len(nodes), rank, master, compute)
     return world(nodes, len(nodes), 0)
 
 
@@ -253,3 +268,75 @@ def test_a_worker_waiting_to_reform_stops_waiting_when_its_handler_gives_up(
     assert "the node's handler gave up: the join in place failed" in reason
     assert "falling back to torch's restart" in a.log()
     assert a.running(), "it waits for the agent to stop it"
+    a.send(signal.SIGTERM)
+    wait_for(lambda: not a.running(), 10, "a, waiting between steps, to end at SIGTERM")
+    assert a.returncode == 128 + signal.SIGTERM and "SIGTERM between steps" in a.log()
+
+
+def test_a_worker_told_to_stop_finishes_its_step_then_leaves_and_the_others_go_on(
+    nodes: dict[str, Node],
+) -> None:
+    rounds = Rounds()
+    a, b, c, _ = nodes.values()
+    # Each step is mostly work before its all-reduce, as a forward and backward pass: a
+    # worker ended at SIGTERM would end inside one, and its peers would redo that step.
+    start_world(rounds, [a, b, c], compute=1.0)
+    # Every worker well into its next step's work (the rest of a step takes milliseconds);
+    # between steps there is nothing to finish, and a worker leaves at once.
+    wait_for(
+        lambda: time.time() - max(line["time"] for n in (a, b, c) for line in n.lines()) > 0.3,
+        10,
+        "every worker in its step's work",
+    )
+    told = time.time()
+    c.send(signal.SIGTERM)  # what torch's agent sends when the pod is deleted
+    # At once, as the operator seals the round without a pod being deleted: c is leaving,
+    # so a and b do not cut it off (every node here has c's address), and finish the step
+    # with it.
+    master = rounds.new("127.0.0.2")
+    a.publish(2, master, 0, 2, base_rank=0, world_size=2, leaving=("127.0.0.1",))
+    b.publish(2, master, 1, 2, base_rank=1, world_size=2, leaving=("127.0.0.1",))
+    wait_for(lambda: not c.running(), 15, "c to leave")
+    assert c.returncode == 128 + signal.SIGTERM, c.tail()
+    finished = [line for line in c.lines() if line["time"] > told]
+    assert finished, f"c finished the step in flight after SIGTERM\n{c.tail()}"
+    assert "leaving at the step boundary" in c.log()
+
+    smaller = world([a, b], 2, told)
+    last = max(line["step"] for line in c.lines())
+    assert min(line["step"] for line in smaller) == last + 1, "no step done twice"
+
+
+def test_a_worker_whose_step_outlasts_the_grace_leaves_when_it_is_over(
+    nodes: dict[str, Node],
+) -> None:
+    rounds = Rounds()
+    a, b, *_ = nodes.values()
+    start_world(rounds, [a, b], compute=handoff.STOP_GRACE_SECONDS + 5)
+    # A second into its next step's work (the rest of a step takes milliseconds).
+    wait_for(lambda: time.time() - max(line["time"] for line in a.lines()) > 1, 10, "a's work")
+    told = time.time()
+    a.send(signal.SIGTERM)
+    wait_for(lambda: not a.running(), handoff.STOP_GRACE_SECONDS + 10, "a to give up its step")
+    assert a.returncode == 128 + signal.SIGTERM
+    assert a.exited_at is not None and a.exited_at - told >= handoff.STOP_GRACE_SECONDS
+    assert "did not end within" in a.log()
+
+
+def test_a_leaving_worker_that_stops_answering_is_cut_off_once_the_grace_is_over(
+    nodes: dict[str, Node],
+) -> None:
+    rounds = Rounds()
+    a, b, c, _ = nodes.values()
+    pids = {line["pod"]: line["pid"] for line in start_world(rounds, [a, b, c])}
+
+    c.send(signal.SIGSTOP)  # its pod deleted while its node is cut off: it never leaves
+    dropped = time.time()
+    master = rounds.new("127.0.0.2")
+    a.publish(2, master, 0, 2, base_rank=0, world_size=2, leaving=("127.0.0.1",))
+    b.publish(2, master, 1, 2, base_rank=1, world_size=2, leaving=("127.0.0.1",))
+    smaller = world([a, b], 2, dropped)
+    assert seen(smaller, "pod", "pid", "rank") == {("a", pids["a"], 0), ("b", pids["b"], 1)}
+    resumed = min(line["time"] for line in smaller)
+    assert resumed - dropped >= handoff.STOP_GRACE_SECONDS, "it was given the grace to leave"
+    assert "while leaving" in a.log() and "while leaving" in b.log()

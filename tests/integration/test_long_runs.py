@@ -14,7 +14,9 @@ node's failure, and a failure with none left closes the rendezvous, sending the 
 still training into the closure too (``RendezvousClosedError`` for both, a Warning Event
 naming the budget, ``kubectl get rdzv`` showing the restarts); ``next_rendezvous()``
 after ``set_closed()`` or ``shutdown()`` raises ``RendezvousClosedError`` at once and
-writes nothing; ``is_closed()`` before the Rendezvous exists is ``False``.
+writes nothing; ``is_closed()`` before the Rendezvous exists is ``False``; a member
+whose pod is being deleted is named in the next round's ``leaving`` (one whose pod failed
+is not).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils import store as store_util
 
-from devkit.cluster.controlplane import ControlPlane
+from devkit.cluster.controlplane import ControlPlane, set_pod_phase
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import kube, state
@@ -191,6 +193,30 @@ def test_declared_spares_are_ready_and_a_warning_says_when_the_protection_is_los
     )
     assert (restored.round, restored.spares) == (2, 1), "a new spare does not disturb the round"
     assert wait_for(lambda: short_of_spares() == 0, 10, "the gauge back at 0")
+
+
+def test_a_member_whose_pod_is_being_deleted_is_named_leaving_by_the_next_round(
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    admin_api: kubernetes.client.ApiClient,
+) -> None:
+    rdzv = make_rendezvous(1, 3)
+    survivor, leaver, failed = make_nodes(rdzv, 3)
+    join_all([survivor, leaver, failed])
+    core = kubernetes.client.CoreV1Api(admin_api)
+    # Held while terminating, as a drained pod is for its grace period.
+    held = {"metadata": {"finalizers": ["k8s-rendezvous.dev/test-hold"]}}
+    core.patch_namespaced_pod(leaver.pod, rdzv.namespace, held)
+    try:
+        delete_pod(admin_api, rdzv.namespace, leaver.pod)
+        set_pod_phase(admin_api, rdzv.namespace, failed.pod, "Failed", exit_code=1)
+        wait_told_to_rejoin([survivor], "the round gone stale")
+        assert survivor.join_in_background().wait(30).rank == 0
+        after = rdzv.status()
+        assert [m.node for m in after.members] == [survivor.pod]
+        assert after.leaving == (leaver.pod,), "a failed member is not leaving: it is gone"
+    finally:
+        core.patch_namespaced_pod(leaver.pod, rdzv.namespace, {"metadata": {"finalizers": None}})
 
 
 def test_a_shrink_moves_only_the_last_rank_into_the_hole(

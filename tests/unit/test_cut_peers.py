@@ -1,7 +1,9 @@
 """Connections to a member the operator dropped are shut down (k8s_rendezvous.cut_peers),
 with real sockets on distinct loopback addresses: a receive blocked on the dropped
 address returns at once, a connection elsewhere is untouched, and the watch acts once
-per published round that lost members, only while the worker's world is older."""
+per published round that lost members, only while the worker's world is older. A member
+dropped while its pod is being deleted is left to finish its step: cut only if still
+connected after the grace."""
 
 from __future__ import annotations
 
@@ -15,11 +17,39 @@ from pathlib import Path
 import pytest
 
 from devkit.waiting import wait_for
-from k8s_rendezvous import cut_peers, handoff
+from k8s_rendezvous import cut_peers, handoff, reforming, state
 
 
-def published(round_number: int, *lost: str) -> handoff.PublishedRound:
-    return handoff.PublishedRound(round_number, 1, "10.0.0.1:1", 0, 2, 0, 2, None, lost)
+def published(
+    round_number: int, *lost: str, leaving: tuple[str, ...] = ()
+) -> handoff.PublishedRound:
+    return handoff.PublishedRound(round_number, 1, "10.0.0.1:1", 0, 2, 0, 2, None, lost, leaving)
+
+
+def test_the_handler_tells_leaving_members_from_lost_ones() -> None:
+    def view(members: dict[str, str], leaving: tuple[str, ...] = ()) -> state.NodeView:
+        status = {
+            "schemaVersion": state.SCHEMA_VERSION,
+            "state": "Sealed",
+            "round": 1,
+            "master": {"addr": "10.0.0.1", "port": 1},
+            "members": [
+                {"rank": rank, "node": node, "instance": "i", "attempt": 1, "addr": addr}
+                for rank, (node, addr) in enumerate(members.items())
+            ],
+            "leaving": list(leaving),
+        }
+        return state.NodeView.from_dict(status, "a")
+
+    before = view({"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"})
+    after = view({"a": "10.0.0.1", "d": "10.0.0.4"}, leaving=("b",))
+    assert reforming.dropped_addresses(before, after) == (("10.0.0.3",), ("10.0.0.2",))
+    shared = view({"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.2"})
+    assert reforming.dropped_addresses(shared, view({"a": "10.0.0.1"}, leaving=("b",))) == (
+        ("10.0.0.2",),
+        (),
+    ), "an address a lost member shares is cut at once"
+    assert reforming.dropped_addresses(before, before) == ((), ())
 
 
 def test_a_round_that_lost_members_is_cut_once_while_the_world_is_older() -> None:
@@ -29,6 +59,10 @@ def test_a_round_that_lost_members_is_cut_once_while_the_world_is_older() -> Non
     assert cut_peers.addresses_to_cut(lost, 4, 5) == set(), "already cut"
     assert cut_peers.addresses_to_cut(published(5), 4, 0) == set(), "a node arrived"
     assert cut_peers.addresses_to_cut(None, 0, 0) == set()
+    leaving = published(5, "10.0.0.2", leaving=("10.0.0.3",))
+    assert cut_peers.addresses_to_cut(leaving, 4, 0) == {"10.0.0.2"}
+    assert cut_peers.addresses_to_cut(leaving, 4, 0, leaving=True) == {"10.0.0.3"}
+    assert cut_peers.addresses_to_cut(leaving, 5, 0, leaving=True) == set()
 
 
 def hexed(address: str) -> str:
@@ -130,5 +164,36 @@ def test_the_watch_cuts_when_a_round_that_dropped_the_address_is_published(
         thread.join(timeout=30)
         assert received == [b""]
         wait_for(lambda: watch._cut_round == 6 or None, 30, "the watch to record the round")
+    finally:
+        watch.stop()
+
+
+@pytest.mark.parametrize("reformed", [False, True], ids=["still-connected", "reformed"])
+def test_a_leaving_member_is_cut_only_after_the_grace_and_only_if_still_in_the_world(
+    tmp_path: Path, peers: tuple[Peer, Peer], monkeypatch: pytest.MonkeyPatch, reformed: bool
+) -> None:
+    monkeypatch.setattr(handoff, "STOP_GRACE_SECONDS", 0.5)
+    dropped, _ = peers
+    world_round = 4
+    watch = cut_peers.Watch(tmp_path, lambda: world_round)
+    handoff.write(tmp_path, handoff.ROUND_FILE, published(5, leaving=(DROPPED,)))
+    watch._once()
+    watch._cut_leavers()
+    dropped.server.sendall(b"y")
+    assert dropped.client.recv(1) == b"y", "it is finishing its step with this worker"
+    if reformed:
+        world_round = 5  # the leaver left at the step boundary and the worker re-formed
+
+    thread, received = blocked_receive(dropped.client)
+    watch.start()
+    try:
+        if reformed:
+            wait_for(lambda: watch._leavers is None or None, 30, "the grace to pass")
+            dropped.server.sendall(b"z")
+            thread.join(timeout=30)
+            assert received == [b"z"], "a world re-formed without it cuts nothing"
+        else:
+            thread.join(timeout=30)
+            assert received == [b""], "still connected after the grace: cut off"
     finally:
         watch.stop()

@@ -27,6 +27,7 @@ def test_a_published_round_and_a_worker_record_read_back_as_written(tmp_path: Pa
         base_rank=0,
         world_size=4,
         lost_addresses=("10.0.0.2",),
+        leaving_addresses=("10.0.0.3",),
     )
     handoff.write(tmp_path, handoff.ROUND_FILE, in_place)
     handoff.write(tmp_path, handoff.worker_file(1), handoff.WorkerRecord(1, 99, 4, "why"))
@@ -58,6 +59,7 @@ def test_records_go_on_the_wire_in_camel_case_with_their_schema_version() -> Non
         "worldSize": None,
         "fallback": None,
         "lostAddresses": [],
+        "leavingAddresses": [],
     }
     assert handoff.WorkerRecord(1, 99, 4).to_dict() == {
         "schemaVersion": 1,

@@ -256,6 +256,27 @@ def test_a_spare_for_rank_zero_takes_the_last_rank_which_moves_to_zero() -> None
     assert [m.replaces for m in world.status.members] == ["pod-0", None, None, "pod-3"]
 
 
+def test_the_round_names_the_members_it_dropped_while_their_pods_are_deleted() -> None:
+    world = World(spec(1, 4))
+    for node in ("a", "b", "c", "d"):
+        world.join(node)
+    world.decide()
+    world.kill("b", rounds.LOST_POD_TERMINATING)  # a drain: its workers finish their step
+    world.kill("c", rounds.LOST_POD_FAILED)
+    world.kill("d", rounds.LOST_POD_DELETED)  # gone: its processes with it
+    world.decide()
+    world.join("a")
+    assert world.decide().sealed
+    assert world.status.leaving == ("b",)
+    assert RendezvousStatus.from_dict(world.status.to_dict()).leaving == ("b",)
+
+    world.join("e")
+    world.decide()
+    world.join("a")
+    assert world.decide().sealed, "a node arrived"
+    assert world.status.leaving == (), "each round names its own"
+
+
 def spares_ready(status: RendezvousStatus) -> tuple[str, str, str] | None:
     found = [c for c in status.conditions if c.type == rounds.CONDITION_SPARES_READY]
     return None if not found else (found[0].status, found[0].reason, found[0].message)
