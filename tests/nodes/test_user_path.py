@@ -72,6 +72,18 @@ def ended(pod: dict[str, Any]) -> bool:
     return bool(statuses) and all(dig(status, "state", "terminated") for status in statuses)
 
 
+def training_in_place(job: TrainingJob, size: int = 3) -> tuple[int, dict[int, str]]:
+    """The latest round whose world of ``size`` trains in place, once there is one, with
+    the pod of each rank."""
+    worlds = wait_for(lambda: in_place_worlds(job, size), 240, f"a world of {size} in place")
+    return max(worlds.items())
+
+
+def in_place_command(*arguments: str) -> list[str]:
+    """torchrun of one worker running the in-place example for good, with ``arguments``."""
+    return ["torchrun", "--nproc-per-node=1", str(IN_PLACE_SCRIPT), "--steps", "100000", *arguments]
+
+
 def lone_pod(job: TrainingJob) -> dict[str, Any]:
     """The pod alone on its node (3 pods spread over 2 nodes), whatever its rank."""
     by_node = pods_by_node(job)
@@ -164,9 +176,7 @@ def test_annotations_alone_keep_a_warm_spare_that_takes_the_lost_rank_in_place(
             *("--steps", "100000", "--step-seconds", "0.25"),
         ],
     )
-    first_round, before = max(
-        wait_for(lambda: in_place_worlds(job, 3), 240, "a world of 3 training in place").items()
-    )
+    first_round, before = training_in_place(job)
     wait_for(lambda: job.rendezvous_status().get("spares") == 1 or None, 120, "a spare waiting")
     (spare,) = {p["metadata"]["name"] for p in job.running_pods()} - set(before.values())
     survivors = {rank: pod_of(job, before[rank]) for rank in (0, 2)}
@@ -313,16 +323,9 @@ def test_survivors_of_a_lost_node_re_form_in_place_without_waiting_out_their_col
             "k8s-rendezvous.dev/in-place": "true",
             "k8s-rendezvous.dev/in-place-loss-timeout": "600",
         },
-        command=[
-            "torchrun",
-            "--nproc-per-node=1",
-            str(IN_PLACE_SCRIPT),
-            *("--steps", "100000", "--step-seconds", "0.25"),
-        ],
+        command=in_place_command("--step-seconds", "0.25"),
     )
-    first_round, _ = max(
-        wait_for(lambda: in_place_worlds(job, 3), 240, "a world of 3 training in place").items()
-    )
+    first_round, _ = training_in_place(job)
     victim = lone_pod(job)
     node = victim["spec"]["nodeName"]
     survivors = {
@@ -360,16 +363,9 @@ def test_an_evicted_pod_finishes_its_step_and_the_survivors_redo_none(
         parallelism=3,
         nodes="2:3",
         annotations={"k8s-rendezvous.dev/in-place": "true"},
-        command=[
-            "torchrun",
-            "--nproc-per-node=1",
-            str(IN_PLACE_SCRIPT),
-            *("--steps", "100000", "--step-seconds", "0.05", "--compute-seconds", "1"),
-        ],
+        command=in_place_command("--step-seconds", "0.05", "--compute-seconds", "1"),
     )
-    first_round, _ = max(
-        wait_for(lambda: in_place_worlds(job, 3), 240, "a world of 3 training in place").items()
-    )
+    first_round, _ = training_in_place(job)
     victim = lone_pod(job)["metadata"]["name"]
     core = kubernetes.client.CoreV1Api(admin_api)
     # Its object (and so its log) kept once it has gone, to read what it did last.
