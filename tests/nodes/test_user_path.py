@@ -36,8 +36,6 @@ from k8s_rendezvous import __version__
 pytestmark = pytest.mark.timeout(600)
 
 IN_PLACE_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "elastic_train_in_place.py"
-HOLD = "k8s-rendezvous.dev/test-hold"
-"""A finalizer that keeps a pod's object (and its log) after it has gone."""
 
 
 def pod_of(job: TrainingJob, name: str) -> dict[str, Any]:
@@ -64,12 +62,6 @@ def in_place_worlds(job: TrainingJob, size: int, steps: int = 2) -> dict[int, di
         for round_, ranks in by_round.items()
         if sorted(ranks) == list(range(size)) and all(len(r) >= steps for r in ranks.values())
     }
-
-
-def ended(pod: dict[str, Any]) -> bool:
-    """Whether every container of ``pod`` has terminated."""
-    statuses = dig(pod, "status", "containerStatuses", default=[])
-    return bool(statuses) and all(dig(status, "state", "terminated") for status in statuses)
 
 
 def training_in_place(job: TrainingJob, size: int = 3) -> tuple[int, dict[int, str]]:
@@ -351,48 +343,6 @@ def test_survivors_of_a_lost_node_re_form_in_place_without_waiting_out_their_col
         wait_webhook_served_by_leader_alone(admin_api)
     assert set(after.values()) == set(survivors)
     assert kept == survivors, "the survivors' workers were kept, not restarted"
-
-
-def test_an_evicted_pod_finishes_its_step_and_the_survivors_redo_none(
-    run_job: RunJob, admin_api: kubernetes.client.ApiClient
-) -> None:
-    """A planned removal on the in-place path: the evicted pod's worker finishes the step
-    in flight (a second of compute, then its all-reduce) with its peers, and leaves at the
-    step boundary; the survivors re-form without it from the next step."""
-    job: TrainingJob = run_job(
-        parallelism=3,
-        nodes="2:3",
-        annotations={"k8s-rendezvous.dev/in-place": "true"},
-        command=in_place_command("--step-seconds", "0.05", "--compute-seconds", "1"),
-    )
-    first_round, _ = training_in_place(job)
-    victim = lone_pod(job)["metadata"]["name"]
-    core = kubernetes.client.CoreV1Api(admin_api)
-    # Its object (and so its log) kept once it has gone, to read what it did last.
-    core.patch_namespaced_pod(victim, job.namespace, {"metadata": {"finalizers": [HOLD]}})
-    try:
-        evicted = time.time()
-        meta = kubernetes.client.V1ObjectMeta(name=victim, namespace=job.namespace)
-        core.create_namespaced_pod_eviction(
-            victim, job.namespace, kubernetes.client.V1Eviction(metadata=meta)
-        )
-
-        def without_it() -> list[dict[str, Any]] | None:
-            lines = [line for line in job.progress() if (line.get("round") or 0) > first_round]
-            return lines if lines and all(line["pod"] != victim for line in lines) else None
-
-        wait_for(without_it, 120, "the survivors training in a later round")
-        wait_for(lambda: ended(pod_of(job, victim)), 60, "the evicted pod's container to end")
-        lines = job.progress()
-        log = job.logs(victim)
-    finally:
-        core.patch_namespaced_pod(victim, job.namespace, {"metadata": {"finalizers": None}})
-    leaver = [line for line in lines if line["pod"] == victim]
-    later = [line for line in lines if (line.get("round") or 0) > first_round]
-    assert any(line["time"] > evicted for line in leaver), "it finished the step in flight"
-    assert "leaving at the step boundary" in log, log[-2000:]
-    last = max(line["step"] for line in leaver)
-    assert min(line["step"] for line in later) == last + 1, "no step redone"
 
 
 def test_the_world_follows_the_jobs_parallelism_down_and_up(
