@@ -10,14 +10,17 @@ tests read through the API server and the kubelet, as ``kubectl logs`` does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kubernetes.client
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from devkit import chart
@@ -31,6 +34,8 @@ from k8s_rendezvous import state
 VENV_BIN = REPO / ".venv" / "bin"
 
 CONTAINER = "trainer"
+FOLLOW_SECONDS = 600
+"""The longest a followed log is read: past any test's timeout."""
 JOB_LABEL = "batch.kubernetes.io/job-name"
 OPERATOR_POD_LABELS = "app.kubernetes.io/name=k8s-rendezvous"
 
@@ -123,6 +128,16 @@ def on_real_nodes(pod_spec: dict[str, Any], trainer_image: str) -> dict[str, Any
     return pod_spec
 
 
+def progress_lines(text: str, pod: str) -> list[dict[str, Any]]:
+    """The workers' progress lines in the log ``text`` of ``pod``, each naming the pod."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"step"' in line:
+            with contextlib.suppress(json.JSONDecodeError):
+                lines.append({**json.loads(line), "pod": pod})
+    return lines
+
+
 @dataclass
 class TrainingJob:
     """A training workload's pods: a Job's, or (with ``selector``) those of the Jobs a
@@ -194,11 +209,37 @@ class TrainingJob:
             ):
                 texts.append(self.logs(name, previous=True))
             for text in texts:
-                for line in text.splitlines():
-                    if line.startswith("{") and '"step"' in line:
-                        with contextlib.suppress(json.JSONDecodeError):
-                            lines.append({**json.loads(line), "pod": name})
+                lines += progress_lines(text, name)
         return lines
+
+    def follow_log(self, pod: str) -> concurrent.futures.Future[str]:
+        """The log of ``pod``'s running container, read as it is written, complete once the
+        container has ended. A log read afterwards may be gone: the kubelet removes a
+        deleted pod's ended containers, and their logs, at once."""
+        # Not preloaded, the client hands back the open response, not the str it declares.
+        response = cast(
+            urllib3.HTTPResponse,
+            self.core.read_namespaced_pod_log(
+                pod,
+                self.namespace,
+                container=self.container,
+                follow=True,
+                _preload_content=False,
+                _request_timeout=FOLLOW_SECONDS,
+            ),
+        )
+        whole: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def read() -> None:
+            try:
+                whole.set_result(response.read().decode(errors="replace"))
+            except BaseException as error:  # handed to whoever waits on the log
+                whole.set_exception(error)
+            finally:
+                response.release_conn()
+
+        threading.Thread(target=read, name=f"log-{pod}", daemon=True).start()
+        return whole
 
     def world(self, size: int, *, after: float, steps: int = 2) -> World | None:
         """The latest world of ``size`` workers that started after ``after`` (host clock)

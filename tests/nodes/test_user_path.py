@@ -27,6 +27,7 @@ from devkit.training import (
     agent_pid,
     operator_leader,
     pod_processes,
+    progress_lines,
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
@@ -343,6 +344,48 @@ def test_survivors_of_a_lost_node_re_form_in_place_without_waiting_out_their_col
         wait_webhook_served_by_leader_alone(admin_api)
     assert set(after.values()) == set(survivors)
     assert kept == survivors, "the survivors' workers were kept, not restarted"
+
+
+def test_an_evicted_pod_finishes_its_step_and_the_survivors_redo_none(
+    run_job: RunJob, admin_api: kubernetes.client.ApiClient
+) -> None:
+    """A planned removal on the in-place path: the evicted pod's worker finishes the step
+    in flight (a second of compute, then its all-reduce) with its peers, and leaves at the
+    step boundary; the survivors re-form without it from the next step."""
+    job: TrainingJob = run_job(
+        parallelism=3,
+        nodes="2:3",
+        annotations={"k8s-rendezvous.dev/in-place": "true"},
+        command=in_place_command("--step-seconds", "0", "--compute-seconds", "1"),
+    )
+    first_round, _ = training_in_place(job)
+    victim = lone_pod(job)["metadata"]["name"]
+
+    def into_its_compute() -> bool:
+        # A step is all compute but for the all-reduce at either end, so a SIGTERM that
+        # lands a few tenths of a second later finds the worker inside a step.
+        latest = max(line["time"] for line in job.progress() if line["pod"] == victim)
+        return 0.2 < time.time() - latest < 0.5
+
+    wait_for(into_its_compute, 60, "the evicted pod's worker to be into a step's compute")
+    its_log = job.follow_log(victim)
+    evicted = time.time()
+    meta = kubernetes.client.V1ObjectMeta(name=victim, namespace=job.namespace)
+    kubernetes.client.CoreV1Api(admin_api).create_namespaced_pod_eviction(
+        victim, job.namespace, kubernetes.client.V1Eviction(metadata=meta)
+    )
+
+    def without_it() -> list[dict[str, Any]] | None:
+        lines = [line for line in job.progress() if (line.get("round") or 0) > first_round]
+        return lines if lines and all(line["pod"] != victim for line in lines) else None
+
+    later = wait_for(without_it, 120, "the survivors training in a later round")
+    log = its_log.result(timeout=60)
+    leaver = progress_lines(log, victim)
+    assert any(line["time"] > evicted for line in leaver), "it finished the step in flight"
+    assert "the step in flight is done; leaving at the step boundary" in log, log[-2000:]
+    last = max(line["step"] for line in leaver)
+    assert min(line["step"] for line in later) == last + 1, "no step redone"
 
 
 def test_the_world_follows_the_jobs_parallelism_down_and_up(
