@@ -73,7 +73,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import kubernetes.client  # noqa: E402
-from tests.support import invariants  # noqa: E402
+from tests.support import fixtures, invariants  # noqa: E402
 
 from bench import real_nodes  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
@@ -127,6 +127,11 @@ class Config:
     """Workers re-form in place (examples/elastic_train_in_place.py)."""
     warm: bool = False
     """Workers forked from the agent's zygote (``-m k8s_rendezvous.warm``)."""
+    statefulset: bool = False
+    """The pods are a StatefulSet's, in a Rendezvous their first pod makes, rather than an
+    annotated Indexed Job's: a deleted pod is made anew at once and a crashed container is
+    restarted in its pod, where the Job controller delays each replacement of an index by
+    10 s x 2^(failures - 1), up to 10 min, and never forgets (docs/troubleshooting.md)."""
 
     @property
     def c10d(self) -> bool:
@@ -158,6 +163,13 @@ CONFIGS = {
         warm=True,
     ),
 }
+CONFIGS["soak"] = dataclasses.replace(
+    CONFIGS["ours-warm"],
+    name="soak",
+    description="ours-warm in a StatefulSet: its pods come back with no Job controller "
+    "back-off, so that faults keep forming rounds for hours",
+    statefulset=True,
+)
 GOODPUT_CONFIGS = ("c10d", "ours", "ours-spare")
 """What the goodput section compares; the others serve the soak."""
 
@@ -438,6 +450,24 @@ def analyze(
 # -- the run on real nodes --------------------------------------------------------------
 
 
+def member_gone(member: state.Member, pod: Json | None) -> bool:
+    """Whether the pod a sealed round's ``member`` joined from is gone, terminating or
+    ended, or no longer runs the agent that joined: a StatefulSet makes a deleted pod anew
+    under its name (another IP), and restarts a crashed container in its pod."""
+    if pod is None:
+        return True
+    restarts = sum(
+        int(container.get("restartCount") or 0)
+        for container in dig(pod, "status", "containerStatuses", default=[])
+    )
+    return bool(
+        pod["metadata"].get("deletionTimestamp")
+        or dig(pod, "status", "phase") in ("Failed", "Succeeded")
+        or dig(pod, "status", "podIP") != member.addr
+        or restarts > member.pod_restarts
+    )
+
+
 def host_leftovers() -> dict[str, set[str]]:
     """Network namespaces and k8s-rdzv-* entries of /tmp on this host (the real nodes')."""
     netns = Path("/var/run/netns")
@@ -498,6 +528,12 @@ class Run:
             "--nproc-per-node=1",
             *TORCHRUN_ARGS,
             *([f"--rdzv-conf={self.config.rdzv_conf}"] if not self.config.c10d else []),
+            *(
+                # Annotated Jobs' pods are given these by the operator's webhook.
+                ["--rdzv-backend=kubernetes", f"--rdzv-endpoint={self.name}", f"--nnodes=2:{FULL}"]
+                if self.config.statefulset
+                else []
+            ),
             *(["-m", "k8s_rendezvous.warm"] if self.config.warm else []),
             script,
             "--steps",
@@ -540,11 +576,45 @@ class Run:
         container["volumeMounts"].append({"name": "progress", "mountPath": "/progress"})
         if self.config.c10d:
             real_nodes.as_c10d(manifest, self.name, f"2:{FULL}", self.shared, self.config.rdzv_conf)
+        if self.config.statefulset:
+            return self.as_statefulset(manifest)
         return manifest
+
+    def as_statefulset(self, job: Json) -> Json:
+        """The Job ``job``'s pods as a StatefulSet's, which restarts its containers in place."""
+        labels = {"app": self.name}
+        pod_spec = job["spec"]["template"]["spec"]
+        pod_spec["restartPolicy"] = "Always"
+        for constraint in pod_spec.get("topologySpreadConstraints") or ():
+            constraint["labelSelector"] = {"matchLabels": labels}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": self.name},
+            "spec": {
+                "replicas": self.config.pods,
+                "serviceName": self.name,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            },
+        }
+
+    def create_workload(self) -> TrainingJob:
+        manifest = self.manifest()
+        if not self.config.statefulset:
+            return create_job(self.api, self.namespace, manifest)
+        # What docs/workloads.md has users do for a workload other than an annotated Job.
+        namespaces.bind_worker_role(self.api, self.namespace)
+        fixtures.bind_creator_role(self.pool.control_plane, self.namespace)
+        kubernetes.client.AppsV1Api(self.api).create_namespaced_stateful_set(
+            self.namespace, manifest
+        )
+        return TrainingJob(self.api, self.namespace, self.name, selector=f"app={self.name}")
 
     def run(self, minutes: float) -> Json:
         namespaces.create(self.api, self.namespace)
-        job = create_job(self.api, self.namespace, self.manifest())
+        job = self.create_workload()
         recorder = None
         stop = threading.Event()
         before = host_leftovers()
@@ -577,6 +647,7 @@ class Run:
                     recorder.catch_up()
                 recorder.stop()
             self._keep_logs()
+            leases = self._leases()
             with contextlib.suppress(kubernetes.client.exceptions.ApiException):
                 self.core.delete_namespace(self.namespace, grace_period_seconds=0)
             # Its workers write into the directory until their kubelets have stopped them.
@@ -598,6 +669,7 @@ class Run:
                 self.violations.append(f"rendezvous history: {violation}")
         result = analyze(lines, injected, began, ended, self._rounds)
         result["leaks"] = leaks
+        result["leases"] = leases
         result["rounds"] = max((round_ for _, _, round_ in self._rounds), default=None)
         result["trace"] = self._trace
         result["placements"] = self._placements
@@ -813,16 +885,24 @@ class Run:
                 continue
             now = time.time()
             for member in status.members:
-                pod = pods.get(member.node)
-                dead = (
-                    pod is None
-                    or pod["metadata"].get("deletionTimestamp")
-                    or dig(pod, "status", "phase") in ("Failed", "Succeeded")
-                )
+                dead = member_gone(member, pods.get(member.node))
                 key = (status.round, member.node)
                 if dead:
                     since = first_seen.setdefault(key, now)
                     self._dead_members[key] = now - since
+
+    def _leases(self) -> Json:
+        """The nodes' Leases left at the end, beside the pod names the run had: one per pod
+        name that joined, each collected with its Rendezvous."""
+        try:
+            listed = read_object(
+                kubernetes.client.CoordinationV1Api(self.api).list_namespaced_lease,
+                self.namespace,
+                label_selector=f"{state.NODE_LABEL}={self.name}",
+            )
+        except kubernetes.client.exceptions.ApiException:
+            return {"left": None, "pod_names": len(self._placements)}
+        return {"left": len(listed["items"]), "pod_names": len(self._placements)}
 
     def _keep_logs(self) -> None:
         """The Events of the run's namespace, and the logs of its pods that are still there
@@ -892,18 +972,20 @@ class Run:
 def table(results: Sequence[Json]) -> str:
     lines = [
         "| configuration | goodput | steps | pace (steps/s) | faults | rounds | violations "
-        "| left behind |",
-        "|---|---|---|---|---|---|---|---|",
+        "| left behind | Leases at the end (pod names) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         if "error" in result:
-            lines.append(f"| {result['config']} | error: {result['error'][:200]} | | | | | | |")
+            lines.append(f"| {result['config']} | error: {result['error'][:200]} | | | | | | | |")
             continue
+        leases = result.get("leases")
         lines.append(
             f"| {result['config']} | {result['goodput']:.1%} | {result['steps']} | "
             f"{result['pace']} | {len(result['faults'])} | {result.get('rounds') or '-'} | "
             f"{len(result['violations'])} | "
-            f"{sum(len(found) for found in result.get('leaks', {}).values())} |"
+            f"{sum(len(found) for found in result.get('leaks', {}).values())} | "
+            + (f"{leases['left']} ({leases['pod_names']}) |" if leases else "- |")
         )
     lines += [
         "",
@@ -990,6 +1072,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="the share of faults that come with a second at once (a soak: 0.25)",
     )
+    parser.add_argument(
+        "--restart-delay-cap",
+        type=int,
+        help="the kubelets' longest delay before restarting a crashing container, in seconds "
+        "(1-300; default: the kubelet's 300; a soak: 1, since the operator's leader is killed "
+        "every few minutes)",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument(
         "--report",
@@ -1006,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
     low, high = (float(value) for value in args.gap.split(","))
     results: list[Json] = []
     started = time.time()
-    with real_nodes.real_node_pool() as (api, pool):
+    with real_nodes.real_node_pool(args.restart_delay_cap) as (api, pool):
         for config in configs:
             print(f"[goodput] {config.name}: {args.minutes} min", flush=True)
             try:

@@ -520,9 +520,12 @@ def plot(results: list[Json], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def real_node_pool() -> Iterator[tuple[kubernetes.client.ApiClient, NodePool]]:
-    """A control plane with two real nodes and the chart installed with the operator image
-    built here; everything stopped on the way out."""
+def real_node_pool(
+    restart_delay_cap: int | None = None,
+) -> Iterator[tuple[kubernetes.client.ApiClient, NodePool]]:
+    """A control plane with two real nodes (their kubelets' ``restart_delay_cap``, see
+    RealNodes) and the chart installed with the operator image built here; everything
+    stopped on the way out."""
     images = build_node_images()
     plane = ControlPlane(build_binaries())
     plane.start()
@@ -536,7 +539,7 @@ def real_node_pool() -> Iterator[tuple[kubernetes.client.ApiClient, NodePool]]:
         ):
             plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
             helm = chart.Helm(build_binaries() / "helm", Path(helm_home), plane.kubeconfig)
-            pool = NodePool(plane, helm, api, images, Path(nodes_home))
+            pool = NodePool(plane, helm, api, images, Path(nodes_home), restart_delay_cap)
             pool.get(ipv6=False)
             try:
                 yield api, pool

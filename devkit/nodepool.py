@@ -42,8 +42,11 @@ class NodePool:
         api: kubernetes.client.ApiClient,
         node_images: dict[str, images.ImageArchive],
         directory: Path,
+        restart_delay_cap: int | None = None,
     ) -> None:
         self.control_plane = control_plane
+        self.restart_delay_cap = restart_delay_cap
+        """The kubelets' cap on a crashing container's restart delay (RealNodes)."""
         self.helm = cluster_helm
         self.api = api
         self.images = node_images
@@ -56,7 +59,11 @@ class NodePool:
         if self.nodes is None or self.nodes.ipv6 != ipv6 or self.release is None:
             self.close()
             self.nodes = RealNodes(
-                self.control_plane, 2, images=list(self.images.values()), ipv6=ipv6
+                self.control_plane,
+                2,
+                images=list(self.images.values()),
+                ipv6=ipv6,
+                restart_delay_cap=self.restart_delay_cap,
             )
             self.nodes.start()
             self.release = self._install()

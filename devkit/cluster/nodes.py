@@ -269,8 +269,13 @@ class RealNodes:
         images: Sequence[ImageArchive] = (),
         binaries: Path | None = None,
         ipv6: bool = False,
+        restart_delay_cap: int | None = None,
     ) -> None:
+        """``restart_delay_cap``: the longest the kubelets delay restarting a container that
+        keeps crashing, in seconds (their ``crashLoopBackOff.maxContainerRestartPeriod``,
+        1-300); the kubelet's own 300 if None."""
         self.plane = plane
+        self.restart_delay_cap = restart_delay_cap
         self.binaries = binaries or build_node_binaries()
         self.directory = plane.workdir / "nodes"
         # With IPv6 every pod is dual-stack with its IPv6 address first (status.podIP, its
@@ -712,6 +717,8 @@ disabled_plugins = {json.dumps(disabled)}
             "imageGCLowThresholdPercent": 99,
             "volumePluginDir": str(d / "volume-plugins"),
         }
+        if self.restart_delay_cap is not None:
+            config["crashLoopBackOff"] = {"maxContainerRestartPeriod": f"{self.restart_delay_cap}s"}
         (d / "kubelet.json").write_text(json.dumps(config, indent=2) + "\n")
         for entry in KUBELET_SYSCTLS:
             (d / "sysctl" / entry.replace("/", ".")).write_text(

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench import goodput
+from k8s_rendezvous import state
 
 STEP = goodput.STEP_SECONDS
 
@@ -203,3 +204,26 @@ def test_the_report_has_a_row_per_fault_kind_and_configuration() -> None:
     assert "| c10d | error: boom |" in report
     row = "| pod | ours | 1 | 0.5 / 0.5 | 10.0 / 10.0 | 10.0 / 10.0 | 10.0 / 10.0 | 40.0 | 1 |"
     assert row in report
+
+
+def pod(ip: str, restarts: int = 0, **metadata: Any) -> dict[str, Any]:
+    return {
+        "metadata": metadata,
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "containerStatuses": [{"restartCount": restarts}],
+        },
+    }
+
+
+def test_a_member_is_gone_with_its_pod_its_incarnation_or_its_agent() -> None:
+    """A StatefulSet's pod made anew keeps its name but not its IP, and a container it
+    restarts keeps both: the member that joined from either is gone all the same."""
+    member = state.Member("train-1", "instance", 0, "10.0.0.7", pod_restarts=1)
+    assert not goodput.member_gone(member, pod("10.0.0.7", restarts=1))
+    assert goodput.member_gone(member, None)
+    assert goodput.member_gone(member, pod("10.0.0.9", restarts=0)), "made anew"
+    assert goodput.member_gone(member, pod("10.0.0.7", restarts=2)), "its agent restarted"
+    terminating = pod("10.0.0.7", restarts=1, deletionTimestamp="2026-12-06T09:00:00Z")
+    assert goodput.member_gone(member, terminating)
