@@ -520,6 +520,9 @@ class Run:
         """What each version of the Rendezvous said, for reading a fault's cost after."""
         self._placements: dict[str, str] = {}
         """Each pod of the run and the Kubernetes node it was bound to."""
+        self.restarted: list[list[Any]] = []
+        """(host clock, name) of each control plane component that exited and was started
+        again, as a kubelet restarts a static pod (ControlPlane.restart_exited)."""
 
     def manifest(self) -> Json:
         script = str(IN_PLACE_SCRIPT) if self.config.in_place else "train.py"
@@ -646,7 +649,10 @@ class Run:
                 with contextlib.suppress(Exception):
                     recorder.catch_up()
                 recorder.stop()
-            self._keep_logs()
+            try:  # for reading afterwards: never in the way of the cleanup below
+                self._keep_logs()
+            except Exception:
+                traceback.print_exc()
             leases = self._leases()
             with contextlib.suppress(kubernetes.client.exceptions.ApiException):
                 self.core.delete_namespace(self.namespace, grace_period_seconds=0)
@@ -670,6 +676,7 @@ class Run:
         result = analyze(lines, injected, began, ended, self._rounds)
         result["leaks"] = leaks
         result["leases"] = leases
+        result["components_restarted"] = self.restarted
         result["rounds"] = max((round_ for _, _, round_ in self._rounds), default=None)
         result["trace"] = self._trace
         result["placements"] = self._placements
@@ -727,6 +734,11 @@ class Run:
                 fault = pending.pop(0)
                 injected.append(self._inject(job, protected, fault, began))
                 print(f"[goodput] {self.name}: {json.dumps(injected[-1])}", flush=True)
+                behind = time.time() - began - (pending[0].at if pending else 0.0)
+                if pending and pending[0].at != fault.at and behind > 0:
+                    # An injection that outlasted the gap (an API server slow to come back)
+                    # would otherwise bring every fault due meanwhile at once.
+                    pending = [dataclasses.replace(f, at=round(f.at + behind, 1)) for f in pending]
                 continue
             if now >= seconds or (
                 self.rounds is not None
@@ -859,11 +871,15 @@ class Run:
         )
 
     def _sample(self, stop: threading.Event) -> None:
-        """Every second: the uid of every pod of the run (for the leak check) and, ours,
-        the sealed round's members against their Pods."""
+        """Every second: a control plane component that exited started again, the uid of
+        every pod of the run (for the leak check) and, ours, the sealed round's members
+        against their Pods."""
         custom = kubernetes.client.CustomObjectsApi(self.api)
         first_seen: dict[tuple[int, str], float] = {}
         while not stop.wait(1.0):
+            for component in self.pool.control_plane.restart_exited():
+                self.restarted.append([round(time.time(), 1), component])
+                print(f"[goodput] {self.name}: {component} had exited; started again", flush=True)
             try:
                 pods = {
                     p["metadata"]["name"]: p
@@ -900,7 +916,8 @@ class Run:
                 self.namespace,
                 label_selector=f"{state.NODE_LABEL}={self.name}",
             )
-        except kubernetes.client.exceptions.ApiException:
+        except Exception:  # the API server unreachable: not in the way of the cleanup
+            traceback.print_exc()
             return {"left": None, "pod_names": len(self._placements)}
         return {"left": len(listed["items"]), "pod_names": len(self._placements)}
 
@@ -923,8 +940,9 @@ class Run:
                     text = self.core.read_namespaced_pod_log(pod, namespace, previous=previous)
                 except kubernetes.client.exceptions.ApiException:
                     continue
-                suffix = ".previous" if previous else ""
-                (self.logs / f"{pod}{suffix}.log").write_text(text)
+                if text:  # None for a container that has written nothing yet
+                    suffix = ".previous" if previous else ""
+                    (self.logs / f"{pod}{suffix}.log").write_text(text)
 
     def _leaks(self, before: dict[str, set[str]]) -> Json:
         """What the run left once its pods are gone: processes in their cgroups, network

@@ -444,6 +444,19 @@ class ControlPlane:
         self._launch("kube-apiserver")
         self._await("kube-apiserver", self._probe_apiserver, "ready (/readyz)")
 
+    def restart_exited(self) -> list[str]:
+        """Start again each client component (controller manager, scheduler, kwok) that has
+        exited, as a node's kubelet restarts a crashed static pod; returns those restarted.
+        The scheduler exits by design when it finds its cache corrupted, which API server
+        restarts a minute apart can bring about."""
+        with self._lock:
+            exited = [
+                name for name in COMPONENTS[2:] if name in self.pids and not self._running(name)
+            ]
+            for name in exited:
+                self._launch(name)
+        return exited
+
     def restart_etcd(self) -> None:
         """Stop etcd and start it again on the same ports and data directory."""
         self._terminate(["etcd"])

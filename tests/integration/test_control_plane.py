@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -600,6 +602,33 @@ def test_job_controller_counts_pods_ended_by_set_pod_phase(
     for ended in (failing, succeeding):
         finalizers = dig(by_name[ended], "metadata", "finalizers", default=[])
         assert "batch.kubernetes.io/job-tracking" not in finalizers
+
+
+def test_a_crashed_scheduler_is_started_again_and_schedules(
+    control_plane: ControlPlane, admin_api: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    """restart_exited, which long fault runs call as a kubelet restarts a static pod: the
+    scheduler exits by design when it finds its cache corrupted (a soak with API server
+    restarts saw it), here SIGKILLed by its PID; started again, it schedules pods."""
+    crashed = control_plane.pids["kube-scheduler"]
+    os.kill(crashed, signal.SIGKILL)
+    wait_for(
+        lambda: "kube-scheduler" not in control_plane.running_components(),
+        30,
+        "the killed scheduler to have exited",
+    )
+    assert control_plane.restart_exited() == ["kube-scheduler"]
+    assert control_plane.pids["kube-scheduler"] != crashed
+    assert control_plane.restart_exited() == [], "nothing else had exited"
+    kubernetes.client.BatchV1Api(admin_api).create_namespaced_job(
+        namespace, to_model(kubernetes.client.V1Job, _job("after", parallelism=1, completions=1))
+    )
+    core = kubernetes.client.CoreV1Api(admin_api)
+    wait_for(
+        lambda: _running_pods(core, namespace, "job-name=after", 1),
+        120,
+        "the pod of Job after scheduled and Running",
+    )
 
 
 def test_apiserver_and_etcd_restarts_keep_state(
