@@ -32,9 +32,10 @@ class KubernetesRendezvousConnectionError(RendezvousConnectionError):
 
 class ApiServerSilentError(KubernetesRendezvousConnectionError):
     """Nothing answered at the API server's address within the budget (a timeout, or no
-    route): what a node cut off from the network sees. A refused or reset connection, or
-    any HTTP status, is an answer from the other end, and raises the plain connection
-    error."""
+    route): what a node cut off from the network sees. A refused, reset or closed
+    connection (a proxy in front of a restarting API server closes it, even in the TLS
+    handshake), or any HTTP status, is an answer from the other end, and raises the plain
+    connection error."""
 
 
 class RendezvousNotFoundError(KubernetesRendezvousConnectionError):

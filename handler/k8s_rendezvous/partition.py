@@ -14,9 +14,9 @@ stops the workers and joins anew (a planned restart, which spends nothing).
 
 Either silence alone is no cut: probes stop while the operator's leader changes. Nor is
 an API server that restarts: its operator loses the leadership within seconds, so probes
-stop too, but the API server's address still answers, with a connection refused or
-reset (:class:`k8s_rendezvous.errors.ApiServerSilentError` is raised only when nothing
-does); neither stops the workers.
+stop too, but the API server's address still answers, with a connection refused, reset
+or closed (:class:`k8s_rendezvous.errors.ApiServerSilentError` is raised only when
+nothing does); neither stops the workers.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import binascii
 import http.client
 import json
 import os
+import ssl
 import urllib.parse
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -261,7 +262,13 @@ def _answered(error: BaseException) -> bool:
         if seen is None:
             return False
         if isinstance(
-            seen, ConnectionRefusedError | ConnectionResetError | http.client.RemoteDisconnected
+            seen,
+            ConnectionRefusedError
+            | ConnectionResetError
+            | http.client.RemoteDisconnected
+            # Closed in the TLS handshake: a load balancer or proxy whose API server is down.
+            | ssl.SSLEOFError
+            | ssl.SSLZeroReturnError,
         ):
             return True
         if isinstance(seen, urllib3.exceptions.MaxRetryError):

@@ -141,6 +141,28 @@ def test_a_server_that_closes_each_connection_unanswered_is_no_silence() -> None
     assert not isinstance(raised.value, ApiServerSilentError)
 
 
+def test_a_tls_endpoint_that_closes_in_the_handshake_is_no_silence() -> None:
+    # An API server restarting behind a TCP proxy or load balancer: the proxy accepts the
+    # connection, then closes it during the TLS handshake (a soak saw nodes take this for
+    # a cut network and stop their workers while the API server restarted).
+    with socket.socket() as closing:
+        closing.bind(("127.0.0.1", 0))
+        closing.listen(8)
+
+        def close_each() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    accepted, _ = closing.accept()
+                    accepted.recv(1024)  # the ClientHello
+                    accepted.close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        reader = rendezvous_client(f"https://127.0.0.1:{closing.getsockname()[1]}")
+        with pytest.raises(RendezvousConnectionError, match="EOF") as raised:
+            reader.get(budget_seconds=1.0)
+    assert not isinstance(raised.value, ApiServerSilentError)
+
+
 @pytest.mark.timeout(60, method="thread")
 def test_a_read_with_a_budget_gives_up_on_a_server_that_never_answers() -> None:
     # A request on a pooled connection into a cut network: accepted, never answered.
