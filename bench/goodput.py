@@ -33,9 +33,9 @@ configuration:
 - the **invariant checks**: every world's ranks dense and each held by one pod; no two
   worlds training at once; for ours, the recorded Rendezvous history (tests/support/
   invariants.py) and no sealed round keeping a member whose Pod is gone or terminal for
-  more than :data:`DEAD_MEMBER_GRACE` s; at the end, a full world training (no agent
-  stuck); and what the run left behind once its pods are gone (processes in their
-  cgroups, network namespaces, k8s-rdzv-* entries of /tmp).
+  more than :data:`DEAD_MEMBER_GRACE` s while the operator has a leader; at the end, a
+  full world training (no agent stuck); and what the run left behind once its pods are
+  gone (processes in their cgroups, network namespaces, k8s-rdzv-* entries of /tmp).
 
 Rank 0 (and c10d's store host) is never a victim, nor is its node drained or lost: c10d's
 rendezvous does not survive losing its store. Every torchrun runs with
@@ -111,7 +111,10 @@ STEP_SECONDS = 0.25
 TORCHRUN_ARGS = ("--max-restarts=100",)
 DEAD_MEMBER_GRACE = 5.0
 """A sealed round may name a member whose pod just went for as long as the operator takes
-to notice (milliseconds; a few seconds while its leader or the API server restarts)."""
+to notice (milliseconds), outside the operator's outages (:func:`operator_outages`)."""
+LEADER_TAKEOVER_SECONDS = 15.0
+"""From the operator's leader killed, or the API server back, to a leader acting again:
+the leader Lease's 10 s to expire and the new leader's start (13.2 s in a trial soak)."""
 OUT = REPO / "bench" / "results" / "goodput"
 IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
 Json = dict[str, Any]
@@ -450,6 +453,47 @@ def analyze(
 # -- the run on real nodes --------------------------------------------------------------
 
 
+def operator_outages(faults: Iterable[Json]) -> list[tuple[float, float]]:
+    """When the operator had no leader acting, from the faults injected (host clock): after
+    its leader was killed, and while the API server was down and until a leader took over
+    after it came back."""
+    return [
+        (fault["at"], fault.get("restored", fault["at"]) + LEADER_TAKEOVER_SECONDS)
+        for fault in faults
+        if fault["kind"] in ("leader", "apiserver")
+    ]
+
+
+def dead_member_violations(
+    dead: dict[tuple[int, str], tuple[float, float]], outages: Sequence[tuple[float, float]]
+) -> list[str]:
+    """A member a sealed round kept dead for longer than :data:`DEAD_MEMBER_GRACE`, leaving
+    out the time the operator had no leader. ``dead``: (round, pod) -> (first seen dead,
+    last seen dead), host clock."""
+    found = []
+    for (round_, pod), (since, until) in sorted(dead.items()):
+        covered = sum(
+            max(0.0, min(until, end) - max(since, start)) for start, end in merged(outages)
+        )
+        if until - since - covered > DEAD_MEMBER_GRACE:
+            found.append(
+                f"round {round_}: member {pod} dead for {until - since:.1f} s "
+                f"({until - since - covered:.1f} s with an operator leader acting)"
+            )
+    return found
+
+
+def merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` with those that overlap joined, in order."""
+    joined: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if joined and start <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(joined[-1][1], end))
+        else:
+            joined.append((start, end))
+    return joined
+
+
 def member_gone(member: state.Member, pod: Json | None) -> bool:
     """Whether the pod a sealed round's ``member`` joined from is gone, terminating or
     ended, or no longer runs the agent that joined: a StatefulSet makes a deleted pod anew
@@ -511,7 +555,8 @@ class Run:
         self.progress.mkdir()
         self.progress.chmod(0o777)  # the workers' user writes its pod's file here
         self.violations: list[str] = []
-        self._dead_members: dict[tuple[int, str], float] = {}
+        self._dead_members: dict[tuple[int, str], tuple[float, float]] = {}
+        """(round, pod) of a sealed round's member seen dead -> (first, last) seen so."""
         self._pod_uids: set[str] = set()
         self._repairs: list[tuple[float, str, str]] = []
         self._rounds: list[tuple[float, str, int]] = []
@@ -680,11 +725,9 @@ class Run:
         result["rounds"] = max((round_ for _, _, round_ in self._rounds), default=None)
         result["trace"] = self._trace
         result["placements"] = self._placements
-        result["violations"] += self.violations + [
-            f"round {round_}: member {pod} dead for more than {DEAD_MEMBER_GRACE} s"
-            for (round_, pod), seen in self._dead_members.items()
-            if seen > DEAD_MEMBER_GRACE
-        ]
+        result["violations"] += self.violations + dead_member_violations(
+            self._dead_members, operator_outages(injected)
+        )
         return {
             "config": self.name,
             "description": self.config.description,
@@ -835,6 +878,7 @@ class Run:
                 self.pool.control_plane.stop_apiserver()
             finally:  # even when interrupted: the run's cleanup needs the API server
                 self.pool.control_plane.start_apiserver()
+            record["restored"] = time.time()
         return record
 
     def _repair(self, node: str) -> None:
@@ -875,7 +919,6 @@ class Run:
         every pod of the run (for the leak check) and, ours, the sealed round's members
         against their Pods."""
         custom = kubernetes.client.CustomObjectsApi(self.api)
-        first_seen: dict[tuple[int, str], float] = {}
         while not stop.wait(1.0):
             for component in self.pool.control_plane.restart_exited():
                 self.restarted.append([round(time.time(), 1), component])
@@ -904,8 +947,7 @@ class Run:
                 dead = member_gone(member, pods.get(member.node))
                 key = (status.round, member.node)
                 if dead:
-                    since = first_seen.setdefault(key, now)
-                    self._dead_members[key] = now - since
+                    self._dead_members[key] = (self._dead_members.get(key, (now, now))[0], now)
 
     def _leases(self) -> Json:
         """The nodes' Leases left at the end, beside the pod names the run had: one per pod

@@ -175,6 +175,8 @@ class _StepBoundaryStop:
     def __init__(self) -> None:
         self.requested = threading.Event()
         self.in_step = False
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        """The socket pair whose writer end is the signal wakeup fd (kept open)."""
 
     def install(self) -> bool:
         """Take SIGTERM (main thread only); ``False`` if another wakeup fd is in use."""
@@ -188,12 +190,13 @@ class _StepBoundaryStop:
             log.warning("a signal wakeup fd is in use: SIGTERM ends this worker mid-step")
             return False
         signal.signal(signal.SIGTERM, lambda _signum, _frame: None)  # the watcher acts
-        self._keep = (reader, writer)
-        threading.Thread(target=self._watch, name="k8s-rdzv-stop", daemon=True).start()
+        self._wakeup = (reader, writer)
+        threading.Thread(
+            target=self._watch, args=(reader,), name="k8s-rdzv-stop", daemon=True
+        ).start()
         return True
 
-    def _watch(self) -> None:
-        reader = self._keep[0]
+    def _watch(self, reader: socket.socket) -> None:
         while signal.SIGTERM not in reader.recv(64):
             pass
         if not self.in_step:

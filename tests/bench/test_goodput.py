@@ -227,3 +227,29 @@ def test_a_member_is_gone_with_its_pod_its_incarnation_or_its_agent() -> None:
     assert goodput.member_gone(member, pod("10.0.0.7", restarts=2)), "its agent restarted"
     terminating = pod("10.0.0.7", restarts=1, deletionTimestamp="2026-12-06T09:00:00Z")
     assert goodput.member_gone(member, terminating)
+
+
+def test_a_dead_member_is_a_violation_only_beyond_the_grace_with_a_leader_acting() -> None:
+    outages = goodput.operator_outages(
+        [
+            {"kind": "leader", "at": 100.0},
+            {"kind": "apiserver", "at": 200.0, "restored": 230.0},
+            {"kind": "pod", "at": 300.0},
+        ]
+    )
+    assert outages == [(100.0, 115.0), (200.0, 245.0)]
+    dead = {
+        (1, "quick"): (300.0, 304.0),  # within the grace
+        (2, "slow"): (300.0, 306.0),  # beyond it, a leader acting throughout
+        (3, "taken-over"): (98.0, 116.0),  # 3 s of it with a leader acting
+        (4, "outlasted"): (110.0, 125.0),  # 10 s after the takeover
+        (5, "api-server-down"): (199.0, 246.0),
+    }
+    found = goodput.dead_member_violations(dead, outages)
+    assert [v.split(":")[0] for v in found] == ["round 2", "round 4"], found
+    assert "dead for 15.0 s (10.0 s with an operator leader acting)" in found[1]
+
+
+def test_overlapping_spans_are_merged_before_they_are_counted() -> None:
+    assert goodput.merged([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]
+    assert goodput.dead_member_violations({(1, "p"): (0.0, 20.0)}, [(0.0, 10.0), (5.0, 15.0)]) == []
