@@ -114,7 +114,7 @@ DEAD_MEMBER_GRACE = 5.0
 to notice (milliseconds), outside the operator's outages (:func:`operator_outages`)."""
 LEADER_TAKEOVER_SECONDS = 15.0
 """From the operator's leader killed, or the API server back, to a leader acting again:
-the leader Lease's 10 s to expire and the new leader's start (13.2 s in a trial soak)."""
+the leader Lease's 10 s to expire and the new leader's start (12.5 s in a trial soak)."""
 OUT = REPO / "bench" / "results" / "goodput"
 IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
 Json = dict[str, Any]
