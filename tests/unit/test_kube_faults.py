@@ -121,8 +121,10 @@ def test_unreachable_api_server_is_a_connection_error_that_says_so() -> None:
     assert not isinstance(raised.value, ApiServerSilentError), "a refusal is an answer"
 
 
-def test_a_server_that_closes_each_connection_unanswered_is_no_silence() -> None:
-    # An API server restarting behind its Service's proxy: the proxy accepts, then closes.
+@contextlib.contextmanager
+def closing_each_connection() -> Iterator[int]:
+    """A local port whose server reads what each connection sends first, then closes it,
+    as a Service's proxy or a load balancer does in front of an API server restarting."""
     with socket.socket() as closing:
         closing.bind(("127.0.0.1", 0))
         closing.listen(8)
@@ -135,30 +137,24 @@ def test_a_server_that_closes_each_connection_unanswered_is_no_silence() -> None
                     accepted.close()
 
         threading.Thread(target=close_each, daemon=True).start()
-        reader = rendezvous_client(f"http://127.0.0.1:{closing.getsockname()[1]}")
-        with pytest.raises(RendezvousConnectionError, match="unreachable for 1 s") as raised:
-            reader.get(budget_seconds=1.0)
-    assert not isinstance(raised.value, ApiServerSilentError)
+        yield closing.getsockname()[1]
 
 
-def test_a_tls_endpoint_that_closes_in_the_handshake_is_no_silence() -> None:
-    # An API server restarting behind a TCP proxy or load balancer: the proxy accepts the
-    # connection, then closes it during the TLS handshake (a soak saw nodes take this for
-    # a cut network and stop their workers while the API server restarted).
-    with socket.socket() as closing:
-        closing.bind(("127.0.0.1", 0))
-        closing.listen(8)
-
-        def close_each() -> None:
-            with contextlib.suppress(OSError):
-                while True:
-                    accepted, _ = closing.accept()
-                    accepted.recv(1024)  # the ClientHello
-                    accepted.close()
-
-        threading.Thread(target=close_each, daemon=True).start()
-        reader = rendezvous_client(f"https://127.0.0.1:{closing.getsockname()[1]}")
-        with pytest.raises(RendezvousConnectionError, match="EOF") as raised:
+@pytest.mark.parametrize(
+    ("scheme", "said"),
+    [
+        ("http", "unreachable for 1 s"),
+        # Closed after the ClientHello: a soak saw nodes take this for a cut network, and
+        # stop their workers, while the API server restarted.
+        ("https", "EOF"),
+    ],
+)
+def test_a_server_that_closes_each_connection_unanswered_is_no_silence(
+    scheme: str, said: str
+) -> None:
+    with closing_each_connection() as port:
+        reader = rendezvous_client(f"{scheme}://127.0.0.1:{port}")
+        with pytest.raises(RendezvousConnectionError, match=said) as raised:
             reader.get(budget_seconds=1.0)
     assert not isinstance(raised.value, ApiServerSilentError)
 
