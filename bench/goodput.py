@@ -467,7 +467,7 @@ def operator_outages(faults: Iterable[Json]) -> list[tuple[float, float]]:
 def dead_member_violations(
     dead: dict[tuple[int, str], tuple[float, float]], outages: Sequence[tuple[float, float]]
 ) -> list[str]:
-    """A member a sealed round kept dead for longer than :data:`DEAD_MEMBER_GRACE`, leaving
+    """The members sealed rounds kept dead for longer than :data:`DEAD_MEMBER_GRACE`, leaving
     out the time the operator had no leader. ``dead``: (round, pod) -> (first seen dead,
     last seen dead), host clock."""
     found = []
