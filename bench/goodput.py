@@ -2,8 +2,9 @@
 
     python bench/goodput.py                               # c10d, ours, ours-spare: 20 min each
     python bench/goodput.py --minutes 4 --configs ours    # a short look at one
-    python bench/goodput.py --configs ours-warm --gap 10,15 --doubles 0.25 --rounds 1000 \
-        --minutes 80 --out bench/results/soak             # the soak: dense faults, two at once
+    python bench/goodput.py --configs soak --restart-delay-cap 1 --gap 8,12 --doubles 0.25 \
+        --deck pod=3,container=3,drain=2,worker=2 --rounds 1000 --minutes 135 \
+        --out bench/results/soak                          # the soak: dense faults, two at once
     python bench/goodput.py --report                      # the report again, from results.json
 
 Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plane with two
@@ -182,6 +183,25 @@ class Fault:
     at: float
     """Seconds after the schedule starts."""
     kind: str
+
+
+def deck(weights: str = "") -> list[str]:
+    """The kinds a schedule deals, each as many times as ``weights`` says (``"pod=3,worker=2"``;
+    a kind not named comes once). A weight below 1 is refused: a soak weighs the kinds that
+    form rounds more, so as to reach its count of rounds within a session, but keeps every
+    kind."""
+    counts = dict.fromkeys(FAULTS, 1)
+    for item in filter(None, (part.strip() for part in weights.split(","))):
+        kind, _, count = item.partition("=")
+        if kind not in FAULTS:
+            raise ValueError(f"--deck: no fault kind {kind!r}; the kinds are {', '.join(FAULTS)}")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(
+                f"--deck: {kind}={count!r} is not a whole number of at least 1 "
+                "(every kind stays in the deck)"
+            )
+        counts[kind] = int(count)
+    return [kind for kind, count in counts.items() for _ in range(count)]
 
 
 def schedule(
@@ -534,9 +554,12 @@ class Run:
         rounds: int | None = None,
         logs: Path | None = None,
         doubles: float = 0.0,
+        kinds: Sequence[str] = tuple(FAULTS),
     ) -> None:
         self.pool = pool
         self.doubles = doubles
+        self.kinds = list(kinds)
+        """The deck the schedule deals from (:func:`deck`)."""
         self.logs = logs
         """Where each pod's log is kept at the end of the run (not committed: for reading a
         fault's cost)."""
@@ -682,7 +705,7 @@ class Run:
         try:
             protected = self._start(job)
             began = time.time()
-            planned = schedule(self.seed, minutes * 60, list(FAULTS), self.gap, self.doubles)
+            planned = schedule(self.seed, minutes * 60, self.kinds, self.gap, self.doubles)
             injected = self._follow(job, protected, planned, began, minutes * 60)
             ended = time.time()
             self._check_end()
@@ -1133,6 +1156,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the share of faults that come with a second at once (a soak: 0.25)",
     )
     parser.add_argument(
+        "--deck",
+        default="",
+        help="KIND=N,...: deal these kinds N times per deck, the others once (default: each "
+        "once; the soak: pod=3,container=3,drain=2,worker=2, to reach 1,000 rounds in a session)",
+    )
+    parser.add_argument(
         "--restart-delay-cap",
         type=int,
         help="the kubelets' longest delay before restarting a crashing container, in seconds "
@@ -1152,6 +1181,10 @@ def main(argv: list[str] | None = None) -> int:
         write(recorded["meta"], [completed(result) for result in recorded["results"]], args.out)
         return 0
     configs = [CONFIGS[name] for name in args.configs.split(",")]
+    try:
+        kinds = deck(args.deck)
+    except ValueError as error:
+        parser.error(str(error))
     low, high = (float(value) for value in args.gap.split(","))
     results: list[Json] = []
     started = time.time()
@@ -1168,6 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.rounds,
                     logs=args.out / "logs" / config.name,
                     doubles=args.doubles,
+                    kinds=kinds,
                 )
                 result = run.run(args.minutes)
             except Exception as error:
@@ -1183,7 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "schedule": [
             dataclasses.asdict(f)
-            for f in schedule(args.seed, args.minutes * 60, list(FAULTS), (low, high), args.doubles)
+            for f in schedule(args.seed, args.minutes * 60, kinds, (low, high), args.doubles)
         ],
     }
     write(meta, results, args.out)

@@ -70,6 +70,25 @@ def test_a_soaks_schedule_brings_some_faults_two_at_once_from_the_same_deck() ->
         assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
 
 
+def test_a_weighted_deck_deals_its_kinds_as_often_as_weighed_and_keeps_every_kind() -> None:
+    kinds = goodput.deck("pod=3, worker=2")
+    assert sorted(kinds) == sorted([*goodput.FAULTS, "pod", "pod", "worker"])
+    assert goodput.deck() == list(goodput.FAULTS)
+    faults = goodput.schedule(7, 60 * 60, kinds, (10.0, 15.0))
+    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
+        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+
+
+@pytest.mark.parametrize(
+    ("weights", "named"), [("pods=3", "no fault kind 'pods'"), ("leader=0", "leader='0'")]
+)
+def test_a_deck_that_names_no_kind_or_drops_one_is_refused_by_name(
+    weights: str, named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        goodput.deck(weights)
+
+
 def test_an_undisturbed_run_has_a_goodput_of_one() -> None:
     lines = world("a:1", ["p0", "p1", "p2", "p3"], 100.0, 400.0)
     result = goodput.analyze(lines, [], 100.0, 400.0)
