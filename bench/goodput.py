@@ -3,7 +3,7 @@
     python bench/goodput.py                               # c10d, ours, ours-spare: 20 min each
     python bench/goodput.py --minutes 4 --configs ours    # a short look at one
     python bench/goodput.py --configs soak --restart-delay-cap 1 --gap 8,12 --doubles 0.25 \
-        --deck pod=3,container=3,drain=2,worker=2 --rounds 1000 --minutes 135 \
+        --deck pod=3,container=3,drain=2,worker=2 --rounds 1000 --minutes 140 \
         --out bench/results/soak                          # the soak: dense faults, two at once
     python bench/goodput.py --report                      # the report again, from results.json
 
