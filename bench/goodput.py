@@ -11,7 +11,8 @@ Needs root (the real nodes of devkit/cluster/nodes.py). It starts a control plan
 real nodes, installs the chart with the operator image built here, and for each
 configuration trains examples/elastic_train.py (gloo, one worker per pod, 4 pods in the
 world) for ``--minutes`` while the same seeded schedule injects a fault every 60-90 s,
-drawn in turn from a shuffled deck of every kind (:data:`FAULTS`). Configurations
+drawn in turn from a shuffled deck of every kind (:data:`FAULTS`; ``--deck`` deals some
+kinds more than once). Configurations
 (:data:`CONFIGS`): torch's c10d tuned as users run it without a cluster DNS; ours by
 default; ours with warm worker starts, in-place re-forming and one spare pod (and, for the
 soak, the same without the spare).

@@ -41,6 +41,12 @@ def world(
     return lines
 
 
+def assert_dealt_deck_by_deck(faults: Sequence[goodput.Fault], kinds: Sequence[str]) -> None:
+    """Each whole deck dealt holds every card of ``kinds`` once."""
+    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
+        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+
+
 def test_the_schedule_is_seeded_spaced_and_deals_every_kind_in_turn() -> None:
     kinds = list(goodput.FAULTS)
     faults = goodput.schedule(7, 20 * 60, kinds)
@@ -51,9 +57,7 @@ def test_the_schedule_is_seeded_spaced_and_deals_every_kind_in_turn() -> None:
     for earlier, later in itertools.pairwise(faults):
         assert low - 0.1 <= later.at - earlier.at <= high + 0.1
     assert faults[-1].at < 20 * 60
-    # Each whole deck holds every kind once.
-    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
-        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+    assert_dealt_deck_by_deck(faults, kinds)
 
 
 def test_a_soaks_schedule_brings_some_faults_two_at_once_from_the_same_deck() -> None:
@@ -66,8 +70,7 @@ def test_a_soaks_schedule_brings_some_faults_two_at_once_from_the_same_deck() ->
     assert 0.15 * len(set(moments)) < pairs < 0.35 * len(set(moments)), (pairs, len(moments))
     assert max(moments.count(at) for at in moments) == 2
     assert len({f.at for f in single}) == len(single), "none by default"
-    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
-        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+    assert_dealt_deck_by_deck(faults, kinds)
 
 
 def test_a_weighted_deck_deals_its_kinds_as_often_as_weighed_and_keeps_every_kind() -> None:
@@ -75,8 +78,7 @@ def test_a_weighted_deck_deals_its_kinds_as_often_as_weighed_and_keeps_every_kin
     assert sorted(kinds) == sorted([*goodput.FAULTS, "pod", "pod", "worker"])
     assert goodput.deck() == list(goodput.FAULTS)
     faults = goodput.schedule(7, 60 * 60, kinds, (10.0, 15.0))
-    for start in range(0, len(faults) - len(kinds) + 1, len(kinds)):
-        assert sorted(f.kind for f in faults[start : start + len(kinds)]) == sorted(kinds)
+    assert_dealt_deck_by_deck(faults, kinds)
 
 
 @pytest.mark.parametrize(
