@@ -351,20 +351,36 @@ def idle_seconds(times: Sequence[float], at: float, end: float) -> float:
 
 
 def world_violations(lines: Sequence[Json], overlap: float = 1.0) -> list[str]:
-    """Worlds whose ranks are not 0..n-1 each held by one pod, and two worlds training at
-    once (rank 0 of each within the other's span by more than ``overlap`` s)."""
+    """Worlds with a rank outside 0..n-1 or held by two pods, a step some rank did not
+    log though a later one was taken, and two worlds training at once (rank 0 of each
+    within the other's span by more than ``overlap`` s).
+
+    A rank logs a step after its all-reduce and before it enters the next, and nobody
+    completes an all-reduce without every rank's part: a step followed by another was
+    logged by every rank. The world's last step need not be: a collective is not atomic,
+    and a rank killed in it can have sent its part and died before its line."""
     found: list[str] = []
     holders: dict[tuple[str, int, int | None], dict[int, set[str]]] = {}
+    logged: dict[tuple[str, int, int | None], dict[int, set[int]]] = {}
     spans: dict[tuple[str, int, int | None], list[float]] = {}
     for line in lines:
         key = world_key(line)
         holders.setdefault(key, {}).setdefault(int(line["rank"]), set()).add(str(line["pod"]))
+        logged.setdefault(key, {}).setdefault(int(line["step"]), set()).add(int(line["rank"]))
         if line["rank"] == 0:
             span = spans.setdefault(key, [line["time"], line["time"]])
             span[0], span[1] = min(span[0], line["time"]), max(span[1], line["time"])
     for key, ranks in holders.items():
-        if sorted(ranks) != list(range(key[1])):
-            found.append(f"world {key}: ranks {sorted(ranks)}")
+        size = key[1]
+        if outside := sorted(set(ranks) - set(range(size))):
+            found.append(f"world {key}: ranks {outside} outside 0..{size - 1}")
+        steps = logged[key]
+        every_rank = set(range(size))
+        if short := [step for step in sorted(steps)[:-1] if not every_rank <= steps[step]]:
+            found.append(
+                f"world {key}: step {short[0]} logged by ranks {sorted(steps[short[0]])} "
+                "only, though a later step was taken"
+            )
         for rank, pods in ranks.items():
             if len(pods) > 1:
                 found.append(f"world {key}: rank {rank} held by {sorted(pods)}")

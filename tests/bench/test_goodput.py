@@ -190,8 +190,24 @@ def test_two_worlds_at_once_and_a_rank_held_twice_are_violations() -> None:
     assert any("trained at once" in v for v in goodput.world_violations(lines))
     twice = world("a:1", ["p0", "p1"], 0.0, 10.0) + world("a:1", ["p0", "p9"], 10.0, 20.0)
     assert any("rank 1 held by" in v for v in goodput.world_violations(twice))
-    gap = [line for line in world("a:1", ["p0", "p1", "p2"], 0.0, 10.0) if line["rank"] != 1]
-    assert any("ranks [0, 2]" in v for v in goodput.world_violations(gap))
+    beyond = world("a:1", ["p0", "p1"], 0.0, 10.0)
+    beyond.append({**beyond[-1], "pod": "p2", "rank": 2})
+    assert any("ranks [2] outside 0..1" in v for v in goodput.world_violations(beyond))
+
+
+def test_a_rank_may_miss_only_the_last_step_of_its_world() -> None:
+    """A rank killed in an all-reduce can have sent its part first: its peers log the step
+    and it does not. Nobody takes a step after that one without it."""
+    lines = world("a:1", ["p0", "p1", "p2"], 0.0, 10.0, round_=1)
+    last = max(line["step"] for line in lines)
+    cut_short = [line for line in lines if line["rank"] != 1 or line["step"] < last]
+    assert goodput.world_violations(cut_short) == []
+    only_step = [line for line in lines if line["step"] == 0 and line["rank"] != 1]
+    assert goodput.world_violations(only_step) == [], "a world that lived one step"
+    gap = [line for line in lines if line["rank"] != 1 or line["step"] != 3]
+    assert goodput.world_violations(gap) == [
+        "world ('a:1', 3, 1): step 3 logged by ranks [0, 2] only, though a later step was taken"
+    ]
 
 
 def test_worlds_re_formed_in_place_are_told_apart_by_their_round() -> None:
