@@ -115,8 +115,9 @@ DEAD_MEMBER_GRACE = 5.0
 """A sealed round may name a member whose pod just went for as long as the operator takes
 to notice (milliseconds), outside the operator's outages (:func:`operator_outages`)."""
 LEADER_TAKEOVER_SECONDS = 15.0
-"""From the operator's leader killed, or the API server back, to a leader acting again:
-the leader Lease's 10 s to expire and the new leader's start (12.5 s in a trial soak)."""
+"""From the operator's leader killed or its node lost, or the API server back, to a leader
+acting again: the leader Lease's 10 s to expire and the new leader's start (12.5 s in a
+trial soak)."""
 OUT = REPO / "bench" / "results" / "goodput"
 IN_PLACE_SCRIPT = REPO / "examples" / "elastic_train_in_place.py"
 Json = dict[str, Any]
@@ -408,9 +409,21 @@ def worlds(lines: Sequence[Json]) -> list[Json]:
     ]
 
 
+def took_the_leader(fault: Json) -> bool:
+    """A node lost while the operator's leader ran on it: no replica acts until its Lease
+    expires (:data:`LEADER_TAKEOVER_SECONDS`)."""
+    leader_node = fault.get("leader_node")
+    return fault["kind"] == "node" and leader_node is not None and leader_node == fault.get("node")
+
+
+def row_of(fault: Json) -> str:
+    """The fault's row in the report: its kind, a node lost with the leader on its own."""
+    return "node, with the operator's leader" if took_the_leader(fault) else str(fault["kind"])
+
+
 def summarize(faults: Sequence[Json]) -> dict[str, Json]:
-    """Per fault kind: median and max of stall and full world, median steps lost and
-    rank churn."""
+    """Per fault kind (:func:`row_of`): median and max of stall and full world, median
+    steps lost and rank churn."""
 
     def stats(values: list[float]) -> Json:
         if not values:
@@ -418,8 +431,8 @@ def summarize(faults: Sequence[Json]) -> dict[str, Json]:
         return {"median": round(statistics.median(values), 2), "max": round(max(values), 2)}
 
     by_kind: dict[str, Json] = {}
-    for kind in sorted({fault["kind"] for fault in faults}):
-        of_kind = [fault for fault in faults if fault["kind"] == kind]
+    for kind in sorted({row_of(fault) for fault in faults}):
+        of_kind = [fault for fault in faults if row_of(fault) == kind]
         by_kind[kind] = {
             "count": len(of_kind),
             "unresolved": sum(1 for fault in of_kind if fault["full_world"] is None),
@@ -492,12 +505,12 @@ def analyze(
 
 def operator_outages(faults: Iterable[Json]) -> list[tuple[float, float]]:
     """When the operator had no leader acting, from the faults injected (host clock): after
-    its leader was killed, and while the API server was down and until a leader took over
-    after it came back."""
+    its leader was killed or its node lost, and while the API server was down and until a
+    leader took over after it came back."""
     return [
         (fault["at"], fault.get("restored", fault["at"]) + LEADER_TAKEOVER_SECONDS)
         for fault in faults
-        if fault["kind"] in ("leader", "apiserver")
+        if fault["kind"] in ("leader", "apiserver") or took_the_leader(fault)
     ]
 
 
@@ -899,6 +912,7 @@ class Run:
             self._repairs.append((record["at"] - began + REPAIR_SECONDS, "drain", node))
         elif kind == "node":
             node = record["node"]
+            record["leader_node"] = self._operator_leader_node()
             record["at"] = time.time()
             nodes.kill_kubelet(node)
             nodes.cut_network(node)
@@ -920,6 +934,24 @@ class Run:
                 self.pool.control_plane.start_apiserver()
             record["restored"] = time.time()
         return record
+
+    def _operator_leader_node(self) -> str | None:
+        """The node of the operator's leader by its Lease now (None: none held, or not
+        known): a node lost with it costs the operator's takeover too."""
+        try:
+            lease = read_object(
+                kubernetes.client.CoordinationV1Api(self.api).read_namespaced_lease,
+                chart.OPERATOR,
+                chart.NAMESPACE,
+            )
+            holder = str(dig(lease, "spec", "holderIdentity") or "").partition("_")[0]
+            if not holder:
+                return None
+            pod = read_object(self.core.read_namespaced_pod, holder, chart.NAMESPACE)
+        except Exception:  # gone, or the API server unreachable: the record says not known
+            return None
+        node = dig(pod, "spec", "nodeName")
+        return str(node) if node else None
 
     def _repair(self, node: str) -> None:
         nodes = self.pool.nodes

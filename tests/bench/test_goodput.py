@@ -137,6 +137,21 @@ def test_a_full_world_that_never_came_back_is_counted_unresolved() -> None:
     assert result["by_kind"]["node"]["unresolved"] == 1
 
 
+def test_a_node_lost_with_the_operators_leader_has_a_row_of_its_own() -> None:
+    lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0)
+    lines += world("a:2", ["p0", "p2", "p3"], 103.0, 150.0)
+    lines += world("a:3", ["p0", "p3"], 163.0, 200.0)
+    faults = [
+        {"kind": "node", "at": 100.0, "node": "n1", "leader_node": "n0"},
+        {"kind": "node", "at": 150.0, "node": "n1", "leader_node": "n1"},
+    ]
+    by_kind = goodput.analyze(lines, faults, 0.0, 200.0)["by_kind"]
+    assert by_kind["node"]["idle"]["median"] == pytest.approx(3.0, abs=STEP)
+    assert by_kind["node, with the operator's leader"]["idle"]["median"] == pytest.approx(
+        13.0, abs=STEP
+    )
+
+
 def test_a_stall_that_outlasts_the_next_fault_is_no_resumption() -> None:
     # The old world takes two more steps after the fault, then nothing until the next one.
     lines = world("a:1", ["p0", "p1", "p2", "p3"], 0.0, 100.0 + 2 * STEP)
@@ -272,9 +287,12 @@ def test_a_dead_member_is_a_violation_only_beyond_the_grace_with_a_leader_acting
             {"kind": "leader", "at": 100.0},
             {"kind": "apiserver", "at": 200.0, "restored": 230.0},
             {"kind": "pod", "at": 300.0},
+            {"kind": "node", "at": 400.0, "node": "n1", "leader_node": "n1"},
+            {"kind": "node", "at": 500.0, "node": "n1", "leader_node": "n0"},
+            {"kind": "node", "at": 600.0, "node": "n1", "leader_node": None},
         ]
     )
-    assert outages == [(100.0, 115.0), (200.0, 245.0)]
+    assert outages == [(100.0, 115.0), (200.0, 245.0), (400.0, 415.0)]
     dead = {
         (1, "quick"): (300.0, 304.0),  # within the grace
         (2, "slow"): (300.0, 306.0),  # beyond it, a leader acting throughout
