@@ -409,6 +409,19 @@ def worlds(lines: Sequence[Json]) -> list[Json]:
     ]
 
 
+def leading_pod(lease: Json, now: float) -> str | None:
+    """The pod holding the operator's leader Lease at ``now`` (the host's clock, the API
+    server's too), if its hold has not expired: an expired holder is a leader killed whom
+    no standby has replaced yet."""
+    spec = lease.get("spec") or {}
+    holder = str(spec.get("holderIdentity") or "").partition("_")[0]
+    renewed = spec.get("renewTime")
+    if not holder or not renewed:
+        return None
+    age = now - datetime.datetime.fromisoformat(renewed).timestamp()
+    return holder if age <= float(spec.get("leaseDurationSeconds") or 0) else None
+
+
 def took_the_leader(fault: Json) -> bool:
     """A node lost while the operator's leader ran on it: no replica acts until its Lease
     expires (:data:`LEADER_TAKEOVER_SECONDS`)."""
@@ -936,16 +949,16 @@ class Run:
         return record
 
     def _operator_leader_node(self) -> str | None:
-        """The node of the operator's leader by its Lease now (None: none held, or not
-        known): a node lost with it costs the operator's takeover too."""
+        """The node of the operator's leader by its Lease now (None: none held, its holder
+        expired, or not known): a node lost with it costs the operator's takeover too."""
         try:
             lease = read_object(
                 kubernetes.client.CoordinationV1Api(self.api).read_namespaced_lease,
                 chart.OPERATOR,
                 chart.NAMESPACE,
             )
-            holder = str(dig(lease, "spec", "holderIdentity") or "").partition("_")[0]
-            if not holder:
+            holder = leading_pod(lease, time.time())
+            if holder is None:
                 return None
             pod = read_object(self.core.read_namespaced_pod, holder, chart.NAMESPACE)
         except Exception:  # gone, or the API server unreachable: the record says not known

@@ -5,6 +5,7 @@ and the worlds' invariants. The run on real nodes is the benchmark itself
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -150,6 +151,21 @@ def test_a_node_lost_with_the_operators_leader_has_a_row_of_its_own() -> None:
     assert by_kind["node, with the operator's leader"]["idle"]["median"] == pytest.approx(
         13.0, abs=STEP
     )
+
+
+def test_the_leader_is_the_lease_holder_until_its_hold_expires() -> None:
+    renewed = datetime.datetime(2026, 12, 6, 17, 0, tzinfo=datetime.timezone.utc)
+    lease = {
+        "spec": {
+            "holderIdentity": "operator-7d9f-abcde_1f2e3d",
+            "leaseDurationSeconds": 10,
+            "renewTime": renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        }
+    }
+    at = renewed.timestamp()
+    assert goodput.leading_pod(lease, at + 2.0) == "operator-7d9f-abcde"
+    assert goodput.leading_pod(lease, at + 10.5) is None, "killed, not yet replaced"
+    assert goodput.leading_pod({"spec": {"holderIdentity": None}}, at) is None, "released"
 
 
 def test_a_stall_that_outlasts_the_next_fault_is_no_resumption() -> None:
