@@ -31,8 +31,10 @@ configuration:
   the **full world** (to the first step of a world of 4 after that pause), the **steps
   lost** (the undisturbed pace's steps until the next fault, less those trained), and the
   **rank churn** (ranks held by another pod in the first full world after the fault than
-  before it: 1 when a newcomer takes the lost rank);
-- the **invariant checks**: every world's ranks dense and each held by one pod; no two
+  before it: 1 when a newcomer takes the lost rank); a node lost while the operator's
+  leader ran on it has a row of its own (:func:`row_of`);
+- the **invariant checks**: every world's ranks within 0..n-1, each held by one pod, and
+  every step but the world's last logged by every rank (:func:`world_violations`); no two
   worlds training at once; for ours, the recorded Rendezvous history (tests/support/
   invariants.py) and no sealed round keeping a member whose Pod is gone or terminal for
   more than :data:`DEAD_MEMBER_GRACE` s while the operator has a leader; at the end, a
