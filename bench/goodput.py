@@ -95,6 +95,7 @@ from devkit.training import (  # noqa: E402
 )
 from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
 from k8s_rendezvous import state  # noqa: E402
+from k8s_rendezvous_operator import leadership  # noqa: E402
 
 FAULTS = {
     "worker": "a worker SIGKILLed",
@@ -415,13 +416,11 @@ def leading_pod(lease: Json, now: float) -> str | None:
     """The pod holding the operator's leader Lease at ``now`` (the host's clock, the API
     server's too), if its hold has not expired: an expired holder is a leader killed whom
     no standby has replaced yet."""
-    spec = lease.get("spec") or {}
-    holder = str(spec.get("holderIdentity") or "").partition("_")[0]
-    renewed = spec.get("renewTime")
-    if not holder or not renewed:
+    record = leadership.Record.from_lease(lease)
+    if not record.holder or not record.renew_time:
         return None
-    age = now - datetime.datetime.fromisoformat(renewed).timestamp()
-    return holder if age <= float(spec.get("leaseDurationSeconds") or 0) else None
+    age = now - state.parse_time(record.renew_time, "spec.renewTime").timestamp()
+    return record.holder.partition("_")[0] if age <= record.duration_seconds else None
 
 
 def took_the_leader(fault: Json) -> bool:

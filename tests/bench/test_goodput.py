@@ -159,7 +159,7 @@ def test_the_leader_is_the_lease_holder_until_its_hold_expires() -> None:
         "spec": {
             "holderIdentity": "operator-7d9f-abcde_1f2e3d",
             "leaseDurationSeconds": 10,
-            "renewTime": renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "renewTime": state.format_time(renewed),
         }
     }
     at = renewed.timestamp()
