@@ -49,9 +49,16 @@ release-check: setup
 
 # torch's own c10d backend as the control of the contract scenarios runs in `make contract`
 # and hack/compat.sh: it tests torch, and on two loaded cores some of its scenarios are
-# timing-sensitive (tests/contract/README.md).
+# timing-sensitive (tests/contract/README.md). The tests' files go to one directory of
+# their own, removed once every test passed and kept for a look when one failed; rm stays
+# on its file system, so a mount a test left behind fails the run instead of being emptied.
 test: setup lint release-check
-	$(BIN)/pytest -m "not c10d_control"
+	files=$$(mktemp -d /tmp/k8s-rdzv-tests.XXXXXX) && \
+	if $(BIN)/pytest -m "not c10d_control" --basetemp="$$files"; then \
+		rm -rf --one-file-system "$$files"; \
+	else \
+		status=$$?; echo "make test: the tests' files are kept in $$files"; exit $$status; \
+	fi
 
 # Only torch's elastic-agent scenarios (also in `make test`: about 10 min of it).
 contract: setup
