@@ -6,6 +6,10 @@ PYTHON ?= python3
 UV_VERSION := 0.13.9
 VENV := .venv
 BIN := $(VENV)/bin
+# uv keeps its inter-process locks in TMPDIR and never removes them (astral-sh/uv#10773):
+# ours go to our cache, not to /tmp.
+UV_LOCKS := $(or $(K8S_RDZV_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/k8s-rendezvous)/uv-locks
+UV := TMPDIR=$(UV_LOCKS) $(PYTHON) -m uv
 
 .PHONY: setup venv binaries test contract lint docs release-check demo cluster-up cluster-down
 
@@ -18,7 +22,8 @@ venv: $(VENV)/.synced
 $(VENV)/.synced: pyproject.toml uv.lock
 	$(PYTHON) -m uv --version 2>/dev/null | grep -q "$(UV_VERSION)" || \
 		$(PYTHON) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
-	$(PYTHON) -m uv sync --frozen
+	mkdir -p $(UV_LOCKS)
+	$(UV) sync --frozen
 	touch $@
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm,
@@ -45,7 +50,8 @@ docs: venv
 # What a release publishes, built and checked but not published (hack/build_release.py,
 # as .github/workflows/release.yml runs it): the sdist and wheel, the chart package.
 release-check: setup
-	$(BIN)/python -m hack.build_release --uv "$(PYTHON) -m uv"
+	mkdir -p $(UV_LOCKS)
+	$(BIN)/python -m hack.build_release --uv "env $(UV)"
 
 # torch's own c10d backend as the control of the contract scenarios runs in `make contract`
 # and hack/compat.sh: it tests torch, and on two loaded cores some of its scenarios are
