@@ -19,12 +19,14 @@ venv: $(VENV)/.synced
 
 # uv installs the locked environment (torch included, for the tests) in seconds once its
 # cache is warm; the first time it downloads a few GB from PyPI.
-$(VENV)/.synced: pyproject.toml uv.lock
+$(VENV)/.synced: pyproject.toml uv.lock | $(UV_LOCKS)
 	$(PYTHON) -m uv --version 2>/dev/null | grep -q "$(UV_VERSION)" || \
 		$(PYTHON) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
-	mkdir -p $(UV_LOCKS)
 	$(UV) sync --frozen
 	touch $@
+
+$(UV_LOCKS):
+	mkdir -p $@
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm,
 # then the real nodes' kubelet, containerd, runc and CNI plugins, built from the Go module
@@ -49,8 +51,7 @@ docs: venv
 
 # What a release publishes, built and checked but not published (hack/build_release.py,
 # as .github/workflows/release.yml runs it): the sdist and wheel, the chart package.
-release-check: setup
-	mkdir -p $(UV_LOCKS)
+release-check: setup | $(UV_LOCKS)
 	$(BIN)/python -m hack.build_release --uv "env $(UV)"
 
 # torch's own c10d backend as the control of the contract scenarios runs in `make contract`
