@@ -420,7 +420,7 @@ def leading_pod(lease: Json, now: float) -> str | None:
     if not record.holder or not record.renew_time:
         return None
     age = now - state.parse_time(record.renew_time, "spec.renewTime").timestamp()
-    return record.holder.partition("_")[0] if age <= record.duration_seconds else None
+    return leadership.pod_of(record.holder) if age <= record.duration_seconds else None
 
 
 def took_the_leader(fault: Json) -> bool:
@@ -932,7 +932,7 @@ class Run:
             nodes.cut_network(node)
             self._repairs.append((record["at"] - began + REPAIR_SECONDS, "node", node))
         elif kind == "leader":
-            leader = operator_leader(self.api).partition("_")[0]
+            leader = operator_leader(self.api)
             pod = read_object(self.core.read_namespaced_pod, leader, chart.NAMESPACE)
             pids = [p for p, cmd in pod_processes(pod).items() if "rendezvous" in cmd]
             record["victim"], record["node"] = leader, dig(pod, "spec", "nodeName")

@@ -240,7 +240,7 @@ class Run:
     def _leader_node(self) -> str:
         """The node of the operator's leader: losing it, the other replica takes over
         (after the leader's Lease runs out) before anything is noticed."""
-        leader = operator_leader(self.api).partition("_")[0]
+        leader = operator_leader(self.api)
         return str(
             dig(
                 read_object(self.core.read_namespaced_pod, leader, chart.NAMESPACE),

@@ -113,7 +113,7 @@ class NodePool:
                 core.list_namespaced_pod, chart.NAMESPACE, label_selector=OPERATOR_POD_LABELS
             )["items"]
             return any(
-                pod["metadata"]["name"] == leader.partition("_")[0]
+                pod["metadata"]["name"] == leader
                 and any(
                     c["type"] == "Ready" and c["status"] == "True"
                     for c in dig(pod, "status", "conditions", default=[])

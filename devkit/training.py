@@ -30,6 +30,7 @@ from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from devkit.paths import REPO, TRAIN_SCRIPT
 from devkit.waiting import wait_for
 from k8s_rendezvous import state
+from k8s_rendezvous_operator import leadership
 
 VENV_BIN = REPO / ".venv" / "bin"
 
@@ -337,7 +338,7 @@ def operator_leader(api: kubernetes.client.ApiClient) -> str:
                 return None
             raise
         found = (lease.get("spec") or {}).get("holderIdentity")
-        return str(found) if found else None
+        return leadership.pod_of(str(found)) if found else None
 
     return wait_for(holder, 60, "a leader among the operator's pods")
 
@@ -363,7 +364,7 @@ def wait_webhook_served_by_leader_alone(api: kubernetes.client.ApiClient) -> Non
         }
 
     wait_for(
-        lambda: ready_endpoints() == {operator_leader(api).partition("_")[0]},
+        lambda: ready_endpoints() == {operator_leader(api)},
         120,
         "the webhook Service to send admission requests to the operator's leader alone",
     )

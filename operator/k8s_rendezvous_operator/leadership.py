@@ -320,6 +320,11 @@ def default_identity() -> str:
     return f"{base}_{uuid.uuid4().hex[:8]}"
 
 
+def pod_of(identity: str) -> str:
+    """The pod a ``default_identity`` names."""
+    return identity.partition("_")[0]
+
+
 def _exit_now(reason: str) -> None:
     log.critical("exiting now: leadership lost (%s)", reason)
     for handler in logging.getLogger().handlers:

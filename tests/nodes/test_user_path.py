@@ -105,7 +105,7 @@ def test_the_operator_runs_from_its_image_with_leader_election_metrics_and_webho
         (status,) = pod["status"]["containerStatuses"]
         assert status["image"].endswith(node_images["operator"].reference.split("/", 1)[1])
         assert status["state"].get("running"), status
-    leader = operator_leader(admin_api).partition("_")[0]
+    leader = operator_leader(admin_api)
     ready = [
         pod["metadata"]["name"]
         for pod in pods

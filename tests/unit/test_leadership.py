@@ -225,3 +225,16 @@ def test_release_leaves_a_lease_someone_else_holds(clock: Clock) -> None:
     asyncio.run(lead_then_stop())
     assert store.spec["holderIdentity"] == "successor"
     assert len(store.writes) == 1
+
+
+def test_an_identity_names_its_pod_and_differs_for_each_candidate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("POD_NAME", "k8s-rendezvous-operator-7d9f-abcde")
+    first, second = leadership.default_identity(), leadership.default_identity()
+    assert first != second
+    assert (
+        leadership.pod_of(first)
+        == leadership.pod_of(second)
+        == "k8s-rendezvous-operator-7d9f-abcde"
+    )
