@@ -21,9 +21,9 @@ from devkit.cluster.controlplane import ControlPlane, build_binaries, to_model
 
 ATTACH_ENV = "K8S_RDZV_KUBECONFIG_DIR"
 
-pytest_plugins = ("tests.support.fixtures",)
-"""The rendezvous fixtures (operator, namespace, Rendezvous, nodes) for every test folder;
-a folder's conftest adds its own or overrides one."""
+pytest_plugins = ("tests.support.fixtures", "tests.support.timing")
+"""The rendezvous fixtures (operator, namespace, Rendezvous, nodes) for every test folder,
+a folder's conftest adding its own or overriding one; and where the run's time went."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
