@@ -54,18 +54,14 @@ docs: venv
 release-check: setup | $(UV_LOCKS)
 	$(BIN)/python -m hack.build_release --uv "env $(UV)"
 
-# torch's own c10d backend as the control of the contract scenarios runs in `make contract`
-# and hack/compat.sh: it tests torch, and on two loaded cores some of its scenarios are
-# timing-sensitive (tests/contract/README.md). The tests' files go to one directory of
-# their own, removed once every test passed and kept for a look when one failed; rm stays
-# on its file system, so a mount a test left behind fails the run instead of being emptied.
+# Every test but torch's own c10d backend as the control of the contract scenarios (it
+# tests torch, and on two loaded cores some of its scenarios are timing-sensitive:
+# tests/contract/README.md; `make contract` runs them), in two lanes side by side, each
+# its own pytest session and control plane (hack/test_lanes.py). The tests' files go to
+# one directory under /tmp, removed once every lane passed and kept for a look otherwise.
+# At the end: each tier's wall time and the 25 slowest tests.
 test: setup lint release-check
-	files=$$(mktemp -d /tmp/k8s-rdzv-tests.XXXXXX) && \
-	if $(BIN)/pytest -m "not c10d_control" --basetemp="$$files"; then \
-		rm -rf --one-file-system "$$files"; \
-	else \
-		status=$$?; echo "make test: the tests' files are kept in $$files"; exit $$status; \
-	fi
+	$(BIN)/python -m hack.test_lanes
 
 # Only torch's elastic-agent scenarios (also in `make test`: about 10 min of it).
 contract: setup

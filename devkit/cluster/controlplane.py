@@ -45,8 +45,8 @@ HOST = "127.0.0.1"
 SERVICE_CIDR = "10.0.0.0/24"  # Service ClusterIPs
 # kwok's pod IPs: loopback, so that whatever a test runs "in" a pod (a handler, a torchrun
 # agent) listens at its pod's real IP, as the operator checks it does. Must not overlap
-# SERVICE_CIDR.
-POD_CIDR = "127.244.0.0/16"
+# SERVICE_CIDR. Test sessions side by side (hack/test_lanes.py) each take their own.
+POD_CIDR = os.environ.get("K8S_RDZV_POD_CIDR", "127.244.0.0/16")
 POD_IP_ANNOTATION = "kwok.k8s-rendezvous.dev/pod-ip"
 """A test that must choose a pod's IP (one of POD_CIDR's or any loopback address) sets
 it here when it creates the pod; kwok then reports it as the pod's IP."""

@@ -4,6 +4,11 @@
 # shellcheck disable=SC2154  # out: the sourcing script sets it
 : "${out:?lib.sh is sourced once out is set}"
 
+# One build per cache directory at a time: test lanes and sessions side by side share it,
+# and the second waits here, then finds everything built. Released when the script exits.
+exec {build_lock}>"$out/.build.lock"
+flock "$build_lock"
+
 log() { echo "[build] $*" >&2; }
 
 step() {  # step ID WHAT FUNCTION: build one component; the Go tool's output goes to a log
