@@ -15,7 +15,9 @@ world size: a rank whose state diverged would show it. After each change of the 
 rank 0 (a worker that was there before; a newcomer is never rank 0) sends the step and the
 vector to everyone. After each step a worker appends one JSON line to the file named by
 ``TRAIN_PROGRESS_FILE`` (if set), as examples/elastic_train.py does, with its round and
-the vector's sum, and when it last saw a collective fail and re-formed.
+the vector's sum, and when it last saw a collective fail and re-formed. Once the file
+named by ``TRAIN_STOP_FILE`` (if set) exists, every rank stops after the same step, as
+examples/elastic_train.py does.
 
 Without ``in_place=1`` (or with torch's own backends) it still runs: torchrun restarts
 the workers on a change, and they start over.
@@ -64,6 +66,7 @@ def main() -> int:
     world = in_place.init_process_group("gloo")
     initialized = time.time()
     progress_file = os.environ.get("TRAIN_PROGRESS_FILE")
+    stop_file = os.environ.get("TRAIN_STOP_FILE")
     pod = os.environ.get("POD_NAME") or socket.gethostname()
     model = torch.zeros(SIZE)
     step = 0
@@ -75,9 +78,11 @@ def main() -> int:
                 reformed_at = time.time()
                 step, model = share_state(step, model)
             time.sleep(args.compute_seconds)
-            gradient = torch.ones(SIZE)
+            # The last element carries each rank's vote to stop, so that all stop together.
+            gradient = torch.ones(SIZE + 1)
+            gradient[SIZE] += bool(stop_file and os.path.exists(stop_file))
             dist.all_reduce(gradient)
-            model += gradient / world.world_size
+            model += gradient[:SIZE] / world.world_size
         except world.failures as error:
             failed_at = time.time()
             world.recover(error)
@@ -103,6 +108,8 @@ def main() -> int:
             with open(progress_file, "a") as progress:  # one short write: lines never mix
                 progress.write(json.dumps(line) + "\n")
         step += 1
+        if gradient[SIZE] > world.world_size:
+            break
         time.sleep(args.step_seconds)
     rank, world_size = world.rank, world.world_size  # unknown once the group is destroyed
     dist.destroy_process_group()

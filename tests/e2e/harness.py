@@ -36,6 +36,7 @@ from devkit.processes import LocalProcess, container_environment, json_lines
 from devkit.waiting import wait_for
 
 PROGRESS_ENV = "TRAIN_PROGRESS_FILE"
+STOP_ENV = "TRAIN_STOP_FILE"
 NPROC_PER_NODE = 2
 
 
@@ -96,7 +97,10 @@ class LocalPod(LocalProcess):
         admin_api: Admin client, used to delete the Pod object when the node is killed.
         pod: The Pod as returned by ``create_pods`` (scheduled and Running).
         addr: This node's reachable address (a loopback address), published as POD_IP.
-        workdir: Where its service-account files, log and progress file go.
+        workdir: Where its service-account files, log and progress file go (in a folder
+            of its name), and the ``stop`` file of every node started there: once it
+            exists, their training ends after the step in which any rank saw it (the
+            examples' ``TRAIN_STOP_FILE``).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class LocalPod(LocalProcess):
         name: str = pod["metadata"]["name"]
         super().__init__(name, workdir / name, log_name="torchrun.log")
         self.progress_path = self.directory / "progress.jsonl"
+        self.stop_path = workdir / "stop"
         self.service_account_dir = self.directory / "serviceaccount"
 
     # -- the container -------------------------------------------------------------------
@@ -171,7 +176,12 @@ class LocalPod(LocalProcess):
         )
         self.spawn(
             [sys.executable, "-m", launcher, *torchrun_args, str(script), *script_args],
-            {**container_env, "LOGLEVEL": "INFO", PROGRESS_ENV: str(self.progress_path)},
+            {
+                **container_env,
+                "LOGLEVEL": "INFO",
+                PROGRESS_ENV: str(self.progress_path),
+                STOP_ENV: str(self.stop_path),
+            },
         )
 
     def environment(self) -> dict[str, str]:
@@ -254,7 +264,8 @@ class LocalPod(LocalProcess):
 
 
 class LocalPods:
-    """Creates and starts nodes in one namespace; ``stop_all()`` stops every one by PID."""
+    """Creates and starts nodes in one namespace; ``finish()`` ends their training as if
+    its steps were done, ``stop_all()`` stops every one by PID."""
 
     def __init__(
         self,
@@ -267,6 +278,7 @@ class LocalPods:
         self.admin_api = admin_api
         self.namespace = namespace
         self.workdir = workdir
+        self.stop_path = workdir / "stop"
         self.all: list[LocalPod] = []
 
     def start(
@@ -294,6 +306,12 @@ class LocalPods:
         for pod in pods:
             pod.start(rendezvous, **options)
         return pods
+
+    def finish(self) -> None:
+        """Every node's workers stop after the step in which one of them sees this, then
+        the nodes exit as after their last step: a test that has seen what it waited for
+        need not wait out the steps it gave the job to outlast its events."""
+        self.stop_path.touch()
 
     def stop_all(self) -> None:
         for pod in self.all:

@@ -169,6 +169,7 @@ def test_a_killed_rank0_node_and_an_added_node_are_reformed_around_running_worke
     assert {line["group_rank"] for line in joined} == {2}
     assert min(line["step"] for line in larger) > last_before
 
+    pods.finish()
     assert_finish_undisturbed(everyone, survivors, workers)
 
 
@@ -216,4 +217,5 @@ def test_a_waiting_spare_takes_the_lost_rank_in_place_and_the_survivors_keep_the
     assert {line["rank"] for line in replaced if line["pod"] == spare.name} == {2, 3}
     assert [m.replaces for m in rdzv.status().members] == [None, victim.name, None]
 
+    pods.finish()
     assert_finish_undisturbed(everyone, survivors, workers)

@@ -167,6 +167,7 @@ def test_late_node_sorting_first_joins_without_taking_rank0(
     assert master_addr(after) == master_addr(before)
     for node in nodes:  # restarted through num_nodes_waiting(), not through a failure
         assert "Detected 1 new nodes" in node.log(), describe([node])
+    pods.finish()
     assert_all_finish(everyone)
 
 
@@ -189,6 +190,7 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
 
     after = wait_world(nodes, 4, after=failed, timeout=FORM_TIMEOUT)
     timing("newcomer failed -> first step of the others' new world", after.first_step_at - failed)
+    pods.finish()
     assert_all_finish(nodes)
     assert rdzv.status().closed_reason == "NodeFinished"
 

@@ -66,5 +66,6 @@ def test_workers_restarted_after_a_node_is_killed_are_forked_from_their_nodes_zy
         workers = {step.pid for step in after.steps if step.pod == node.name}
         assert len(workers) == 2, after.steps
         assert {_parent(pid) for pid in workers} == {zygote}, describe(survivors)
+    pods.finish()
     codes = wait_all_exit(survivors, FORM_TIMEOUT)
     assert codes == {node.name: 0 for node in survivors}, describe(survivors)
