@@ -3,8 +3,8 @@ joined to the session's control plane, the images they run, and the chart instal
 the operator image built here, its operator running in real pods.
 
 The nodes run IPv4 pods, or, for a module that sets ``IPV6 = True``, dual-stack pods whose
-first address is IPv6; switching restarts the nodes and reinstalls the chart, so modules
-of one kind run together (pytest runs a module's tests together)."""
+first address is IPv6; switching restarts the nodes and reinstalls the chart, so the IPv6
+modules run after every IPv4 one (:func:`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from devkit.nodepool import NodePool, build_node_images
 from devkit.training import RunJob, TrainingJob, create_job, job_manifest
 
 _images_key = pytest.StashKey[dict[str, images.ImageArchive]]()
+HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -44,13 +45,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     fixtures_of_controllers.build_if_needed(session)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """This tier's IPv6 modules after its IPv4 ones, in the places this tier's tests hold
+    in the session: the nodes switch families once, not at each IPv6 module."""
+    places = [i for i, item in enumerate(items) if HERE in item.path.parents]
+    tier = sorted((items[i] for i in places), key=_ipv6)
+    for place, item in zip(places, tier, strict=True):
+        items[place] = item
+
+
+def _ipv6(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return bool(getattr(module, "IPV6", False))
+
+
 @pytest.fixture(scope="session")
 def node_images(pytestconfig: pytest.Config) -> dict[str, images.ImageArchive]:
     return pytestconfig.stash.get(_images_key, None) or build_node_images()
 
 
 _pool_key = pytest.StashKey[NodePool]()
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
