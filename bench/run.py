@@ -1,6 +1,7 @@
 """Benchmarks of k8s-rendezvous against torch's own rendezvous, all in one run.
 
     python bench/run.py --mode quick   # minutes: checks that the harness works
+    python bench/run.py --mode check   # the same, each figure measured once (tests/bench)
     python bench/run.py --mode full    # the published numbers, into bench/results/
 
 Everything runs on this machine, side by side and interleaved (ours, c10d, etcd-v2 for
@@ -78,6 +79,26 @@ PLANS = {
         import_reps=3,
         recovery_reps=1,
         # c10d's variants wait out its keep-alive and last call: minutes, in every trial
+        recovery_variants=("ours", "ours-warm", "ours-in-place"),
+        max_workers=2,
+        torch_join_timeout=60,
+    ),
+    # tests/bench: every section and the report, each measured once (minutes less).
+    "check": Plan(
+        seal_ours=(2, 8),
+        seal_torch=(2, 8),
+        seal_reps=1,
+        seal_reps_large=1,
+        failure_reps=1,
+        failure_c10d_defaults_reps=0,
+        scaleup_reps=1,
+        scale_nodes=24,
+        scale_reps=1,
+        concurrent=(4, 4),
+        concurrent_reps=1,
+        live=(10, 2),
+        import_reps=1,
+        recovery_reps=1,
         recovery_variants=("ours", "ours-warm", "ours-in-place"),
         max_workers=2,
         torch_join_timeout=60,
