@@ -104,7 +104,7 @@ def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) 
     if workloads.controller(metadata) is not None or spec.pod_selector is not None:
         return None
     creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
-    return creator if isinstance(creator, str) and creator else None
+    return creator if state.is_object_name(creator) else None
 
 
 def to_climb(workload: Workload, identity: PodIdentity) -> workloads.Reference | None:

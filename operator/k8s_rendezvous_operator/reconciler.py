@@ -109,6 +109,10 @@ def _uid(body: Mapping[str, Any]) -> object:
     return (body.get("metadata") or {}).get("uid")
 
 
+def _part(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
 def _probe_targets(
     key: Key, status: state.RendezvousStatus, requests: Mapping[str, state.NodeEntry]
 ) -> tuple[reachability.Target, ...]:
@@ -268,6 +272,27 @@ class Reconciler:
         memory.observation = observation
         if rendezvous:
             self.request((key[0], rendezvous))
+
+    def leases_listed(self, bodies: Iterable[Mapping[str, Any]]) -> None:
+        """Every node's Lease, listed at start: each is read on its own, so that one no
+        one can read (a pod wrote it) is that Lease's refusal, never the start's."""
+        for body in bodies:
+            namespace = _part(body.get("metadata")).get("namespace")
+            if isinstance(namespace, str):
+                self.lease_changed(namespace, body, deleted=False)
+
+    def lease_changed(self, namespace: str, body: Mapping[str, Any], deleted: bool) -> None:
+        """A Lease with the rendezvous label, as the API server gives it: read (an entry
+        that cannot be read is reported as its node's, :meth:`lease_seen`), and any
+        failure to handle it is logged as this Lease's alone."""
+        try:
+            if (lease := state.NodeLease.from_body(body)) is not None:
+                self.lease_seen(namespace, lease, body, deleted=deleted)
+        except Exception:  # a bug, not the pod's input: this Lease's, not every Lease's
+            name = _part(body.get("metadata")).get("name")
+            log.exception(
+                "reading Lease %s/%s failed; it is read again at its next change", namespace, name
+            )
 
     def lease_seen(
         self,
