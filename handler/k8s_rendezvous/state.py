@@ -1059,7 +1059,9 @@ class Probe:
     than it is sent (a spoofed source cannot use it to amplify a flood)."""
 
     nonce: bytes
-    """:data:`PROBE_NONCE_BYTES` random bytes, new for each round of probes."""
+    """:data:`PROBE_NONCE_BYTES` random bytes, new for each probe: a nonce vouches for
+    one member only, so one member's answer says nothing of another's. The agent only
+    echoes it, so how the operator makes it is not part of the format (version 1)."""
 
     _REQUEST: ClassVar[bytes] = b"k8s-rendezvous.dev/probe/1?"
     _REPLY: ClassVar[bytes] = b"k8s-rendezvous.dev/probe/1!"
