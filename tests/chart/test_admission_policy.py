@@ -234,7 +234,8 @@ def test_a_pods_lease_has_its_rendezvous_as_its_one_owner(
     own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
     expected = (
         f"pod pod-a must make Rendezvous {rendezvous.name} the one owner of its Lease {own} "
-        "(an ownerReference with its uid), so that the Lease goes with it"
+        f"(an ownerReference of apiVersion {state.API_VERSION} with its uid), so that the "
+        "Lease goes with it"
     )
     assert expected in denied(lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[]))
     theirs = state.owner_reference(state.API_VERSION, state.KIND, rendezvous.name, uid)
@@ -249,6 +250,28 @@ def test_a_pods_lease_has_its_rendezvous_as_its_one_owner(
     pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
     assert expected in denied(
         lambda: pod_a.patch_lease(own, {"metadata": {"ownerReferences": [theirs, lasting]}})
+    )
+
+
+def test_a_pods_lease_is_owned_only_by_a_version_the_api_server_serves(
+    pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    """Issue 55: the policy checked only the owner's API group, so a Lease owned by
+    k8s-rendezvous.dev/v1 (a version the CRD does not serve) was admitted, and the garbage
+    collector, which cannot look such an owner up, kept it for good (14 minutes and
+    counting), as the pod may not delete it either."""
+    own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
+    expected = f"(an ownerReference of apiVersion {state.API_VERSION} with its uid)"
+    for api_version in (f"{state.GROUP}/v1", f"{state.GROUP}/", f"{state.API_VERSION}/x"):
+        unserved = state.owner_reference(api_version, state.KIND, rendezvous.name, uid)
+        message = denied(
+            lambda owner=unserved: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[owner])
+        )
+        assert expected in message, message
+    pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
+    moved = state.owner_reference(f"{state.GROUP}/v1", state.KIND, rendezvous.name, uid)
+    assert expected in denied(
+        lambda: pod_a.patch_lease(own, {"metadata": {"ownerReferences": [moved]}})
     )
 
 
