@@ -407,15 +407,7 @@ class Jobs:
         )
         maker: Mapping[str, Any] | None
         if held.owner is not None:
-            maker = {
-                "apiVersion": held.owner.get("apiVersion"),
-                "kind": held.owner.get("kind"),
-                "metadata": {
-                    "namespace": namespace,
-                    "name": held.owner.get("name"),
-                    "uid": held.owner.get("uid"),
-                },
-            }
+            maker = events.owner_target(namespace, held.owner)
         else:
             maker = await asyncio.to_thread(self._api.get_pod, namespace, held.creator)
         if maker is not None:
