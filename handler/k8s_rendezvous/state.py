@@ -82,6 +82,8 @@ MAX_ENTRY_DEPTH: Final = 4
 second); 2 more leave room for a later version's fields."""
 MAX_ENTRY_VALUES: Final = 64
 """The most JSON values an entry may hold: it has about a dozen."""
+MAX_INSTANCE: Final = 64
+"""The most characters of an agent instance's id (printable ASCII; the handler's are 16)."""
 MAX_NAME: Final = 253
 """The most characters of a Kubernetes object's name (a DNS subdomain)."""
 MAX_UID: Final = 64
@@ -1016,7 +1018,7 @@ class NodeEntry:
     def from_dict(cls, value: object, field: str) -> NodeEntry:
         # Bounded like every string the operator may copy into the status (members).
         data = _mapping(value, field)
-        instance = _str(data, "instance", field, max_length=64)
+        instance = _str(data, "instance", field, max_length=MAX_INSTANCE)
         if not _PRINTABLE.match(instance):
             raise DecodeError(f"{field}.instance: must be printable ASCII, got {_shown(instance)}")
         return cls(
@@ -1189,10 +1191,10 @@ class NodeLease:
         pod_uid = annotations.get(POD_UID_ANNOTATION) or None
         raw = annotations.get(ENTRY_ANNOTATION)
         entry, problem = None, None
-        if instance is not None and not _printable(instance, 64):
+        if instance is not None and not _printable(instance, MAX_INSTANCE):
             problem = (
-                f"{name} annotation {INSTANCE_ANNOTATION}: must be 1 to 64 printable ASCII "
-                f"characters, got {_shown(instance)}"
+                f"{name} annotation {INSTANCE_ANNOTATION}: must be 1 to {MAX_INSTANCE} "
+                f"printable ASCII characters, got {_shown(instance)}"
             )
         elif pod_uid is not None and not _printable(pod_uid, MAX_UID):
             problem = (

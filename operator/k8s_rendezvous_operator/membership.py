@@ -36,6 +36,8 @@ REFUSED_NO_RULE = "NoWorkload"
 REFUSED_OTHER_WORKLOAD = "OtherWorkload"
 REFUSED_SELECTOR = "SelectorMismatch"
 REFUSED_ADDRESS = "AddressNotThePods"
+_NOT_ITS_WORKLOADS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD)
+"""The refusals a claim of the name (:func:`claimed_by`) turns into holding back."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +268,3 @@ def admit(
         else:
             refused[pod] = problem
     return Admission(counted, refused, claims)
-
-
-_NOT_ITS_WORKLOADS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD)

@@ -114,10 +114,6 @@ def _uid(body: Mapping[str, Any]) -> object:
     return (body.get("metadata") or {}).get("uid")
 
 
-def _part(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
 def _probe_targets(
     key: Key, status: state.RendezvousStatus, requests: Mapping[str, state.NodeEntry]
 ) -> tuple[reachability.Target, ...]:
@@ -285,9 +281,9 @@ class Reconciler:
         """Every node's Lease, listed at start: each is read on its own, so that one no
         one can read (a pod wrote it) is that Lease's refusal, never the start's."""
         for body in bodies:
-            namespace = _part(body.get("metadata")).get("namespace")
-            if isinstance(namespace, str):
-                self.lease_changed(namespace, body, deleted=False)
+            metadata = body.get("metadata")
+            if isinstance(metadata, Mapping) and isinstance(metadata.get("namespace"), str):
+                self.lease_changed(metadata["namespace"], body, deleted=False)
 
     def lease_changed(self, namespace: str, body: Mapping[str, Any], deleted: bool) -> None:
         """A Lease with the rendezvous label, as the API server gives it: read (an entry
@@ -297,9 +293,10 @@ class Reconciler:
             if (lease := state.NodeLease.from_body(body)) is not None:
                 self.lease_seen(namespace, lease, body, deleted=deleted)
         except Exception:  # a bug, not the pod's input: this Lease's, not every Lease's
-            name = _part(body.get("metadata")).get("name")
             log.exception(
-                "reading Lease %s/%s failed; it is read again at its next change", namespace, name
+                "reading Lease %s/%s failed; it is read again at its next change",
+                namespace,
+                (body.get("metadata") or {}).get("name"),
             )
 
     def lease_seen(
@@ -990,11 +987,7 @@ class Reconciler:
                 name, held.creator, held.owner_name, str(claimant)
             ),
         )
-        maker = (
-            events.owner_target(namespace, held.owner)
-            if held.owner is not None
-            else await asyncio.to_thread(self._api.get_pod, namespace, held.creator)
-        )
+        maker = await jobs.maker(self._api, namespace, held)
         if maker is not None:
             self._post(
                 [maker],
