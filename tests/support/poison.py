@@ -28,7 +28,8 @@ class Poison:
     entry: str | None
     """The entry annotation's text (``None``: the well-formed one)."""
     problem: str
-    """What the operator's Warning says of it (a part of the message)."""
+    """What the operator's Warning says of it (a part of the message: its words, and the
+    bounds of ``k8s_rendezvous.state`` as users read them)."""
     instance: str = "i-1"
     """The instance annotation (its heartbeat's)."""
 
@@ -47,15 +48,15 @@ def _with(**fields: object) -> str:
 
 POISONS = (
     # Deeper than json's recursion: used to raise RecursionError (issue 55).
-    Poison("brackets", "[" * 10_000, f"nested more than {state.MAX_ENTRY_DEPTH} deep"),
+    Poison("brackets", "[" * 10_000, "nested more than 4 deep"),
     Poison("objects", '{"a":' * 2_000 + "1" + "}" * 2_000, "nested more than"),
     # Within json's recursion, beyond the entry's own bounds.
     Poison("nested", _with(healthCheck=[[[[[]]]]]), "nested more than"),
     Poison("values", _with(healthCheck=list(range(100))), "more than 64 values"),
     Poison(
         "long",
-        _with(instance="i" * state.MAX_ENTRY_LENGTH),
-        f"long, more than {state.MAX_ENTRY_LENGTH}",
+        _with(instance="i" * 16_384),
+        "long, more than 16384",
     ),
     Poison(
         "digits", _with(attempt=0).replace('"attempt": 0', '"attempt": ' + "9" * 5000), "not JSON"
