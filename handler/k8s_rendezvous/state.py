@@ -32,7 +32,7 @@ import re
 import shlex
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, TypeGuard
 
 SCHEMA_VERSION: Final = 1
 """Version of the status layout; bumped on any incompatible change."""
@@ -73,6 +73,21 @@ MAX_HEALTH_CHECK_TAIL: Final = 1024
 """The most characters of a failed health check's output a node's entry carries (its
 last ones, where a self-test says why it failed): enough for a few lines of an NCCL or
 GPU test, and small beside the 256 KiB the API server allows a Lease's annotations."""
+MAX_ENTRY_LENGTH: Final = 16384
+"""The most characters of a node's entry (:data:`ENTRY_ANNOTATION`): the longest a handler
+writes is a Leave with a full health check tail, about 12,600 (1,024 characters, each at
+most 12 as JSON escapes it, and the other fields)."""
+MAX_ENTRY_DEPTH: Final = 4
+"""How deep an entry's objects may nest: it has 2 levels (its health check report is the
+second); 2 more leave room for a later version's fields."""
+MAX_ENTRY_VALUES: Final = 64
+"""The most JSON values an entry may hold: it has about a dozen."""
+MAX_INSTANCE: Final = 64
+"""The most characters of an agent instance's id (printable ASCII; the handler's are 16)."""
+MAX_NAME: Final = 253
+"""The most characters of a Kubernetes object's name (a DNS subdomain)."""
+MAX_UID: Final = 64
+"""The most characters of an object's uid as a pod may mark it (Kubernetes writes 36)."""
 MAX_HEALTH_CHECK_SECONDS: Final = 3600
 """The longest health check a node may run before each join (``health_check_timeout``):
 an hour covers a long burn-in test; longer would hold a node out of rounds unseen."""
@@ -254,6 +269,18 @@ def rendezvous_name_problem(name: str) -> str | None:
     )
 
 
+_OBJECT_NAME: Final = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z"
+)
+
+
+def is_object_name(text: object) -> TypeGuard[str]:
+    """Whether ``text`` can name a pod (or most objects): a DNS subdomain of at most 253
+    characters. A name a pod wrote is checked so before it goes into an API path or a
+    message: a '/' or '..' in it could otherwise name another object."""
+    return isinstance(text, str) and len(text) <= MAX_NAME and bool(_OBJECT_NAME.match(text))
+
+
 def lease_name(rendezvous: str, node: str) -> str:
     """The name of a node's heartbeat Lease: ``<rendezvous>.<pod>``, shortened with a hash
     when that exceeds the 253 characters of a Kubernetes name. The rendezvous has no dot
@@ -291,6 +318,52 @@ def slice_name(rendezvous: str, index: int) -> str:
 
 class DecodeError(ValueError):
     """A stored object does not match the wire format; the message names the field."""
+
+
+def decode_json(
+    text: str | bytes,
+    field: str,
+    *,
+    max_length: int,
+    max_depth: int,
+    max_values: int | None = None,
+) -> object:
+    """``text`` as JSON, read only within bounds: at most ``max_length`` characters (bytes,
+    for bytes), arrays and objects nested at most ``max_depth`` deep, at most
+    ``max_values`` values in all. Text a pod or any other client chose goes through here,
+    so that nothing it writes makes a reader raise anything but :class:`DecodeError`, nor
+    hold more than the bounds: thousands of ``[`` used to raise ``RecursionError`` out of
+    ``json``, which no caller expected (one Lease stopped the operator's start).
+
+    Raises:
+        DecodeError: Not JSON, or beyond a bound; the message names ``field`` and the bound.
+    """
+    if len(text) > max_length:
+        unit = "bytes" if isinstance(text, bytes) else "characters"
+        raise DecodeError(f"{field}: {len(text)} {unit} long, more than {max_length}")
+    try:
+        value: object = json.loads(text)
+    except RecursionError:  # nested far beyond max_depth: json gave up first
+        raise DecodeError(f"{field}: nested more than {max_depth} deep") from None
+    except ValueError as error:  # not JSON, not UTF-8, an integer of too many digits
+        raise DecodeError(f"{field}: not JSON ({error})") from None
+    pending: list[tuple[object, int]] = [(value, 1)]
+    values = 0
+    while pending:  # a loop, not a recursion: what is walked is the writer's choice
+        item, depth = pending.pop()
+        values += 1
+        if max_values is not None and values > max_values:
+            raise DecodeError(f"{field}: more than {max_values} values")
+        if isinstance(item, dict):
+            children: Iterable[object] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            raise DecodeError(f"{field}: nested more than {max_depth} deep")
+        pending.extend((child, depth + 1) for child in children)
+    return value
 
 
 def resource_version(obj: Mapping[str, Any]) -> int:
@@ -390,13 +463,13 @@ def format_time(moment: datetime.datetime) -> str:
 
 def parse_time(text: object, field: str) -> datetime.datetime:
     if not isinstance(text, str):
-        raise DecodeError(f"{field}: expected an RFC 3339 time string, got {text!r}")
+        raise DecodeError(f"{field}: expected an RFC 3339 time string, got {_shown(text)}")
     try:
         moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError as error:
-        raise DecodeError(f"{field}: {text!r} is not an RFC 3339 time") from error
+        raise DecodeError(f"{field}: {_shown(text)} is not an RFC 3339 time") from error
     if moment.tzinfo is None:
-        raise DecodeError(f"{field}: {text!r} has no time zone")
+        raise DecodeError(f"{field}: {_shown(text)} has no time zone")
     return moment
 
 
@@ -416,7 +489,7 @@ def _str(
 ) -> str:
     value = data.get(key, default)
     if not isinstance(value, str):
-        raise DecodeError(f"{field}.{key}: expected a string, got {value!r}")
+        raise DecodeError(f"{field}.{key}: expected a string, got {_shown(value)}")
     try:
         value.encode()
     except UnicodeEncodeError:  # JSON's "\ud800": stored otherwise than it was read
@@ -429,15 +502,34 @@ def _str(
 _PRINTABLE: Final = re.compile(r"^[!-~]+\Z")
 
 
+def _part(value: object) -> Mapping[str, Any]:
+    """A part of an object that should be a JSON object, else an empty one."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list_part(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _printable(value: object, max_length: int) -> bool:
+    return isinstance(value, str) and len(value) <= max_length and bool(_PRINTABLE.match(value))
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``value`` as a message may quote it: its repr, cut."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _canonical_ip(text: str, field: str) -> str:
     """``text`` if it is an IP address as the API server writes pod IPs, so that one
     address is stored, and compared with a pod's, in one form only."""
     try:
         canonical = str(ipaddress.ip_address(text))
     except ValueError:
-        raise DecodeError(f"{field}: not an IP address: {text!r}") from None
+        raise DecodeError(f"{field}: not an IP address: {_shown(text)}") from None
     if canonical != text:
-        raise DecodeError(f"{field}: {text!r} is not in canonical form; write {canonical!r}")
+        raise DecodeError(f"{field}: {_shown(text)} is not in canonical form; write {canonical!r}")
     return canonical
 
 
@@ -452,7 +544,7 @@ def _int(
 ) -> int:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DecodeError(f"{field}.{key}: expected an integer, got {value!r}")
+        raise DecodeError(f"{field}.{key}: expected an integer, got {_shown(value)}")
     if value < minimum:
         raise DecodeError(f"{field}.{key}: must be at least {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -482,7 +574,7 @@ def _enum(enum_type: type[enum.Enum], data: Mapping[str, Any], key: str, field: 
         return enum_type(value)
     except ValueError:
         allowed = ", ".join(repr(member.value) for member in enum_type)
-        raise DecodeError(f"{field}.{key}: {value!r} is not one of {allowed}") from None
+        raise DecodeError(f"{field}.{key}: {_shown(value)} is not one of {allowed}") from None
 
 
 class Fields:
@@ -512,7 +604,9 @@ class Fields:
         values = _list(self.data, key, self.field)
         for index, value in enumerate(values):
             if type(value) is not str:
-                raise DecodeError(f"{self.field}.{key}[{index}]: expected a string, got {value!r}")
+                raise DecodeError(
+                    f"{self.field}.{key}[{index}]: expected a string, got {_shown(value)}"
+                )
         return tuple(values)
 
 
@@ -872,7 +966,7 @@ class HealthCheckReport:
             or not -255 <= exit_code <= 255
         ):
             raise DecodeError(
-                f"{field}.exitCode: expected an integer from -255 to 255, got {exit_code!r}"
+                f"{field}.exitCode: expected an integer from -255 to 255, got {_shown(exit_code)}"
             )
         milliseconds = _int(
             data, "milliseconds", field, maximum=(MAX_HEALTH_CHECK_SECONDS + 60) * 1000
@@ -924,9 +1018,9 @@ class NodeEntry:
     def from_dict(cls, value: object, field: str) -> NodeEntry:
         # Bounded like every string the operator may copy into the status (members).
         data = _mapping(value, field)
-        instance = _str(data, "instance", field, max_length=64)
+        instance = _str(data, "instance", field, max_length=MAX_INSTANCE)
         if not _PRINTABLE.match(instance):
-            raise DecodeError(f"{field}.instance: must be printable ASCII, got {instance!r}")
+            raise DecodeError(f"{field}.instance: must be printable ASCII, got {_shown(instance)}")
         return cls(
             instance=instance,
             attempt=_int(data, "attempt", field, minimum=1, maximum=MAX_ATTEMPT),
@@ -944,10 +1038,13 @@ class NodeEntry:
 
     @classmethod
     def from_annotation(cls, text: str, field: str) -> NodeEntry:
-        try:
-            data = json.loads(text)
-        except ValueError as error:
-            raise DecodeError(f"{field}: not JSON ({error})") from None
+        data = decode_json(
+            text,
+            field,
+            max_length=MAX_ENTRY_LENGTH,
+            max_depth=MAX_ENTRY_DEPTH,
+            max_values=MAX_ENTRY_VALUES,
+        )
         return cls.from_dict(data, field)
 
 
@@ -964,7 +1061,9 @@ class Probe:
     than it is sent (a spoofed source cannot use it to amplify a flood)."""
 
     nonce: bytes
-    """:data:`PROBE_NONCE_BYTES` random bytes, new for each round of probes."""
+    """:data:`PROBE_NONCE_BYTES` random bytes, new for each probe: a nonce vouches for
+    one member only, so one member's answer says nothing of another's. The agent only
+    echoes it, so how the operator makes it is not part of the format (version 1)."""
 
     _REQUEST: ClassVar[bytes] = b"k8s-rendezvous.dev/probe/1?"
     _REPLY: ClassVar[bytes] = b"k8s-rendezvous.dev/probe/1!"
@@ -1071,37 +1170,54 @@ class NodeLease:
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> NodeLease | None:
         """``None`` for a Lease that speaks for no node: only ``<rendezvous>.<holder>``
-        does, so a pod cannot pose as another node by naming or relabelling a Lease it
-        holds. An entry that cannot be read is not guessed at: ``entry_problem`` says why."""
-        metadata = body.get("metadata") or {}
-        rendezvous = (metadata.get("labels") or {}).get(NODE_LABEL)
-        spec = body.get("spec") or {}
+        does, its holder a pod's name, so a pod cannot pose as another node by naming or
+        relabelling a Lease it holds. What it says is not guessed at: a request, instance
+        or mark that cannot be read leaves the node no request, and ``entry_problem`` says
+        why. Never raises, whatever the Lease holds (the pod chose most of it)."""
+        metadata = _part(body.get("metadata"))
+        rendezvous = _part(metadata.get("labels")).get(NODE_LABEL)
+        spec = _part(body.get("spec"))
         node = spec.get("holderIdentity")
         if (
             not isinstance(rendezvous, str)
-            or not rendezvous
             or rendezvous_name_problem(rendezvous)  # then the name reads two ways
-            or not isinstance(node, str)
-            or not node
-            or len(node) > 253  # not a pod's name: it could never be a member
+            or not is_object_name(node)  # not a pod's name: it could never be a member
             or metadata.get("name") != lease_name(rendezvous, node)
         ):
             return None
-        annotations = metadata.get("annotations") or {}
+        name = f"Lease {metadata.get('name')}"
+        annotations = _part(metadata.get("annotations"))
+        instance = annotations.get(INSTANCE_ANNOTATION)
+        pod_uid = annotations.get(POD_UID_ANNOTATION) or None
         raw = annotations.get(ENTRY_ANNOTATION)
         entry, problem = None, None
-        if raw is not None:
+        if instance is not None and not _printable(instance, MAX_INSTANCE):
+            problem = (
+                f"{name} annotation {INSTANCE_ANNOTATION}: must be 1 to {MAX_INSTANCE} "
+                f"printable ASCII characters, got {_shown(instance)}"
+            )
+        elif pod_uid is not None and not _printable(pod_uid, MAX_UID):
+            problem = (
+                f"{name} annotation {POD_UID_ANNOTATION}: must be a uid (at most {MAX_UID} "
+                f"printable ASCII characters), got {_shown(pod_uid)}"
+            )
+        if problem is not None:  # neither its heartbeat nor its request is read
+            instance = pod_uid = None
+        elif raw is not None:
+            field = f"{name} annotation {ENTRY_ANNOTATION}"
             try:
-                entry = NodeEntry.from_annotation(
-                    raw, f"Lease {metadata.get('name')} annotation {ENTRY_ANNOTATION}"
-                )
+                if not isinstance(raw, str):
+                    raise DecodeError(f"{field}: expected a string")
+                entry = NodeEntry.from_annotation(raw, field)
             except DecodeError as error:
                 problem = str(error)
         owner_uid = next(
             (
-                str(owner.get("uid"))
-                for owner in metadata.get("ownerReferences") or []
-                if isinstance(owner, Mapping) and owner.get("kind") == KIND
+                owner["uid"]
+                for owner in _list_part(metadata.get("ownerReferences"))
+                if isinstance(owner, Mapping)
+                and owner.get("kind") == KIND
+                and _printable(owner.get("uid"), MAX_UID)
             ),
             None,
         )
@@ -1113,10 +1229,10 @@ class NodeLease:
         return cls(
             rendezvous,
             node,
-            annotations.get(INSTANCE_ANNOTATION),
+            instance,
             entry,
             problem,
-            annotations.get(POD_UID_ANNOTATION) or None,
+            pod_uid,
             owner_uid,
             duration if type(duration) is int else None,
             renewed,

@@ -21,13 +21,27 @@ class Poster(Protocol):
     ) -> None: ...
 
 
-def job_reference(namespace: str, name: str, uid: str) -> dict[str, Any]:
-    """Enough of a Job to post an Event on it without reading it."""
+def object_reference(
+    namespace: str, api_version: object, kind: object, name: object, uid: object
+) -> dict[str, Any]:
+    """Enough of an object to post an Event on it without reading it."""
     return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
+        "apiVersion": api_version,
+        "kind": kind,
         "metadata": {"namespace": namespace, "name": name, "uid": uid},
     }
+
+
+def job_reference(namespace: str, name: str, uid: str) -> dict[str, Any]:
+    """Enough of a Job to post an Event on it without reading it."""
+    return object_reference(namespace, "batch/v1", "Job", name, uid)
+
+
+def owner_target(namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The object an ownerReference in ``namespace`` names, to post an Event on it."""
+    return object_reference(
+        namespace, owner.get("apiVersion"), owner.get("kind"), owner.get("name"), owner.get("uid")
+    )
 
 
 def rendezvous_targets(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -66,9 +66,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     reconciler = Reconciler(api, post, worker_role=memo.get("worker_role") or None)
     # Know every node's request before the first reconcile: a member whose Lease had not
     # been seen yet would otherwise count as gone.
-    for body in await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ()):
-        if (lease := state.NodeLease.from_body(body)) is not None:
-            reconciler.lease_seen(body["metadata"]["namespace"], lease, body, deleted=False)
+    reconciler.leases_listed(
+        await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ())
+    )
     reconciler.started()
     memo["reconciler"] = reconciler
     if interval := memo.get("probe_interval"):
@@ -138,8 +138,7 @@ async def lease_event(
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
-    if (lease := state.NodeLease.from_body(body)) is not None:
-        reconciler.lease_seen(namespace, lease, dict(body), deleted=event.get("type") == "DELETED")
+    reconciler.lease_changed(namespace, dict(body), deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.event("batch", "v1", "jobs")

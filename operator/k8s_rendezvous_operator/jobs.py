@@ -63,6 +63,17 @@ class JobMemory:
     pod that makes it anew each time (and wins the race) is reported once."""
 
 
+async def maker(
+    api: kube.ReconcilerApi, namespace: str, held: names.Holding
+) -> Mapping[str, Any] | None:
+    """Where an Event about a pod-made Rendezvous goes for whoever made it: its owner, the
+    workload of the pod that made it, or that pod if it has none (read; ``None``: gone)."""
+    if held.owner is not None:
+        return events.owner_target(namespace, held.owner)
+    assert held.creator is not None, "a pod made it"
+    return await asyncio.to_thread(api.get_pod, namespace, held.creator)
+
+
 class Jobs:
     """The annotated Jobs the watch showed, and what is done for them."""
 
@@ -405,22 +416,9 @@ class Jobs:
             reason=reasons.RENDEZVOUS_REPLACED,
             message=reasons.rendezvous_replaced(name, held.creator, held.owner_name),
         )
-        maker: Mapping[str, Any] | None
-        if held.owner is not None:
-            maker = {
-                "apiVersion": held.owner.get("apiVersion"),
-                "kind": held.owner.get("kind"),
-                "metadata": {
-                    "namespace": namespace,
-                    "name": held.owner.get("name"),
-                    "uid": held.owner.get("uid"),
-                },
-            }
-        else:
-            maker = await asyncio.to_thread(self._api.get_pod, namespace, held.creator)
-        if maker is not None:
+        if (made_by := await maker(self._api, namespace, held)) is not None:
             self._post(
-                [maker],
+                [made_by],
                 warning=True,
                 reason=reasons.RENDEZVOUS_REPLACED,
                 message=reasons.rendezvous_replaced_for_workload(

@@ -60,6 +60,13 @@ def _requester(api_client: client.ApiClient) -> Callable[..., dict[str, Any]]:
     return request
 
 
+def _segment(name: str) -> str:
+    """``name`` as one segment of an API path. Some names come from what a pod wrote (its
+    Lease's holder, the pod a Rendezvous says made it): a '/' or '..' in one must not make
+    the request name another object, in another namespace or of another kind."""
+    return quote(name, safe="")
+
+
 def job_owner(name: str, uid: str) -> dict[str, Any]:
     """The ownerReference of what the operator makes for an annotated Job. Not blocking
     the Job's deletion: that would need update on jobs/finalizers, and nothing made for a
@@ -136,7 +143,7 @@ class OperatorApi:
     @staticmethod
     def _path(namespace: str, plural: str, name: str = "") -> str:
         path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}/{plural}"
-        return f"{path}/{name}" if name else path
+        return f"{path}/{_segment(name)}" if name else path
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         return self._request("GET", self._path(namespace, state.PLURAL, name))
@@ -220,7 +227,7 @@ class OperatorApi:
         body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
         return self._request(
             "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{pod}",
+            f"/api/v1/namespaces/{namespace}/pods/{_segment(pod)}",
             body,
             content_type=rest.MERGE_PATCH,
         )
@@ -265,7 +272,7 @@ class OperatorApi:
 
     def service_account_exists(self, namespace: str, name: str) -> bool:
         try:
-            self._request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
+            self._request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{_segment(name)}")
         except NotFound:
             return False
         return True
@@ -329,7 +336,9 @@ class OperatorApi:
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}")
+            return self._request(
+                "GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{_segment(name)}"
+            )
         except NotFound:
             return None
 
@@ -342,7 +351,7 @@ class OperatorApi:
         group = reference.of_kind.group
         version = quote(reference.api_version.rpartition("/")[2], safe="")
         root = f"/apis/{group}/{version}" if group else f"/api/{version}"
-        path = f"{root}/namespaces/{namespace}/{resource}/{quote(reference.name, safe='')}"
+        path = f"{root}/namespaces/{namespace}/{resource}/{_segment(reference.name)}"
         try:
             return self._request("GET", path)
         except NotFound:
@@ -350,7 +359,7 @@ class OperatorApi:
 
     def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
         try:
-            return self._request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+            return self._request("GET", f"/api/v1/namespaces/{namespace}/pods/{_segment(pod)}")
         except NotFound:
             return None
 
@@ -373,7 +382,7 @@ class OperatorApi:
         )
 
     def node_labels(self, node: str) -> dict[str, str]:
-        found = self._request("GET", f"/api/v1/nodes/{node}")
+        found = self._request("GET", f"/api/v1/nodes/{_segment(node)}")
         return dict((found.get("metadata") or {}).get("labels") or {})
 
 

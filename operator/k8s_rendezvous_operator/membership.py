@@ -15,6 +15,11 @@ a request only when:
    that rank 0's store is where that pod is and nowhere else.
 
 Anything else is never counted, ranked or allowed to close the rendezvous.
+
+A Rendezvous a pod made is named after a workload of its namespace, and owned by another
+(or by none), when a pod of the other made it first: it is not that pod's to hold. A pod
+of the workload it is named after that asks to join is not refused but held back
+(:func:`claimed_by`), and the operator gives the name back to that workload.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ REFUSED_NO_RULE = "NoWorkload"
 REFUSED_OTHER_WORKLOAD = "OtherWorkload"
 REFUSED_SELECTOR = "SelectorMismatch"
 REFUSED_ADDRESS = "AddressNotThePods"
+_NOT_ITS_WORKLOADS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD)
+"""The refusals a claim of the name (:func:`claimed_by`) turns into holding back."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,8 @@ class PodIdentity:
     ancestors: tuple[str, ...] = ()
     """The uids of the controllers its controller stands for, nearest first, where the
     operator has read them (:func:`to_climb`); the Pod object alone does not say."""
+    workload: workloads.Reference | None = None
+    """The last of them (or its controller), where the operator has read them."""
 
     @property
     def controller_uid(self) -> str | None:
@@ -60,6 +69,10 @@ class Workload:
     owner_uid: str | None
     owner: str | None
     selector: state.LabelSelector | None
+    owner_name: str | None = None
+    """The name of its controller owner (:attr:`owner` is ``Kind/name``)."""
+    pod_made: bool = False
+    """A pod made it (its creator-pod annotation names one): the name may be claimed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +117,18 @@ def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) 
     if workloads.controller(metadata) is not None or spec.pod_selector is not None:
         return None
     creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
-    return creator if isinstance(creator, str) and creator else None
+    return creator if state.is_object_name(creator) else None
 
 
 def to_climb(workload: Workload, identity: PodIdentity) -> workloads.Reference | None:
     """The pod's controller, if the controllers it stands for must be read to tell whether
-    the pod belongs to ``workload``: only when the Rendezvous is owned, not by the pod's
-    controller, and that controller may stand for another."""
+    the pod belongs to ``workload``, or whether its workload claims a pod-made one's name:
+    only when the Rendezvous is owned, not by the pod's controller, or made by a pod and
+    not owned yet, and that controller may stand for another."""
     reference = identity.controller
-    if workload.owner_uid is None or reference is None or reference.uid == workload.owner_uid:
+    if reference is None or reference.uid == workload.owner_uid:
+        return None
+    if workload.owner_uid is None and not workload.pod_made:
         return None
     return reference if workloads.may_stand_for_another(reference) else None
 
@@ -120,12 +136,33 @@ def to_climb(workload: Workload, identity: PodIdentity) -> workloads.Reference |
 def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:
     metadata = rendezvous.get("metadata") or {}
     owner = workloads.controller(metadata)
+    creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
     return Workload(
         name=str(metadata.get("name") or ""),
         owner_uid=owner.uid if owner else None,
         owner=str(owner) if owner else None,
         selector=spec.pod_selector,
+        owner_name=owner.name if owner else None,
+        pod_made=state.is_object_name(creator),
     )
+
+
+def claimed_by(workload: Workload, identity: PodIdentity) -> workloads.Reference | None:
+    """The workload of the pod ``identity`` describes, if the name of the pod-made
+    Rendezvous ``workload`` describes is that workload's: named after it, and not owned
+    by it nor by another workload of that name (of another kind: then the first made
+    keeps it). A name a workload needs is that workload's whatever made it first, as an
+    annotated Job's is its Job's (:mod:`.names`): a pod, with the creator role, may only
+    make a missing Rendezvous, and cannot deny it to a workload that comes later."""
+    mine = identity.workload or identity.controller
+    if (
+        not workload.pod_made
+        or mine is None
+        or mine.name != workload.name
+        or workload.owner_name == workload.name
+    ):
+        return None
+    return mine
 
 
 def refusal(
@@ -172,6 +209,9 @@ class Admission:
     """The requests the round decisions see."""
     refused: dict[str, Refusal]
     """Pods whose request is never counted, and why."""
+    claims: dict[str, workloads.Reference] = dataclasses.field(default_factory=dict)
+    """Pods held back, neither counted nor refused, as their workload, named after the
+    pod-made Rendezvous, claims its name (:func:`claimed_by`)."""
 
     def published(self, requests: Mapping[str, state.NodeEntry]) -> tuple[state.Refusal, ...]:
         """The refusals the status names for the refused nodes to read, by pod name and at
@@ -202,9 +242,14 @@ def admit(
     (the admission policy holds that to the writer's token). A request written by an
     earlier pod of the same name is held back too: that pod is gone, and the one now
     behind the name has not asked anything yet.
+
+    A pod whose workload claims the name of a pod-made Rendezvous (:func:`claimed_by`) is
+    held back as well, in :attr:`Admission.claims`: the name is given back to its
+    workload, which it would otherwise be refused from for good.
     """
     counted: dict[str, state.NodeEntry] = {}
     refused: dict[str, Refusal] = {}
+    claims: dict[str, workloads.Reference] = {}
     for pod, entry in requests.items():
         identity = identities.get(pod)
         if identity is None:
@@ -218,6 +263,8 @@ def admit(
         problem = refusal(workload, pod, identity, entry)
         if problem is None:
             counted[pod] = entry
+        elif problem.reason in _NOT_ITS_WORKLOADS and (claimant := claimed_by(workload, identity)):
+            claims[pod] = claimant
         else:
             refused[pod] = problem
-    return Admission(counted, refused)
+    return Admission(counted, refused, claims)

@@ -61,7 +61,7 @@ def holding(rendezvous: Mapping[str, Any]) -> Holding:
     owner = next((o for o in owners if o.get("controller")), owners[0] if owners else None)
     return Holding(
         uid=str(metadata.get("uid") or ""),
-        creator=creator if isinstance(creator, str) and creator else None,
+        creator=creator if state.is_object_name(creator) else None,
         owner=owner,
         selects=(rendezvous.get("spec") or {}).get("podSelector") is not None,
     )

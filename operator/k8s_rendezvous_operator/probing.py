@@ -2,9 +2,15 @@
 and hands the verdict of :func:`.reachability.unreachable` to the reconciler after each
 round of probes.
 
-Each probe's nonce is this round's secret followed by the target's index in the round, so
-an answer names its target whatever address it comes from (a pod answers from the address
-its kernel picks), and nobody who did not see the probe can answer it.
+Each probe's nonce is a secret of its own, new each round, so an answer names its target
+whatever address it comes from (a pod answers from the address its kernel picks), and
+nobody who did not see that very probe can answer it. Not one secret per round with the
+target's index after it: a pod that got its own probe then knew every other member's
+(the same secret, the next indexes) and could keep members of any rendezvous, in any
+namespace, from being judged unreachable.
+
+The wire format (:class:`k8s_rendezvous.state.Probe`, version 1) is unchanged: an agent
+echoes the nonce whatever it holds, so agents of every handler version answer these.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from k8s_rendezvous_operator.reachability import Target, unreachable
 
 log = logging.getLogger(__name__)
 
-_SECRET_BYTES = state.PROBE_NONCE_BYTES - 8
 _BATCH = 64
 """Probes sent between two reads of the answers: all at once, 1,000 answers would
 overflow a socket's default receive buffer (about 200 of them) before the loop reads one."""
@@ -58,8 +63,8 @@ class Prober:
         """Each target's probes sent since its last answer."""
         self._ever_answered: set[Target] = set()
         """The targets that ever answered."""
-        self._sent: dict[bytes, list[Target]] = {}
-        """This round's secret and the last one's, each with its targets by index: an
+        self._sent: tuple[dict[bytes, Target], ...] = ()
+        """Each target by the nonce of its probe, this round's and the last one's: an
         answer to the last round's probe, come late, still counts."""
         self._sockets: dict[socket.AddressFamily, socket.socket | None] = {}
         """Each address family's socket, once made (``None``: it cannot be, as said once)."""
@@ -96,14 +101,15 @@ class Prober:
         metrics.PROBED_MEMBERS.set(len(targets))
         metrics.UNREACHABLE_MEMBERS.set(len(verdict))
         self._judged(verdict)
-        secret = secrets.token_bytes(_SECRET_BYTES)
-        self._sent = {secret: targets, **dict(list(self._sent.items())[:1])}
+        sent: dict[bytes, Target] = {}
+        self._sent = (sent, *self._sent[:1])
         for index, target in enumerate(targets):
             if index and not index % _BATCH:
                 await asyncio.sleep(0)
             if (sock := self._socket(target.addr)) is None:
                 continue
-            probe = state.Probe(secret + index.to_bytes(8, "big"))
+            probe = state.Probe(secrets.token_bytes(state.PROBE_NONCE_BYTES))
+            sent[probe.nonce] = target
             self._unanswered[target] += 1
             with contextlib.suppress(OSError):  # a full buffer: silence this once
                 sock.sendto(probe.request(), (target.addr, target.port))
@@ -113,12 +119,8 @@ class Prober:
         return self._unanswered.get(target)
 
     def _answered(self, nonce: bytes) -> None:
-        secret, index = nonce[:_SECRET_BYTES], int.from_bytes(nonce[_SECRET_BYTES:], "big")
-        targets = self._sent.get(secret)
-        if targets is None or index >= len(targets):
-            return
-        target = targets[index]
-        if target in self._unanswered:
+        target = next((sent[nonce] for sent in self._sent if nonce in sent), None)
+        if target is not None and target in self._unanswered:
             self._unanswered[target] = 0
             self._ever_answered.add(target)
             self.answers += 1

@@ -29,7 +29,8 @@ RENDEZVOUS_CREATED: Final = "RendezvousCreated"
 RENDEZVOUS_RECREATED: Final = "RendezvousRecreated"
 RENDEZVOUS_NOT_OWNED: Final = "RendezvousNotOwned"
 RENDEZVOUS_REPLACED: Final = "RendezvousReplaced"
-"""Also on the workload (or the pod) whose pod-made Rendezvous was replaced."""
+"""Also on the workload (or the pod) whose pod-made Rendezvous was replaced; and, for a
+pod-made Rendezvous named after another workload, on both workloads."""
 INVALID_ANNOTATION: Final = "InvalidAnnotation"
 RUN_ID_IMMUTABLE: Final = "RunIdImmutable"
 SERVICE_ACCOUNT_NOT_FOUND: Final = "ServiceAccountNotFound"
@@ -286,6 +287,43 @@ def rendezvous_replaced_for_workload(
         f"Job's Rendezvous is its Job's in its namespace. The pods of "
         f"{owner or 'pod ' + creator} are refused from Rendezvous {rendezvous} from now on: "
         f"give their torchrun another --rdzv-endpoint, or rename Job {job}."
+    )
+
+
+def rendezvous_given_back(rendezvous: str, creator: str, owner: str | None, workload: str) -> str:
+    """On the workload a pod-made Rendezvous is named after, whose pods asked to join it:
+    the operator deleted it, for them to make it anew."""
+    who = owner or f"pod {creator}"
+    return (
+        f"Rendezvous {rendezvous} had been made by {_made_by(creator, owner)}, not by a pod "
+        f"of {workload}, whose pods asked to join it. A Rendezvous named after a workload of "
+        f"its namespace is that workload's, whatever made it first, so the operator deleted "
+        f"that one, and the pods of {workload} make it anew (their creator role). If {who} "
+        f"uses rendezvous {rendezvous} on purpose, its pods are now refused at their join: "
+        "rename one of the two (that workload's --rdzv-endpoint, or this one)."
+    )
+
+
+def rendezvous_taken_back(rendezvous: str, creator: str, owner: str | None, workload: str) -> str:
+    """On the workload (or the bare pod) whose pod made the Rendezvous given back."""
+    return (
+        f"Rendezvous {rendezvous}, made by {_made_by(creator, owner)}, was deleted by the "
+        f"k8s-rendezvous operator: it is named after {workload} of this namespace, whose "
+        "pods asked to join it, and a Rendezvous named after a workload is that workload's. "
+        f"The pods of {owner or 'pod ' + creator} are refused from Rendezvous {rendezvous} "
+        "from now on: give their torchrun another --rdzv-endpoint."
+    )
+
+
+def rendezvous_not_given_back(
+    rendezvous: str, namespace: str, creator: str, owner: str | None, workload: str, error: object
+) -> str:
+    """A pod-made Rendezvous named after another workload that the operator could not delete."""
+    return (
+        f"Rendezvous {rendezvous} was made by {_made_by(creator, owner)}, not by a pod of "
+        f"{workload}, whose pods ask to join it, and the operator could not delete it: "
+        f"{error}. Its pods wait meanwhile. Delete it (kubectl -n {namespace} delete "
+        f"rendezvous {rendezvous}): the pods of {workload} make it anew."
     )
 
 

@@ -22,6 +22,7 @@ from k8s_rendezvous_operator import (
     kube,
     membership,
     metrics,
+    names,
     observe,
     owners,
     reachability,
@@ -42,6 +43,10 @@ for _reason in rounds.LOST_REASONS:
     metrics.MEMBERS_LOST.labels(_reason)
 for _reason in rounds.CLOSED_REASONS:
     metrics.CLOSED.labels(_reason)
+
+
+_REPORTS_KEPT = 1024
+"""Names given back whose report is remembered (once per pod that made one)."""
 
 
 def _utcnow() -> datetime.datetime:
@@ -170,6 +175,9 @@ class Reconciler:
         self._unreachable: frozenset[reachability.Target] = frozenset()
         self._reporting: set[asyncio.Task[None]] = set()
         """Failed health checks being reported (each looks up its pod first)."""
+        self._given_back: dict[tuple[str, str, str], None] = {}
+        """(namespace, rendezvous, creator pod) of each pod-made Rendezvous deleted for the
+        workload named so, as reported (once per pod; the oldest forgotten first)."""
 
     def _memory(self, key: Key) -> RendezvousMemory:
         return self._rendezvous.setdefault(key, RendezvousMemory())
@@ -268,6 +276,28 @@ class Reconciler:
         memory.observation = observation
         if rendezvous:
             self.request((key[0], rendezvous))
+
+    def leases_listed(self, bodies: Iterable[Mapping[str, Any]]) -> None:
+        """Every node's Lease, listed at start: each is read on its own, so that one no
+        one can read (a pod wrote it) is that Lease's refusal, never the start's."""
+        for body in bodies:
+            metadata = body.get("metadata")
+            if isinstance(metadata, Mapping) and isinstance(metadata.get("namespace"), str):
+                self.lease_changed(metadata["namespace"], body, deleted=False)
+
+    def lease_changed(self, namespace: str, body: Mapping[str, Any], deleted: bool) -> None:
+        """A Lease with the rendezvous label, as the API server gives it: read (an entry
+        that cannot be read is reported as its node's, :meth:`lease_seen`), and any
+        failure to handle it is logged as this Lease's alone."""
+        try:
+            if (lease := state.NodeLease.from_body(body)) is not None:
+                self.lease_seen(namespace, lease, body, deleted=deleted)
+        except Exception:  # a bug, not the pod's input: this Lease's, not every Lease's
+            log.exception(
+                "reading Lease %s/%s failed; it is read again at its next change",
+                namespace,
+                (body.get("metadata") or {}).get("name"),
+            )
 
     def lease_seen(
         self,
@@ -525,7 +555,10 @@ class Reconciler:
             memory.adopted = body["metadata"].get("uid", "")
             if await self._adopt(key, body, creator):
                 return False
-        requests, pods, refused = await self._gather(key, body, spec, current)
+        requests, pods, refused, claims = await self._gather(key, body, spec, current)
+        if claims:
+            await self._give_name_back(key, body, *min(claims.items()))
+            return True
         job = self.jobs.owning(key, body)
         now = self._clock()
         cleared_at = self._exclusions_cleared_at(key, body)
@@ -595,10 +628,14 @@ class Reconciler:
         spec: state.RendezvousSpec,
         current: state.RendezvousStatus,
     ) -> tuple[
-        dict[str, state.NodeEntry], dict[str, rounds.PodObservation], tuple[state.Refusal, ...]
+        dict[str, state.NodeEntry],
+        dict[str, rounds.PodObservation],
+        tuple[state.Refusal, ...],
+        dict[str, workloads.Reference],
     ]:
         """The requests that count (of pods of the workload), what is known of their pods,
-        and the refusals for the status; refusals reported, unknown pods looked up."""
+        the refusals for the status, and the pods held back as their workload claims the
+        name (:func:`membership.claimed_by`); refusals reported, unknown pods looked up."""
         namespace, name = key
         requests = dict(self._memory(key).entries)
         self._label_pods(namespace, name, requests)
@@ -630,7 +667,7 @@ class Reconciler:
         pods = {node: observation for node, observation in pods.items() if node in requests}
         if spec.rank_order_node_label:
             pods = await self._with_topology(key, spec.rank_order_node_label, requests, pods)
-        return requests, pods, refused
+        return requests, pods, refused, admission.claims
 
     def _looking_at(self, namespace: str, nodes: tuple[str, ...]) -> list[asyncio.Task[None]]:
         """The labelling still under way of these pods, if they are still not observed:
@@ -863,8 +900,11 @@ class Reconciler:
                 continue
             above = await self._owners.above(namespace, reference)
             if above is not None:
-                ancestors = tuple(parent.uid for parent in above)
-                result[node] = dataclasses.replace(identity, ancestors=ancestors)
+                result[node] = dataclasses.replace(
+                    identity,
+                    ancestors=tuple(parent.uid for parent in above),
+                    workload=workloads.workload(reference, above),
+                )
         return result
 
     async def _adopt(self, key: Key, body: Mapping[str, Any], creator: str) -> bool:
@@ -896,6 +936,67 @@ class Reconciler:
         message = reasons.no_owner(name, creator, pod_exists=pod is not None)
         self._warn(key, body, reasons.NO_OWNER, message)
         return False
+
+    async def _give_name_back(
+        self, key: Key, body: Mapping[str, Any], pod: str, claimant: workloads.Reference
+    ) -> None:
+        """Delete the pod-made Rendezvous ``body``, named after ``claimant``, whose pod
+        ``pod`` asks to join it, and say so on both workloads: the claimant's pods make it
+        anew (their creator role), as they would have, had the other pod not been first.
+        The deleted one's maker can make it again only to see it deleted again, at the
+        next join of the claimant's pods: each try costs it a create."""
+        namespace, name = key
+        held = names.holding(body)
+        assert held.creator is not None, "only a pod-made Rendezvous is claimed"
+        try:
+            await asyncio.to_thread(self._api.delete_rendezvous, namespace, name, held.uid)
+        except (kube.NotFound, kube.Conflict):
+            return  # deleted, or made anew, meanwhile: that one's event follows
+        except kube.Refused as error:  # RBAC or the admission policy of another release
+            message = reasons.rendezvous_not_given_back(
+                name, namespace, held.creator, held.owner_name, str(claimant), error
+            )
+            self._warn(key, body, reasons.RENDEZVOUS_NOT_OWNED, message, pod=held.creator)
+            return
+        log.warning(
+            "Rendezvous %s/%s: made by pod %s (%s), deleted: it is named after %s, whose pod "
+            "%s asks to join it",
+            *key,
+            held.creator,
+            held.owner_name or "no owner",
+            claimant,
+            pod,
+        )
+        reported = (namespace, name, held.creator)
+        if reported in self._given_back or not self._warnings.allow(
+            self._clock(), namespace, name, held.creator
+        ):
+            return
+        self._given_back[reported] = None
+        if len(self._given_back) > _REPORTS_KEPT:
+            del self._given_back[next(iter(self._given_back))]
+        self._post(
+            [
+                events.object_reference(
+                    namespace, claimant.api_version, claimant.kind, claimant.name, claimant.uid
+                )
+            ],
+            warning=True,
+            reason=reasons.RENDEZVOUS_REPLACED,
+            message=reasons.rendezvous_given_back(
+                name, held.creator, held.owner_name, str(claimant)
+            ),
+        )
+        maker = await jobs.maker(self._api, namespace, held)
+        if maker is not None:
+            self._post(
+                [maker],
+                warning=True,
+                reason=reasons.RENDEZVOUS_REPLACED,
+                message=reasons.rendezvous_taken_back(
+                    name, held.creator, held.owner_name, str(claimant)
+                ),
+            )
 
     @staticmethod
     def _replaced(pod: PodMemory) -> bool:

@@ -23,7 +23,6 @@ import base64
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import shutil
 import socket
@@ -36,6 +35,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
+from k8s_rendezvous import state
 from k8s_rendezvous_operator import kube
 
 log = logging.getLogger(__name__)
@@ -221,6 +221,23 @@ class _Slot(asyncio.Protocol):
         self._inner.resume_writing()
 
 
+MAX_REVIEW_DEPTH = 64
+"""How deep an AdmissionReview's objects may nest: a pod's deepest fields (its managed
+fields, its affinity terms) are about 15 levels down. Anyone who reaches the port chooses
+the body, and kopf copies the review recursively."""
+
+
+def decode_review(body: bytes, max_bytes: int = Limits.max_body_bytes) -> Any:
+    """A request's body as JSON, within the webhook's bounds.
+
+    Raises:
+        k8s_rendezvous.state.DecodeError: Not JSON, or beyond a bound (a ``ValueError``).
+    """
+    return state.decode_json(
+        body, "AdmissionReview", max_length=max_bytes, max_depth=MAX_REVIEW_DEPTH
+    )
+
+
 def _is_pod_creation(review: object) -> bool:
     """Whether ``review`` is what the API server sends this webhook: an AdmissionReview of
     a pod's creation (the only one it is registered for). Anything else is refused before
@@ -400,7 +417,7 @@ class BoundedServer:
     ) -> aiohttp.web.Response:
         try:
             async with asyncio.timeout(self._limits.request_seconds):
-                review = json.loads(await request.read())
+                review = decode_review(await request.read(), self._limits.max_body_bytes)
                 if not _is_pod_creation(review):
                     raise aiohttp.web.HTTPBadRequest(
                         reason="not an AdmissionReview of a pod's creation"
@@ -414,8 +431,8 @@ class BoundedServer:
                 )
         except TimeoutError:
             raise aiohttp.web.HTTPServiceUnavailable(reason="the request took too long") from None
-        except ValueError:  # not JSON, or not UTF-8
-            raise aiohttp.web.HTTPBadRequest(reason="not JSON") from None
+        except ValueError:  # not JSON, not UTF-8, or beyond the bounds
+            raise aiohttp.web.HTTPBadRequest(reason="not JSON within bounds") from None
         return aiohttp.web.json_response(answer)
 
 

@@ -234,7 +234,8 @@ def test_a_pods_lease_has_its_rendezvous_as_its_one_owner(
     own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
     expected = (
         f"pod pod-a must make Rendezvous {rendezvous.name} the one owner of its Lease {own} "
-        "(an ownerReference with its uid), so that the Lease goes with it"
+        f"(an ownerReference of apiVersion {state.API_VERSION} with its uid), so that the "
+        "Lease goes with it"
     )
     assert expected in denied(lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[]))
     theirs = state.owner_reference(state.API_VERSION, state.KIND, rendezvous.name, uid)
@@ -250,6 +251,80 @@ def test_a_pods_lease_has_its_rendezvous_as_its_one_owner(
     assert expected in denied(
         lambda: pod_a.patch_lease(own, {"metadata": {"ownerReferences": [theirs, lasting]}})
     )
+
+
+def test_a_pods_lease_is_owned_only_by_a_version_the_api_server_serves(
+    pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    """Issue 55: the policy checked only the owner's API group, so a Lease owned by
+    k8s-rendezvous.dev/v1 (a version the CRD does not serve) was admitted, and the garbage
+    collector, which cannot look such an owner up, kept it for good (14 minutes and
+    counting), as the pod may not delete it either."""
+    own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
+    expected = f"(an ownerReference of apiVersion {state.API_VERSION} with its uid)"
+    for api_version in (f"{state.GROUP}/v1", f"{state.GROUP}/v1beta1"):
+        unserved = state.owner_reference(api_version, state.KIND, rendezvous.name, uid)
+        message = denied(
+            lambda owner=unserved: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[owner])
+        )
+        assert expected in message, message
+    pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
+    moved = state.owner_reference(f"{state.GROUP}/v1", state.KIND, rendezvous.name, uid)
+    assert expected in denied(
+        lambda: pod_a.patch_lease(own, {"metadata": {"ownerReferences": [moved]}})
+    )
+
+
+def test_a_pod_puts_no_finalizer_on_its_lease_nor_on_a_rendezvous_it_makes(
+    control_plane: ControlPlane, pod_a: PodClient, rendezvous: Rendezvous
+) -> None:
+    """Found with issue 55: a finalizer kept a pod's Lease after the garbage collector
+    deleted it, and a pod-made Rendezvous after the operator deleted it to give its name
+    to an annotated Job or to the workload it is named after: held for good."""
+    own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
+    owner = state.owner_reference(state.API_VERSION, state.KIND, rendezvous.name, uid)
+    held = {"metadata": {"finalizers": ["example.com/hold"]}}
+    message = denied(
+        lambda: pod_a.custom.create_namespaced_custom_object(
+            "coordination.k8s.io",
+            "v1",
+            pod_a.namespace,
+            "leases",
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": own,
+                    "labels": {state.NODE_LABEL: rendezvous.name},
+                    "annotations": {state.POD_UID_ANNOTATION: pod_a.uid},
+                    "ownerReferences": [owner],
+                    "finalizers": held["metadata"]["finalizers"],
+                },
+                "spec": {"holderIdentity": "pod-a"},
+            },
+        )
+    )
+    assert f"pod pod-a may put no finalizer on its Lease {own}" in message, message
+    pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
+    assert "may put no finalizer" in denied(lambda: pod_a.patch_lease(own, held))
+
+    bind_creator_role(control_plane, pod_a.namespace)
+    body = {
+        "apiVersion": state.API_VERSION,
+        "kind": state.KIND,
+        "metadata": {
+            "name": "held",
+            "annotations": {state.CREATED_BY_ANNOTATION: "pod-a"},
+            **held["metadata"],
+        },
+        "spec": {"minNodes": 1, "maxNodes": 1, "runId": "held"},
+    }
+    message = denied(
+        lambda: pod_a.custom.create_namespaced_custom_object(
+            state.GROUP, state.VERSION, pod_a.namespace, state.PLURAL, body
+        )
+    )
+    assert "pod pod-a may put no finalizer on Rendezvous held" in message, message
 
 
 def test_a_pods_lease_for_a_rendezvous_that_does_not_exist_is_collected(

@@ -18,6 +18,7 @@ from tests.support.fixtures import (
     create_pods,
     join_all,
 )
+from tests.support.hostile import Attacker
 from tests.support.jobs import make_job, running_pods, wait_webhook_registered
 
 from devkit.cluster.controlplane import ControlPlane
@@ -31,63 +32,6 @@ pytestmark = pytest.mark.usefixtures("operator_process")
 MakeRendezvous = Callable[..., Rendezvous]
 SUPPRESSED = "k8s_rendezvous_events_suppressed_total"
 REQUESTS = "k8s_rendezvous_api_requests_total"
-
-
-class Attacker:
-    """Raw Lease writes with one pod's own bound token, as a hostile container would."""
-
-    def __init__(self, control_plane: ControlPlane, namespace: str, pod: dict[str, Any]) -> None:
-        self.name = pod["metadata"]["name"]
-        self.ip = pod["status"]["podIP"]
-        self.namespace = namespace
-        token = control_plane.token_for(
-            namespace, "default", pod_name=self.name, pod_uid=pod["metadata"]["uid"]
-        )
-        self.api = control_plane.client_for_token(token)
-        self._custom = kubernetes.client.CustomObjectsApi(self.api)
-
-    def write_unreadable_request(self, rendezvous: str) -> None:
-        """Write its Lease in ``rendezvous`` with a request no operator can read."""
-        self.write_entry(rendezvous, "{not json")
-
-    def request(self, rendezvous: str, intent: state.NodeIntent, addr: str | None = None) -> None:
-        """Write its Lease in ``rendezvous`` asking ``intent``, with ``addr`` (its own IP)."""
-        entry = state.NodeEntry("attacker-1", 1, addr or self.ip, 29500, intent)
-        self.write_entry(rendezvous, entry.to_annotation())
-
-    def write_entry(self, rendezvous: str, text: str) -> None:
-        """Write ``text`` as the entry of its Lease in ``rendezvous`` (made if missing)."""
-        name = state.lease_name(rendezvous, self.name)
-        annotations = {state.ENTRY_ANNOTATION: text}
-        try:
-            self._custom.patch_namespaced_custom_object(
-                "coordination.k8s.io",
-                "v1",
-                self.namespace,
-                "leases",
-                name,
-                {"metadata": {"annotations": annotations}},
-                _content_type="application/merge-patch+json",
-            )
-        except kubernetes.client.exceptions.ApiException as error:
-            if error.status != 404:
-                raise
-            self._custom.create_namespaced_custom_object(
-                "coordination.k8s.io",
-                "v1",
-                self.namespace,
-                "leases",
-                {
-                    "apiVersion": "coordination.k8s.io/v1",
-                    "kind": "Lease",
-                    "metadata": {
-                        "name": name,
-                        "labels": {state.NODE_LABEL: rendezvous},
-                        "annotations": annotations,
-                    },
-                    "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 30},
-                },
-            )
 
 
 def refusals(rdzv: Rendezvous) -> list[str]:

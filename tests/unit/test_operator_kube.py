@@ -198,3 +198,21 @@ def test_a_missing_leader_lease_reads_as_none(
     host, statuses, _ = answers
     statuses += [404]
     assert kube.LeaseLock(door_client(host), "ns", "leader").get(timeout=5) is None
+
+
+def test_a_name_a_pod_wrote_is_one_segment_of_the_path_it_goes_into(
+    answers: tuple[str, list[int], list[tuple[str, str]]],
+) -> None:
+    """A pod chooses its Lease's holder and the pod a Rendezvous it made names: with '/'
+    and '..' in it, the request would otherwise name another object, maybe in another
+    namespace (urllib3 removes dot segments)."""
+    host, statuses, seen = answers
+    api = door(host)
+    statuses += [404, 404]
+    assert api.get_pod("ns", "a/../../other/pods/victim") is None
+    with pytest.raises(kube.NotFound):
+        api.label_pod("ns", "../../other/pods/victim", "train")
+    assert [path for _, path in seen] == [
+        "/api/v1/namespaces/ns/pods/a%2F..%2F..%2Fother%2Fpods%2Fvictim",
+        "/api/v1/namespaces/ns/pods/..%2F..%2Fother%2Fpods%2Fvictim",
+    ]

@@ -140,3 +140,41 @@ async def _an_answer_with_a_nonce_not_sent() -> None:
     finally:
         await prober.stop()
         silent.close()
+
+
+def test_a_member_that_got_its_own_probe_cannot_answer_for_another() -> None:
+    asyncio.run(_a_member_cannot_answer_for_another())
+
+
+async def _a_member_cannot_answer_for_another() -> None:
+    """Issue 55: the nonces of one round were one secret and the target's index, so a
+    member that got its probe answered for every other member (of any namespace) by
+    counting. Now each nonce is its own: its answer and any variation of it answer for
+    itself only, round after round, and the silent member is judged unreachable."""
+    forger, silent = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    for sock in (forger, silent):
+        sock.bind(("127.0.0.1", 0))
+    honest = ProbeResponder("honest")
+    own = Target("mine", "job", "forger", "i", "127.0.0.1", forger.getsockname()[1])
+    other = Target("theirs", "job", "victim", "i", "127.0.0.1", silent.getsockname()[1])
+    peer = Target("theirs", "job", "peer", "i", "127.0.0.1", honest.port)
+    verdicts: list[frozenset[Target]] = []
+    prober = Prober(lambda: [own, other, peer], verdicts.append, interval=1.0, window=3.0)
+    try:
+        for _ in range(MISSES + 1):
+            await prober.probe_once()
+            request, sender = forger.recvfrom(128)
+            nonce = state.Probe.from_request(request).nonce  # type: ignore[union-attr]
+            forger.sendto(state.Probe(nonce).reply(), sender)
+            for index in range(8):  # its nonce with every other index the round could use
+                forged = nonce[:-8] + index.to_bytes(8, "big")
+                forger.sendto(state.Probe(forged).reply(), sender)
+            await asyncio.wait_for(answered(prober, own), 5)
+            await asyncio.wait_for(answered(prober, peer), 5)
+        assert prober.unanswered(other) == MISSES + 1
+        assert verdicts[-1] == {other}
+    finally:
+        await prober.stop()
+        honest.stop()
+        forger.close()
+        silent.close()

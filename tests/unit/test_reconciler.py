@@ -41,6 +41,9 @@ class FakeApi:
         self.slice_writes: list[tuple[int, dict[str, Any]]] = []
         self.refuse_next_write: kube.ApiError | None = None
         self.labelled = threading.Event()
+        self.deleted: list[tuple[str, str]] = []
+        self.controllers: dict[str, dict[str, Any]] = {}
+        """The pods' controllers, by uid, as read on the way up to their workload."""
         self._version = 100
 
     def _bump(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +106,10 @@ class FakeApi:
         raise AssertionError("no annotated Job here")
 
     def delete_rendezvous(self, namespace: str, name: str, uid: str) -> None:
-        raise AssertionError("no annotated Job here")
+        if self.rendezvous.get(name, {}).get("metadata", {}).get("uid") != uid:
+            raise kube.Conflict(name, 409)
+        self.deleted.append((name, uid))
+        del self.rendezvous[name]
 
     def service_account_exists(self, namespace: str, name: str) -> bool:
         raise AssertionError("no annotated Job here")
@@ -117,7 +123,7 @@ class FakeApi:
         return None
 
     def get_owner(self, namespace: str, reference: workloads.Reference) -> dict[str, Any] | None:
-        return None
+        return self.controllers.get(reference.uid)
 
     def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
         return self.pods.get(pod)
@@ -408,3 +414,53 @@ def test_slices_are_written_only_for_joiners_and_when_their_content_changes(
     asyncio.run(scenario())
     assert written_states(harness.api)[-1] == ("Sealed", 1)
     assert sorted(index for index, _ in harness.api.slice_writes) == sorted(joiners)
+
+
+def test_a_pod_made_rendezvous_named_after_another_workload_is_given_back_to_it(
+    harness: Harness,
+) -> None:
+    """Issue 55: a pod of StatefulSet squatter made Rendezvous r, which StatefulSet r's
+    pods need; owned by the squatter's workload, r's pods were refused for good. Now the
+    first of them to ask to join is held back, not refused, the Rendezvous is deleted (its
+    uid a precondition), both workloads are told once, and a pod-made one made anew is
+    deleted again, with nothing said again."""
+    squatter = workloads.Reference("apps/v1", "StatefulSet", "squatter", "uid-squatter")
+    claimant = workloads.Reference("apps/v1", "StatefulSet", NAME, "uid-sts")
+    harness.api.controllers[claimant.uid] = {"metadata": {"name": NAME, "uid": claimant.uid}}
+
+    def made(uid: str) -> dict[str, Any]:
+        body = {
+            "apiVersion": state.API_VERSION,
+            "kind": state.KIND,
+            "metadata": {
+                "name": NAME,
+                "namespace": NS,
+                "uid": uid,
+                "annotations": {state.CREATED_BY_ANNOTATION: "squatter-0"},
+                "ownerReferences": [squatter.owner_reference()],
+            },
+            "spec": {"minNodes": 1, "maxNodes": 1, "runId": "run"},
+        }
+        harness.api.rendezvous[NAME] = harness.api._bump(body)
+        return dict(harness.api.rendezvous[NAME])
+
+    async def scenario() -> None:
+        harness.api.add_pod("r-0", "10.0.0.1")
+        harness.api.pods["r-0"]["metadata"]["ownerReferences"] = [claimant.owner_reference()]
+        await harness.rendezvous(made("uid-1"))
+        await harness.lease("r-0", entry(1))
+        await harness.reconciler.rendezvous_seen(KEY, made("uid-2"), deleted=False)
+        await harness.reconciler.idle()
+
+    asyncio.run(scenario())
+    assert harness.api.deleted == [(NAME, "uid-1"), (NAME, "uid-2")]
+    assert reasons.NODE_REFUSED not in harness.events.reasons()
+    assert not any(write.get("refused") for write in harness.api.status_writes)
+    given_back = [e for e in harness.events.posted if e.reason == reasons.RENDEZVOUS_REPLACED]
+    assert [e.targets for e in given_back] == [[f"StatefulSet/{NAME}"], ["StatefulSet/squatter"]]
+    assert given_back[0].message == reasons.rendezvous_given_back(
+        NAME, "squatter-0", "StatefulSet/squatter", f"StatefulSet/{NAME}"
+    )
+    assert given_back[1].message == reasons.rendezvous_taken_back(
+        NAME, "squatter-0", "StatefulSet/squatter", f"StatefulSet/{NAME}"
+    )
