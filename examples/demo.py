@@ -6,8 +6,10 @@ It starts a real Kubernetes control plane and two real nodes as local processes
 kubelet, containerd and runc), builds the operator image from the Dockerfile, and then
 does what a user does: ``helm install`` the chart, and create a Job annotated with
 ``k8s-rendezvous.dev/nodes`` whose 3 pods run plain ``torchrun examples/elastic_train.py``
-with no rendezvous flag. It follows the world from the workers' own progress lines,
-deletes one pod (the Job replaces it), raises the Job's parallelism to 4, and prints
+with no rendezvous flag, in the Job docs/annotations.md recommends (Indexed, failures
+counted per pod, disruptions not counted). It follows the world from the workers' own
+progress lines, evicts one pod as a node drain does (the Job replaces it and counts no
+failure), raises the Job's parallelism to 4, and prints
 ``kubectl get rdzv -o wide`` after each change. Everything it started is stopped by PID at
 the end, on error and on Ctrl-C.
 """
@@ -80,7 +82,7 @@ def run(plane: ControlPlane, workdir: Path) -> None:
 
 def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -> None:
     plane.kubectl("create", "namespace", NAMESPACE)
-    manifest = job_manifest(JOB, trainer, parallelism=3, nodes="2:4")
+    manifest = job_manifest(JOB, trainer, parallelism=3, nodes="2:4", production=True)
     container = manifest["spec"]["template"]["spec"]["containers"][0]
     say("creating the Job (its pods' container, abridged; the image is host userland):")
     print(
@@ -88,7 +90,7 @@ def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -
         + yaml.safe_dump(
             {
                 "metadata": manifest["metadata"],
-                "parallelism": 3,
+                "spec": {k: v for k, v in manifest["spec"].items() if k != "template"},
                 "command": container["command"],
             },
             sort_keys=False,
@@ -106,22 +108,36 @@ def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -
     show(plane, "-n", NAMESPACE, "get", "rdzv", "-o", "wide")
 
     victim = world.pods[1]
-    say(f"deleting pod {victim} (rank 1): the Job makes a new one")
+    say(f"evicting pod {victim} (rank 1), as a node drain does: the Job makes a new one")
     deleted = time.time()
-    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(victim, NAMESPACE)
+    kubernetes.client.CoreV1Api(api).create_namespaced_pod_eviction(
+        victim, NAMESPACE, {"metadata": {"name": victim, "namespace": NAMESPACE}}
+    )
     first = wait_for(
-        lambda: job.first_world(after=deleted), WAIT, "a world after the deletion", interval=0.5
+        lambda: job.first_world(after=deleted), WAIT, "a world after the eviction", interval=0.5
     )
     took = first.first_step - deleted
-    say(f"training in a world of {first.size}, {took:.1f} s after the deletion")
+    say(f"training in a world of {first.size}, {took:.1f} s after the eviction")
     world = job.wait_world(3, after=deleted, timeout=WAIT)
-    say(f"training in a world of 3 again, {world.first_step - deleted:.1f} s after the deletion")
+    say(f"training in a world of 3 again, {world.first_step - deleted:.1f} s after the eviction")
     describe(world, job)
+    say("the Job counted no failure (its podFailurePolicy ignores disruptions):")
+    show(
+        plane,
+        "-n",
+        NAMESPACE,
+        "get",
+        "job",
+        JOB,
+        "-o",
+        "custom-columns=ACTIVE:.status.active,FAILED:.status.failed,"
+        "FAILED-INDEXES:.status.failedIndexes",
+    )
 
-    say("raising the Job's parallelism to 4")
+    say("raising the Job's parallelism (and its completions: it is Indexed) to 4")
     raised = time.time()
     kubernetes.client.BatchV1Api(api).patch_namespaced_job(
-        JOB, NAMESPACE, {"spec": {"parallelism": 4}}
+        JOB, NAMESPACE, {"spec": {"parallelism": 4, "completions": 4}}
     )
     world = job.wait_world(4, after=raised, timeout=WAIT)
     say(f"training in a world of 4, {world.first_step - raised:.1f} s after the change")

@@ -217,11 +217,14 @@ def set_pod_phase(
     exit_code: int | None = None,
     reason: str | None = None,
     message: str = "",
+    disruption: str | None = None,
 ) -> None:
     """Mark a pod ``Succeeded`` or ``Failed`` the way a kubelet reports it: every container
     terminated (exit code 0 for Succeeded, ``exit_code`` or 1 for Failed), Ready and
     ContainersReady False, the phase set, all through the status subresource with
-    optimistic concurrency (retried on 409 if kwok writes in between)."""
+    optimistic concurrency (retried on 409 if kwok writes in between). ``disruption``: the
+    reason of a DisruptionTarget condition set with it, as a kubelet that evicts a pod for
+    node pressure says why (``TerminationByKubelet``)."""
     if phase not in ("Succeeded", "Failed"):
         raise ValueError(f"phase must be Succeeded or Failed, not {phase!r}")
     code = exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
@@ -264,6 +267,16 @@ def set_pod_phase(
                     "lastTransitionTime": now,
                 }
             conditions.append(condition)
+        if disruption is not None:
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": disruption,
+                    "message": message,
+                    "lastTransitionTime": now,
+                }
+            )
         body = {
             "metadata": {"resourceVersion": pod["metadata"]["resourceVersion"]},
             "status": {"phase": phase, "containerStatuses": statuses, "conditions": conditions},
