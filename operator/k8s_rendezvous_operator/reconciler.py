@@ -44,6 +44,11 @@ for _reason in rounds.LOST_REASONS:
 for _reason in rounds.CLOSED_REASONS:
     metrics.CLOSED.labels(_reason)
 
+PLANNED = frozenset(
+    {reasons.CAUSE_FIRST_ROUND, reasons.CAUSE_NODES_JOINED, reasons.CAUSE_SPEC_CHANGED}
+)
+"""Causes of a round that are no recovery: the first, a scale-up, a spec edited."""
+
 
 _REPORTS_KEPT = 1024
 """Names given back whose report is remembered (once per pod that made one)."""
@@ -171,6 +176,7 @@ class Reconciler:
         self._starting = True
         self._unposted: list[tuple[Key, str, str]] = []
         self._warnings = events.WarningBudgets()
+        self._series = metrics.RendezvousSeries()
         self._started_at = clock()
         self._unreachable: frozenset[reachability.Target] = frozenset()
         self._reporting: set[asyncio.Task[None]] = set()
@@ -249,6 +255,7 @@ class Reconciler:
             self._pods.pop((key[0], node), None)
         if memory.timer:
             memory.timer.cancel()
+        self._series.forget(key)
         self._set_gauges()
 
     async def job_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
@@ -719,6 +726,7 @@ class Reconciler:
         self._remember(key, written)
         self._report(written, decision, now)
         self._count(memory, decision)
+        self._count_rendezvous(key, body, decision)
         return Written.WRITTEN
 
     async def _publish_slices(
@@ -798,6 +806,24 @@ class Reconciler:
         memory.waiting = 0 if status.state is state.RoundState.CLOSED else status.nodes_waiting
         memory.spares_short = rounds.spares_short(status)
         self._set_gauges()
+
+    def _count_rendezvous(
+        self, key: Key, body: Mapping[str, Any], decision: rounds.Decision
+    ) -> None:
+        """Its own series: world size against maxNodes, and the time its latest round took
+        to recover from a failure or a loss."""
+        status = decision.status
+        recovery = None
+        if decision.sealed and status.history and status.history[-1].cause not in PLANNED:
+            recovery = status.history[-1].forming_milliseconds / 1000
+            metrics.RECOVERY.observe(recovery)
+        sealed = status.state is state.RoundState.SEALED
+        self._series.set(
+            key,
+            status.world_size if sealed else 0,
+            int((body.get("spec") or {}).get("maxNodes") or 0),
+            recovery,
+        )
 
     def _set_gauges(self) -> None:
         """The gauges over every rendezvous remembered."""
