@@ -57,7 +57,13 @@ import kubernetes.watch  # noqa: E402
 
 from bench import recovery  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
+from devkit.cluster.controlplane import (  # noqa: E402
+    ControlPlane,
+    build_binaries,
+    build_helm,
+    dig,
+    read_object,
+)
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
@@ -538,7 +544,7 @@ def real_node_pool(
             ) as nodes_home,
         ):
             plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
-            helm = chart.Helm(build_binaries() / "helm", Path(helm_home), plane.kubeconfig)
+            helm = chart.Helm(build_helm(), Path(helm_home), plane.kubeconfig)
             pool = NodePool(plane, helm, api, images, Path(nodes_home), restart_delay_cap)
             pool.get(ipv6=False)
             try:

@@ -31,7 +31,7 @@ import kubernetes.client  # noqa: E402
 import yaml  # noqa: E402
 
 from devkit import chart  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries, build_helm  # noqa: E402
 from devkit.cluster.nodes import build_node_binaries  # noqa: E402
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import TrainingJob, World, create_job, job_manifest  # noqa: E402
@@ -67,7 +67,7 @@ def run(plane: ControlPlane, workdir: Path) -> None:
     plane.start()
     say(f"control plane up at {plane.server} in {plane.startup_seconds:.1f} s")
     with plane.api_client() as api:
-        helm = chart.Helm(build_binaries() / "helm", workdir / "helm", plane.kubeconfig)
+        helm = chart.Helm(build_helm(), workdir / "helm", plane.kubeconfig)
         pool = NodePool(plane, helm, api, images, workdir)
         try:
             say("starting 2 real nodes and: helm install k8s-rendezvous charts/k8s-rendezvous")

@@ -122,6 +122,13 @@ def build_binaries(*, stream_log: bool = False) -> Path:
     return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
 
 
+def build_helm(version: str | None = None) -> Path:
+    """The helm binary of ``version`` (default: HELM_VERSION of versions.env), built by
+    devkit/cluster/build.sh the first time (the control plane's build makes HELM_VERSION's
+    and HELM3_VERSION's)."""
+    return run_build_script(BUILD_SCRIPT, "helm", *([version] if version else [])) / "helm"
+
+
 def run_build_script(script: Path, *args: str, stream_log: bool = False) -> Path:
     """Run one of devkit/cluster's build scripts, which prints the directory of what it
     built (or found cached) last; that directory."""

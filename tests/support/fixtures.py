@@ -19,7 +19,12 @@ from tests.support import invariants
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from devkit import chart, manifests, namespaces
-from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
+from devkit.cluster.controlplane import (
+    POD_IP_ANNOTATION,
+    ControlPlane,
+    build_helm,
+    read_object,
+)
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import config, kube, state
@@ -34,7 +39,7 @@ def rendezvous_crd(control_plane: ControlPlane) -> None:
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> chart.Helm:
     """helm without a cluster (lint, template)."""
-    return chart.Helm(build_binaries() / "helm", tmp_path_factory.mktemp("helm-home"))
+    return chart.Helm(build_helm(), tmp_path_factory.mktemp("helm-home"))
 
 
 @pytest.fixture(scope="session")
