@@ -17,6 +17,7 @@ the end, on error and on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -60,12 +61,12 @@ def describe(world: World, job: TrainingJob) -> None:
 
 
 def run(plane: ControlPlane, workdir: Path) -> None:
-    say("building/locating the nodes' binaries and images (kubelet, containerd, runc; operator)")
-    build_node_binaries()
-    images = build_node_images()
     say("starting the control plane")
     plane.start()
     say(f"control plane up at {plane.server} in {plane.startup_seconds:.1f} s")
+    say("building/locating the nodes' binaries and images (kubelet, containerd, runc; operator)")
+    build_node_binaries()
+    images = build_node_images()
     with plane.api_client() as api:
         helm = chart.Helm(build_helm(), workdir / "helm", plane.kubeconfig)
         pool = NodePool(plane, helm, api, images, workdir)
@@ -175,14 +176,18 @@ def main() -> None:
         run(plane, workdir)
     except KeyboardInterrupt:
         say("interrupted: stopping everything")
-    except AssertionError as error:  # a wait that timed out
+    except Exception as error:  # a wait that timed out, a step that did not start
         failure = error
     finally:
         plane.stop()
-        kept = f" (logs in {plane.workdir}/logs and {workdir})" if args.keep else ""
-        say(f"stopped everything{kept}")
+        if args.keep:
+            say(f"stopped everything (logs in {plane.workdir}/logs and {workdir})")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)  # helm's home and values: no mounts
+            say("stopped everything")
     if failure is not None:
-        print(f"\nDEMO FAILED: {failure}", file=sys.stderr)
+        notes = "".join(f"\n{note}" for note in getattr(failure, "__notes__", ()))
+        print(f"\nDEMO FAILED: {type(failure).__name__}: {failure}{notes}", file=sys.stderr)
         sys.exit(1)
 
 

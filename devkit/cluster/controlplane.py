@@ -434,8 +434,14 @@ class ControlPlane:
                 lambda: self._wait_https_healthz("kube-scheduler"),
             )
             self._wait_cluster_usable()
-        except BaseException:
-            self.keep_workdir = True  # the error message points into its logs
+        except BaseException as error:
+            # The message carries the failing component's log tail: its work directory (an
+            # etcd's data, 100 MB and more) goes too, unless it was asked to stay.
+            if not self.keep_workdir and self.workdir.exists():
+                error.add_note(
+                    f"(its work directory {self.workdir} is removed; "
+                    "K8S_RDZV_KEEP_WORKDIR=1 keeps it)"
+                )
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - started
