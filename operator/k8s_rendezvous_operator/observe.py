@@ -128,17 +128,18 @@ def pod_loss_budget(spec: Mapping[str, Any]) -> PodLossBudget | None:
     rules = policy.get("rules") if isinstance(policy, Mapping) else None
     if any(isinstance(rule, Mapping) and _ignores_disruptions(rule) for rule in rules or ()):
         return None
-    per_index = spec.get("backoffLimitPerIndex")
+    never = ((spec.get("template") or {}).get("spec") or {}).get("restartPolicy") == "Never"
     limit = spec.get("backoffLimit")
-    if not isinstance(limit, int):
-        # Unset, it is unbounded beside a budget per index, 6 otherwise (the API's default).
-        limit = None if isinstance(per_index, int) else DEFAULT_BACKOFF_LIMIT
-    # Both bound the Job: the one spent first ends it.
-    by_index = isinstance(per_index, int) and (limit is None or per_index < limit)
-    budget = per_index if by_index else limit
-    assert isinstance(budget, int)
-    pod_spec = (spec.get("template") or {}).get("spec") or {}
-    return PodLossBudget(budget + 1, by_index, pod_spec.get("restartPolicy") == "Never")
+    per_index = spec.get("backoffLimitPerIndex")
+    if isinstance(per_index, int):
+        # backoffLimit unset is then unbounded; set, it bounds the Job too, and the budget
+        # spent first ends it.
+        if not isinstance(limit, int) or per_index < limit:
+            return PodLossBudget(per_index + 1, True, never)
+        return PodLossBudget(limit + 1, False, never)
+    return PodLossBudget(
+        (limit if isinstance(limit, int) else DEFAULT_BACKOFF_LIMIT) + 1, False, never
+    )
 
 
 @dataclasses.dataclass(frozen=True)
