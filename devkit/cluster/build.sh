@@ -184,11 +184,17 @@ build_helm() {  # build_helm VERSION DIR
 }
 
 ensure_helm() {  # ensure_helm VERSION: built (or found) in its directory, its log there
-  local dir saved=$out; dir=$(helm_dir "$1"); mkdir -p "$dir"
-  have_helm "$1" "$dir" && return 0
-  helm_building=$1 helm_building_dir=$dir out=$dir
-  step helm "helm v$1" build_pending_helm
-  out=$saved
+  local dir saved=$out lock; dir=$(helm_dir "$1"); mkdir -p "$dir"
+  if [ "$dir" != "$out" ]; then  # lib.sh holds $out's lock; a second one would wait on it
+    exec {lock}>"$dir/.build.lock"
+    flock "$lock"
+  fi
+  if ! have_helm "$1" "$dir"; then
+    helm_building=$1 helm_building_dir=$dir out=$dir
+    step helm "helm v$1" build_pending_helm
+    out=$saved
+  fi
+  if [ -n "${lock:-}" ]; then exec {lock}>&-; fi
 }
 build_pending_helm() { build_helm "$helm_building" "$helm_building_dir"; }
 
