@@ -36,6 +36,7 @@ REFUSED_NO_RULE = "NoWorkload"
 REFUSED_OTHER_WORKLOAD = "OtherWorkload"
 REFUSED_SELECTOR = "SelectorMismatch"
 REFUSED_ADDRESS = "AddressNotThePods"
+REFUSED_REASONS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD, REFUSED_SELECTOR, REFUSED_ADDRESS)
 _NOT_ITS_WORKLOADS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD)
 """The refusals a claim of the name (:func:`claimed_by`) turns into holding back."""
 

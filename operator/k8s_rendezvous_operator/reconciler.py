@@ -37,12 +37,14 @@ log = logging.getLogger(__name__)
 
 # Each reason's series is served at 0 from the start: Prometheus counts an increase only
 # from an earlier sample, so a series first scraped at 1 would hide the first loss or
-# closure of its reason from every rate() (the dashboard's "Members lost by cause" and
-# "closed, budget spent").
+# closure of its reason from every rate() (the dashboard's "Members lost by cause",
+# "closed, budget spent" and "Nodes refused by reason").
 for _reason in rounds.LOST_REASONS:
     metrics.MEMBERS_LOST.labels(_reason)
 for _reason in rounds.CLOSED_REASONS:
     metrics.CLOSED.labels(_reason)
+for _reason in membership.REFUSED_REASONS:
+    metrics.NODES_REFUSED.labels(_reason)
 
 PLANNED = frozenset(
     {reasons.CAUSE_FIRST_ROUND, reasons.CAUSE_NODES_JOINED, reasons.CAUSE_SPEC_CHANGED}

@@ -34,7 +34,7 @@ def operator_reasons() -> set[str]:
         and REASON.fullmatch(value)
     }
     found |= {*rounds.LOST_REASONS, *rounds.CLOSED_REASONS}
-    found |= {value for name, value in vars(membership).items() if name.startswith("REFUSED_")}
+    found |= set(membership.REFUSED_REASONS)
     # Ready's reason while a round forms is the state itself.
     found |= {state.RoundState.FORMING.value, state.RoundState.REFORMING.value}
     return found

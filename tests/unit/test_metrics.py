@@ -6,7 +6,7 @@ import importlib
 
 from prometheus_client import Counter
 
-from k8s_rendezvous_operator import events, metrics, rounds
+from k8s_rendezvous_operator import events, membership, metrics, rounds
 
 
 def served_labels(counter: Counter, label: str) -> set[str]:
@@ -26,9 +26,14 @@ def reasons_named(prefix: str) -> set[str]:
     }
 
 
-def test_every_loss_and_closure_reason_is_listed() -> None:
+def test_every_loss_closure_and_refusal_reason_is_listed() -> None:
     assert set(rounds.LOST_REASONS) == reasons_named("LOST_")
     assert set(rounds.CLOSED_REASONS) == reasons_named("CLOSED_")
+    assert set(membership.REFUSED_REASONS) == {
+        value
+        for name, value in vars(membership).items()
+        if name.startswith("REFUSED_") and isinstance(value, str)
+    }
 
 
 def test_each_cause_and_budget_is_served_before_it_first_counts() -> None:
@@ -39,3 +44,4 @@ def test_each_cause_and_budget_is_served_before_it_first_counts() -> None:
     assert served_labels(metrics.MEMBERS_LOST, "reason") >= set(rounds.LOST_REASONS)
     assert served_labels(metrics.CLOSED, "reason") >= set(rounds.CLOSED_REASONS)
     assert served_labels(metrics.EVENTS_SUPPRESSED, "budget") >= set(events.WARNING_BUDGETS)
+    assert served_labels(metrics.NODES_REFUSED, "reason") >= set(membership.REFUSED_REASONS)
