@@ -36,6 +36,27 @@ WEBHOOK_SERVICE = "k8s-rendezvous-webhook"
 WEBHOOK_CONFIG = "k8s-rendezvous.k8s-rendezvous.dev"
 """The MutatingWebhookConfiguration the operator keeps its webhook in."""
 CRD_NAMES = ("rendezvous.k8s-rendezvous.dev", "rendezvousslices.k8s-rendezvous.dev")
+DEFAULT_OBJECTS = {
+    ("ServiceAccount", OPERATOR),
+    ("ClusterRole", OPERATOR),
+    ("ClusterRoleBinding", OPERATOR),
+    ("Role", f"{OPERATOR}-leader-election"),
+    ("RoleBinding", f"{OPERATOR}-leader-election"),
+    ("ClusterRole", WORKER_ROLE),
+    ("ClusterRole", CREATOR_ROLE),
+    ("Deployment", OPERATOR),
+    ("Service", WEBHOOK_SERVICE),
+    ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
+    *(
+        (kind, f"k8s-rendezvous-{name}")
+        for name in ("pod-leases", "worker-leases", "operator-writes", "pod-rendezvous")
+        for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    ),
+    ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
+    ("FlowSchema", "k8s-rendezvous-pod-leases"),
+}
+"""(kind, name) of what the chart's defaults make (the injection policy aside: it depends on
+the API server), as docs/install.md lists the cluster-wide ones."""
 
 
 class Helm:

@@ -19,6 +19,7 @@ from devkit.chart import (
     CHART,
     CRD_NAMES,
     CREATOR_ROLE,
+    DEFAULT_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -161,32 +162,6 @@ def columns(control_plane: ControlPlane) -> list[str]:
     return found.stdout.split()
 
 
-RELEASE_OBJECTS = {
-    ("ServiceAccount", OPERATOR),
-    ("ClusterRole", OPERATOR),
-    ("ClusterRoleBinding", OPERATOR),
-    ("Role", f"{OPERATOR}-leader-election"),
-    ("RoleBinding", f"{OPERATOR}-leader-election"),
-    ("ClusterRole", WORKER_ROLE),
-    ("ClusterRole", CREATOR_ROLE),
-    ("Deployment", OPERATOR),
-    ("Service", WEBHOOK_SERVICE),
-    ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-    ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
-    ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
-    ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
-    ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
-    ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
-    ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
-    ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
-    ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-    ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
-    ("FlowSchema", "k8s-rendezvous-pod-leases"),
-}
-"""What a release of the chart's defaults holds (docs/install.md lists the cluster-wide
-ones, and what turning each off loses)."""
-
-
 @pytest.mark.parametrize(
     "helm_version",
     [read_versions()["HELM_VERSION"], read_versions()["HELM3_VERSION"]],
@@ -245,7 +220,7 @@ def test_the_packaged_chart_installs_upgrades_its_crds_and_uninstalls(
         )
         manifest = helm.run("get", "manifest", RELEASE, "--namespace", NAMESPACE).stdout
         objects = [doc for doc in yaml.safe_load_all(manifest) if doc]
-        assert kinds(objects) == RELEASE_OBJECTS | (
+        assert kinds(objects) == DEFAULT_OBJECTS | (
             # Where the API server serves it (1.36 and later), the chart installs it.
             {
                 ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),

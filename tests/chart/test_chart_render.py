@@ -19,6 +19,7 @@ from devkit import dashboard
 from devkit.chart import (
     CHART,
     CREATOR_ROLE,
+    DEFAULT_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -80,28 +81,9 @@ def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None
 
 def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> None:
     objects = helm.template_objects()
-    assert kinds(objects) == {
-        ("ServiceAccount", OPERATOR),
-        ("ClusterRole", OPERATOR),
-        ("ClusterRoleBinding", OPERATOR),
-        ("Role", f"{OPERATOR}-leader-election"),
-        ("RoleBinding", f"{OPERATOR}-leader-election"),
-        ("ClusterRole", WORKER_ROLE),
-        ("ClusterRole", CREATOR_ROLE),
-        ("Deployment", OPERATOR),
-        ("Service", WEBHOOK_SERVICE),
-        ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-        ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
-        ("FlowSchema", "k8s-rendezvous-pod-leases"),
-    }, "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
+    assert kinds(objects) == DEFAULT_OBJECTS, (
+        "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
+    )
     deployment = find(objects, "Deployment", OPERATOR)
     spec = deployment["spec"]
     assert spec["replicas"] == 1
