@@ -77,10 +77,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import kubernetes.client  # noqa: E402
-from tests.support import fixtures, invariants  # noqa: E402
 
 from bench import real_nodes  # noqa: E402
-from devkit import chart, namespaces  # noqa: E402
+from devkit import chart, invariants, namespaces  # noqa: E402
 from devkit.cluster.controlplane import dig, read_object  # noqa: E402
 from devkit.nodepool import NodePool  # noqa: E402
 from devkit.training import (  # noqa: E402
@@ -721,7 +720,7 @@ class Run:
             return create_job(self.api, self.namespace, manifest)
         # What docs/workloads.md has users do for a workload other than an annotated Job.
         namespaces.bind_worker_role(self.api, self.namespace)
-        fixtures.bind_creator_role(self.pool.control_plane, self.namespace)
+        namespaces.bind_creator_role(self.api, self.namespace)
         kubernetes.client.AppsV1Api(self.api).create_namespaced_stateful_set(
             self.namespace, manifest
         )

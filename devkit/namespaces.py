@@ -53,16 +53,28 @@ def create(
 def bind_worker_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
     """Let the pods of ``namespace`` (its ``default`` ServiceAccount) use a rendezvous: the
     worker ClusterRole of manifests/rbac/ and of the chart."""
+    _bind_cluster_role(api, namespace, chart.WORKER_ROLE)
+
+
+def bind_creator_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) create a missing
+    Rendezvous, as docs/workloads.md has users do for workloads that are not annotated Jobs."""
+    _bind_cluster_role(api, namespace, chart.CREATOR_ROLE)
+
+
+def _bind_cluster_role(api: kubernetes.client.ApiClient, namespace: str, role: str) -> None:
+    """Bind ClusterRole ``role`` to the ``default`` ServiceAccount of ``namespace``, in a
+    RoleBinding of the role's name."""
     kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(
         namespace,
         to_model(
             kubernetes.client.V1RoleBinding,
             {
-                "metadata": {"name": chart.WORKER_ROLE},
+                "metadata": {"name": role},
                 "roleRef": {
                     "apiGroup": "rbac.authorization.k8s.io",
                     "kind": "ClusterRole",
-                    "name": chart.WORKER_ROLE,
+                    "name": role,
                 },
                 "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
             },
