@@ -80,7 +80,7 @@ import kubernetes.client  # noqa: E402
 
 from bench import real_nodes  # noqa: E402
 from devkit import chart, invariants, namespaces  # noqa: E402
-from devkit.cluster.controlplane import dig, read_object  # noqa: E402
+from devkit.cluster.controlplane import dig, read_object, to_model  # noqa: E402
 from devkit.nodepool import NodePool  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
@@ -521,7 +521,7 @@ def operator_outages(faults: Iterable[Json]) -> list[tuple[float, float]]:
     its leader was killed or its node lost, and while the API server was down and until a
     leader took over after it came back."""
     return [
-        (fault["at"], fault.get("restored", fault["at"]) + LEADER_TAKEOVER_SECONDS)
+        (fault["at"], float(fault.get("restored") or fault["at"]) + LEADER_TAKEOVER_SECONDS)
         for fault in faults
         if fault["kind"] in ("leader", "apiserver") or took_the_leader(fault)
     ]
@@ -722,7 +722,7 @@ class Run:
         namespaces.bind_worker_role(self.api, self.namespace)
         namespaces.bind_creator_role(self.api, self.namespace)
         kubernetes.client.AppsV1Api(self.api).create_namespaced_stateful_set(
-            self.namespace, manifest
+            self.namespace, to_model(kubernetes.client.V1StatefulSet, manifest)
         )
         return TrainingJob(self.api, self.namespace, self.name, selector=f"app={self.name}")
 
@@ -920,7 +920,10 @@ class Run:
                         self.core.create_namespaced_pod_eviction(
                             name,
                             self.namespace,
-                            {"metadata": {"name": name, "namespace": self.namespace}},
+                            to_model(
+                                kubernetes.client.V1Eviction,
+                                {"metadata": {"name": name, "namespace": self.namespace}},
+                            ),
                         )
             self._repairs.append((record["at"] - began + REPAIR_SECONDS, "drain", node))
         elif kind == "node":
@@ -1019,8 +1022,13 @@ class Run:
                 )
                 if self.config.c10d:
                     continue
-                body: Json = custom.get_namespaced_custom_object(
-                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+                body = read_object(
+                    custom.get_namespaced_custom_object,
+                    state.GROUP,
+                    state.VERSION,
+                    self.namespace,
+                    state.PLURAL,
+                    self.name,
                 )
             except Exception:
                 continue  # the API server restarting: the next sample sees
@@ -1055,8 +1063,8 @@ class Run:
             return
         self.logs.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(kubernetes.client.exceptions.ApiException):
-            listed = self.core.list_namespaced_event(self.namespace, _preload_content=False)
-            (self.logs / "events.json").write_bytes(listed.data)
+            listed = read_object(self.core.list_namespaced_event, self.namespace)
+            (self.logs / "events.json").write_text(json.dumps(listed))
         places = [(self.namespace, pod) for pod in self._placements] + [
             (chart.NAMESPACE, p["metadata"]["name"])
             for p in read_object(self.core.list_namespaced_pod, chart.NAMESPACE)["items"]

@@ -57,7 +57,13 @@ import kubernetes.watch  # noqa: E402
 
 from bench import recovery  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
+from devkit.cluster.controlplane import (  # noqa: E402
+    ControlPlane,
+    build_binaries,
+    dig,
+    read_object,
+    to_model,
+)
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
@@ -110,7 +116,7 @@ def watch_in_thread(
 ) -> threading.Thread:
     def run() -> None:
         while not stop.is_set():
-            watcher = kubernetes.watch.Watch()
+            watcher = kubernetes.watch.Watch()  # type: ignore[no-untyped-call]
             try:
                 for event in stream_with(watcher, stream):
                     if stop.is_set():
@@ -119,7 +125,7 @@ def watch_in_thread(
             except Exception:  # a watch dropped: start it again, until stopped
                 time.sleep(0.1)
             finally:
-                watcher.stop()
+                watcher.stop()  # type: ignore[no-untyped-call]
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -128,7 +134,7 @@ def watch_in_thread(
 
 def stream_with(watcher: kubernetes.watch.Watch, stream: Callable[[], Any]) -> Any:
     method, args, kwargs = stream()
-    return watcher.stream(method, *args, timeout_seconds=60, **kwargs)
+    return watcher.stream(method, *args, timeout_seconds=60, **kwargs)  # type: ignore[no-untyped-call]
 
 
 class Run:
@@ -344,7 +350,10 @@ class Run:
             self.core.create_namespaced_pod_eviction(
                 name,
                 self.namespace,
-                {"metadata": {"name": name, "namespace": self.namespace}},
+                to_model(
+                    kubernetes.client.V1Eviction,
+                    {"metadata": {"name": name, "namespace": self.namespace}},
+                ),
             )
         else:
             at = time.time()
@@ -489,6 +498,7 @@ def plot(results: list[Json], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     rows = list(results)
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
@@ -509,9 +519,7 @@ def plot(results: list[Json], path: Path) -> None:
     ax.set_yticks(range(len(rows)), [f"{r['fault']} / {r['backend']}" for r in rows])
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xlabel("seconds after the fault (symlog)")
-    handles = [
-        plt.Line2D([], [], marker=m, color="black", linestyle="none") for m in markers.values()
-    ]
+    handles = [Line2D([], [], marker=m, color="black", linestyle="none") for m in markers.values()]
     ax.legend(handles, list(markers), loc="lower right")
     ax.invert_yaxis()
     fig.tight_layout()

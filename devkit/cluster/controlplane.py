@@ -290,8 +290,9 @@ def dig(obj: Any, *keys: str, default: Any = None) -> Any:
 
 
 def read_object(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Call a read/list method of the typed client and return the JSON as a plain dict
-    (camelCase keys, nothing dropped by model validation)."""
+    """Call a method of the typed client (a read or a list, or a create whose answer is
+    wanted) and return the JSON as a plain dict (camelCase keys, nothing dropped by model
+    validation)."""
     response = method(*args, _preload_content=False, **kwargs)
     try:
         data = response.data
