@@ -55,15 +55,9 @@ if str(REPO) not in sys.path:
 import kubernetes.client  # noqa: E402
 import kubernetes.watch  # noqa: E402
 
-from bench import recovery  # noqa: E402
+from bench import faults, recovery  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
-from devkit.cluster.controlplane import (  # noqa: E402
-    ControlPlane,
-    build_binaries,
-    dig,
-    read_object,
-    to_model,
-)
+from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
@@ -347,18 +341,10 @@ class Run:
         elif self.fault == "drain":
             at = time.time()
             self.pool.control_plane.kubectl("cordon", node)
-            self.core.create_namespaced_pod_eviction(
-                name,
-                self.namespace,
-                to_model(
-                    kubernetes.client.V1Eviction,
-                    {"metadata": {"name": name, "namespace": self.namespace}},
-                ),
-            )
+            faults.evict(self.core, self.namespace, name)
         else:
             at = time.time()
-            nodes.kill_kubelet(node)
-            nodes.cut_network(node)
+            faults.lose_node(nodes, node)
         return at
 
     def _repair(self, node: str) -> None:
