@@ -182,24 +182,22 @@ def _advertise_address() -> str:
     return FALLBACK_ADVERTISE_ADDRESS
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's counts): a zombie still "exists", but
+    runs nothing (its parent reaps it)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except PermissionError:
         return True
-    # A zombie still "exists"; it is not running.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rpartition(")")[2].split()[0] == "Z":
-            return False
-    return True
+    except OSError:  # no such process, or reaped since
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _pid_runs(pid: int, executable: Path) -> bool:
     """Whether ``pid`` is alive and still runs ``executable`` (guards against PID reuse)."""
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()

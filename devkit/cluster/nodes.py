@@ -59,6 +59,7 @@ from devkit.cluster.controlplane import (
     ControlPlane,
     ControlPlaneError,
     dig,
+    pid_alive,
     read_object,
     run_build_script,
 )
@@ -849,9 +850,9 @@ def stop_abandoned(root: Path | None = None) -> list[Path]:
         try:
             state = json.loads(path.read_text())
             owner = state.get("owner")
-            if owner is None or _alive(owner):
+            if owner is None or pid_alive(owner):
                 continue  # a detached cluster (`down` stops it) or a live run
-            if any(_alive(pid) for pid in state.get("pids", {}).values()):
+            if any(pid_alive(pid) for pid in state.get("pids", {}).values()):
                 continue
             nodes = RealNodes.attach(ControlPlane.attach(path.parent.parent))
         except (OSError, ValueError, KeyError):
@@ -861,16 +862,6 @@ def stop_abandoned(root: Path | None = None) -> list[Path]:
                 nodes.stop()
             cleaned.append(path.parent.parent)
     return cleaned
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _leftover_interfaces() -> list[str]:
