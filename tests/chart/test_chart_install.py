@@ -13,6 +13,8 @@ from devkit.chart import (
     CHART,
     CRD_NAMES,
     CREATOR_ROLE,
+    DEFAULT_OBJECTS,
+    INJECTION_POLICY_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -146,35 +148,9 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         )
         manifest = cluster_helm.run("get", "manifest", RELEASE, "--namespace", NAMESPACE).stdout
         objects = [doc for doc in yaml.safe_load_all(manifest) if doc]
-        assert kinds(objects) == {
-            ("ServiceAccount", OPERATOR),
-            ("ClusterRole", OPERATOR),
-            ("ClusterRoleBinding", OPERATOR),
-            ("Role", f"{OPERATOR}-leader-election"),
-            ("RoleBinding", f"{OPERATOR}-leader-election"),
-            ("ClusterRole", WORKER_ROLE),
-            ("ClusterRole", CREATOR_ROLE),
-            ("Deployment", OPERATOR),
-            ("Service", WEBHOOK_SERVICE),
-            ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-            ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
-            ("FlowSchema", "k8s-rendezvous-pod-leases"),
-        } | (
+        assert kinds(objects) == DEFAULT_OBJECTS | (
             # Where the API server serves it (1.36 and later), the chart installs it.
-            {
-                ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-                ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
-            }
-            if serves_mutating_admission_policy(control_plane)
-            else set()
+            INJECTION_POLICY_OBJECTS if serves_mutating_admission_policy(control_plane) else set()
         )
         missing = [describe(o) for o in objects if not exists(control_plane, o)]
         assert not missing, f"installed but not there: {missing}"

@@ -19,13 +19,13 @@ from hack import chart_readme
 from devkit import dashboard
 from devkit.chart import (
     CHART,
-    CREATOR_ROLE,
+    DEFAULT_OBJECTS,
+    INJECTION_POLICY_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
     WEBHOOK_CONFIG,
     WEBHOOK_SERVICE,
-    WORKER_ROLE,
     Helm,
     find,
     kinds,
@@ -79,28 +79,9 @@ def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None
 
 def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> None:
     objects = helm.template_objects()
-    assert kinds(objects) == {
-        ("ServiceAccount", OPERATOR),
-        ("ClusterRole", OPERATOR),
-        ("ClusterRoleBinding", OPERATOR),
-        ("Role", f"{OPERATOR}-leader-election"),
-        ("RoleBinding", f"{OPERATOR}-leader-election"),
-        ("ClusterRole", WORKER_ROLE),
-        ("ClusterRole", CREATOR_ROLE),
-        ("Deployment", OPERATOR),
-        ("Service", WEBHOOK_SERVICE),
-        ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-        ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
-        ("FlowSchema", "k8s-rendezvous-pod-leases"),
-    }, "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
+    assert kinds(objects) == DEFAULT_OBJECTS, (
+        "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
+    )
     deployment = find(objects, "Deployment", OPERATOR)
     spec = deployment["spec"]
     assert spec["replicas"] == 1
@@ -580,11 +561,7 @@ def test_the_injection_policy_is_installed_where_the_api_server_serves_it(
         for o in objects
         if o["kind"].startswith("MutatingAdmissionPolicy")
     }
-    expected = {
-        ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-        ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
-    }
-    assert policies == (expected if installed else set())
+    assert policies == (INJECTION_POLICY_OBJECTS if installed else set())
     assert any(o["kind"] == "MutatingWebhookConfiguration" for o in objects), "the webhook stays"
 
 
