@@ -31,6 +31,7 @@ from devkit.cluster.controlplane import (
     build_binaries,
     dig,
     read_object,
+    read_object_or_none,
 )
 from devkit.operator import OperatorProcess
 from devkit.waiting import WaitTimeout, wait_for
@@ -144,18 +145,9 @@ class Cluster:
         with contextlib.suppress(ApiException):
             core.delete_namespace(name)
 
-        def gone() -> bool:
-            try:
-                core.read_namespace(name)
-            except ApiException as error:
-                if error.status == 404:
-                    return True
-                raise
-            return False
-
         try:
             wait_for(
-                gone,
+                lambda: read_object_or_none(core.read_namespace, name) is None,
                 timeout,
                 f"namespace {name} deleted",
                 interval=0.25,

@@ -24,9 +24,8 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes import watch
-from kubernetes.client.exceptions import ApiException
 
-from devkit.cluster.controlplane import read_object
+from devkit.cluster.controlplane import read_object_or_none
 from k8s_rendezvous import state
 
 
@@ -150,11 +149,13 @@ class Recorder:
                     obj = self._current()
                 except Exception:
                     continue
+                if obj is None:
+                    continue
                 version = obj["metadata"]["resourceVersion"]
                 self._keep(obj)
 
-    def _current(self) -> dict[str, Any]:
-        return read_object(
+    def _current(self) -> dict[str, Any] | None:
+        return read_object_or_none(
             self._api.get_namespaced_custom_object,
             state.GROUP,
             state.VERSION,
@@ -174,12 +175,9 @@ class Recorder:
     def catch_up(self, timeout: float = 30) -> None:
         """Wait until the history holds the object's current version: a test can end (its
         nodes returned) while this watch still reconnects after a fault of the test's."""
-        try:
-            current = self._current()
-        except ApiException as error:
-            if error.status == 404:
-                return  # never created, or deleted: the history is what was seen
-            raise
+        current = self._current()
+        if current is None:
+            return  # never created, or deleted: the history is what was seen
         target = int(current["metadata"]["resourceVersion"])
         with self._kept:
             reached = self._kept.wait_for(

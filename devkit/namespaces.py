@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import kubernetes.client
-from kubernetes.client.exceptions import ApiException
 
 from devkit import chart
-from devkit.cluster.controlplane import to_model
+from devkit.cluster.controlplane import read_object_or_none, to_model
 from devkit.waiting import wait_for
 
 
@@ -34,13 +33,9 @@ def create(
     )
 
     def default_service_account() -> bool:
-        try:
-            core.read_namespaced_service_account("default", name)
-        except ApiException as error:
-            if error.status == 404:
-                return False
-            raise
-        return True
+        return (
+            read_object_or_none(core.read_namespaced_service_account, "default", name) is not None
+        )
 
     wait_for(
         default_service_account,

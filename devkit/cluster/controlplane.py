@@ -301,6 +301,18 @@ def read_object(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
     return result
 
 
+def read_object_or_none(
+    method: Callable[..., Any], *args: Any, **kwargs: Any
+) -> dict[str, Any] | None:
+    """:func:`read_object`, or None where the object does not exist (404)."""
+    try:
+        return read_object(method, *args, **kwargs)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
 class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok on 127.0.0.1."""
 
@@ -1006,13 +1018,10 @@ class ControlPlane:
             core = kubernetes.client.CoreV1Api(api)
 
             def default_service_account() -> bool:
-                try:
-                    core.read_namespaced_service_account("default", "default")
-                except ApiException as exc:
-                    if exc.status == 404:
-                        return False
-                    raise
-                return True
+                found = read_object_or_none(
+                    core.read_namespaced_service_account, "default", "default"
+                )
+                return found is not None
 
             def nodes_ready() -> bool:
                 nodes = read_object(core.list_node)["items"]

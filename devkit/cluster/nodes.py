@@ -61,6 +61,7 @@ from devkit.cluster.controlplane import (
     dig,
     pid_alive,
     read_object,
+    read_object_or_none,
     run_build_script,
 )
 from devkit.cluster.images import ImageArchive
@@ -762,12 +763,9 @@ disabled_plugins = {json.dumps(disabled)}
                                 f"{daemon.name} of {node.name} exited; its log ends with:\n"
                                 f"{daemon.tail()}"
                             )
-                    try:
-                        body = read_object(core.read_node, node.name)
-                    except ApiException as exc:
-                        if exc.status == 404:
-                            return False
-                        raise
+                    body = read_object_or_none(core.read_node, node.name)
+                    if body is None:
+                        return False
                     conditions = dig(body, "status", "conditions", default=[])
                     if not any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
                         return False
