@@ -16,11 +16,13 @@ import subprocess
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from devkit.cluster.controlplane import ControlPlane
 from devkit.paths import REPO
 from devkit.waiting import WaitTimeout, wait_for
+
+if TYPE_CHECKING:  # imported for its type alone: devkit.child's processes import this module
+    from devkit.cluster.controlplane import ControlPlane
 
 LOCAL_PROCESS_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 """For every local stand-in of a node: gloo on the loopback interface the nodes' addresses
@@ -102,6 +104,19 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def read_log(path: Path) -> str:
+    """A process's log as written so far ("" where there is none to read)."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of the log at ``path``."""
+    return "\n".join(read_log(path).splitlines()[-lines:])
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:
@@ -260,10 +275,7 @@ class LocalProcess:
         self.stop()
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
