@@ -126,11 +126,7 @@ class Prometheus:
         self.stop()
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = (self.directory / "prometheus.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return processes.log_tail(self.directory / "prometheus.log", lines)
 
     def _get(self, path: str, **params: str | Sequence[str]) -> Any:
         query = urllib.parse.urlencode(params, doseq=True)

@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from devkit import chart
 from devkit.cluster import images
-from devkit.cluster.controlplane import dig, read_object
+from devkit.cluster.controlplane import dig, read_object, read_object_or_none
 from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from devkit.paths import REPO, TRAIN_SCRIPT
 from devkit.waiting import wait_for
@@ -351,12 +351,11 @@ def operator_leader(api: kubernetes.client.ApiClient) -> str:
     coordination = kubernetes.client.CoordinationV1Api(api)
 
     def holder() -> str | None:
-        try:
-            lease = read_object(coordination.read_namespaced_lease, chart.OPERATOR, chart.NAMESPACE)
-        except ApiException as exc:
-            if exc.status == 404:  # no replica has taken it yet
-                return None
-            raise
+        lease = read_object_or_none(
+            coordination.read_namespaced_lease, chart.OPERATOR, chart.NAMESPACE
+        )
+        if lease is None:  # no replica has taken it yet
+            return None
         found = (lease.get("spec") or {}).get("holderIdentity")
         return leadership.pod_of(str(found)) if found else None
 

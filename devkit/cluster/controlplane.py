@@ -189,24 +189,22 @@ def _advertise_address() -> str:
     return FALLBACK_ADVERTISE_ADDRESS
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's counts): a zombie still "exists", but
+    runs nothing (its parent reaps it)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except PermissionError:
         return True
-    # A zombie still "exists"; it is not running.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rpartition(")")[2].split()[0] == "Z":
-            return False
-    return True
+    except OSError:  # no such process, or reaped since
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _pid_runs(pid: int, executable: Path) -> bool:
     """Whether ``pid`` is alive and still runs ``executable`` (guards against PID reuse)."""
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
@@ -310,8 +308,9 @@ def dig(obj: Any, *keys: str, default: Any = None) -> Any:
 
 
 def read_object(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Call a read/list method of the typed client and return the JSON as a plain dict
-    (camelCase keys, nothing dropped by model validation)."""
+    """Call a method of the typed client (a read or a list, or a create whose answer is
+    wanted) and return the JSON as a plain dict (camelCase keys, nothing dropped by model
+    validation)."""
     response = method(*args, _preload_content=False, **kwargs)
     try:
         data = response.data
@@ -320,6 +319,18 @@ def read_object(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             response.release_conn()
     result: dict[str, Any] = json.loads(data)
     return result
+
+
+def read_object_or_none(
+    method: Callable[..., Any], *args: Any, **kwargs: Any
+) -> dict[str, Any] | None:
+    """:func:`read_object`, or None where the object does not exist (404)."""
+    try:
+        return read_object(method, *args, **kwargs)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
 
 
 class ControlPlane:
@@ -1033,13 +1044,10 @@ class ControlPlane:
             core = kubernetes.client.CoreV1Api(api)
 
             def default_service_account() -> bool:
-                try:
-                    core.read_namespaced_service_account("default", "default")
-                except ApiException as exc:
-                    if exc.status == 404:
-                        return False
-                    raise
-                return True
+                found = read_object_or_none(
+                    core.read_namespaced_service_account, "default", "default"
+                )
+                return found is not None
 
             def nodes_ready() -> bool:
                 nodes = read_object(core.list_node)["items"]

@@ -20,6 +20,7 @@ from devkit.chart import (
     CRD_NAMES,
     CREATOR_ROLE,
     DEFAULT_OBJECTS,
+    INJECTION_POLICY_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -222,12 +223,7 @@ def test_the_packaged_chart_installs_upgrades_its_crds_and_uninstalls(
         objects = [doc for doc in yaml.safe_load_all(manifest) if doc]
         assert kinds(objects) == DEFAULT_OBJECTS | (
             # Where the API server serves it (1.36 and later), the chart installs it.
-            {
-                ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-                ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
-            }
-            if serves_mutating_admission_policy(control_plane)
-            else set()
+            INJECTION_POLICY_OBJECTS if serves_mutating_admission_policy(control_plane) else set()
         )
         missing = [describe(o) for o in objects if not exists(control_plane, o)]
         assert not missing, f"installed but not there: {missing}"

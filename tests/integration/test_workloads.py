@@ -21,7 +21,6 @@ import pytest
 from tests.support.fixtures import (
     Node,
     Rendezvous,
-    bind_creator_role,
     create_pods,
     join_all,
     statefulset_pods,
@@ -36,7 +35,7 @@ from tests.support.jobs import (
 )
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from devkit import training
+from devkit import namespaces, training
 from devkit.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
@@ -500,7 +499,7 @@ def pod_node(
 def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
 ) -> None:
-    bind_creator_role(control_plane, workers_namespace)
+    namespaces.bind_creator_role(admin_api, workers_namespace)
     sts_uid, pods = statefulset_pods(admin_api, workers_namespace, "sts", 2)
     nodes = [pod_node(control_plane, workers_namespace, pod, "sts-train", 2) for pod in pods]
     try:
@@ -527,7 +526,7 @@ def test_set_closed_before_the_rendezvous_exists_makes_it_closed_as_with_c10d(
     """c10d's set_closed() writes a closed state where there was none: a node that closes
     first makes the Rendezvous (its creator role), the operator closes it, and the other
     node's next_rendezvous() raises RendezvousClosedError instead of waiting to join."""
-    bind_creator_role(control_plane, workers_namespace)
+    namespaces.bind_creator_role(admin_api, workers_namespace)
     _, pods = statefulset_pods(admin_api, workers_namespace, "early", 2)
     closing, late = (pod_node(control_plane, workers_namespace, pod, "early", 2) for pod in pods)
     try:
@@ -548,10 +547,9 @@ def test_set_closed_before_the_rendezvous_exists_makes_it_closed_as_with_c10d(
 def test_a_rendezvous_made_by_a_bare_pod_gets_no_owner_and_says_why(
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
-    control_plane: ControlPlane,
     attach_nodes: AttachNodes,
 ) -> None:
-    bind_creator_role(control_plane, workers_namespace)
+    namespaces.bind_creator_role(admin_api, workers_namespace)
     rdzv = Rendezvous(admin_api, workers_namespace, "loner-train")
     (node,) = attach_nodes(rdzv, create_pods(admin_api, workers_namespace, ["loner"]))
     node.join_in_background()  # it makes the Rendezvous, then waits to be admitted

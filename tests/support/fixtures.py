@@ -15,10 +15,9 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.support import invariants
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from devkit import chart, manifests, namespaces
+from devkit import chart, invariants, manifests, namespaces
 from devkit.cluster.controlplane import (
     POD_IP_ANNOTATION,
     ControlPlane,
@@ -477,20 +476,6 @@ def statefulset_pods(
         return pods if len(pods) == replicas else None
 
     return created.metadata.uid, wait_for(running, 60, f"{replicas} StatefulSet pods running")
-
-
-def bind_creator_role(control_plane: ControlPlane, namespace: str) -> None:
-    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) create a missing
-    Rendezvous, as the README says for workloads that are not annotated Jobs."""
-    control_plane.kubectl(
-        "-n",
-        namespace,
-        "create",
-        "rolebinding",
-        "creator",
-        "--clusterrole=k8s-rendezvous-creator",
-        f"--serviceaccount={namespace}:default",
-    )
 
 
 def delete_pod(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
