@@ -112,7 +112,11 @@ def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -
     say(f"evicting pod {victim} (rank 1), as a node drain does: the Job makes a new one")
     deleted = time.time()
     kubernetes.client.CoreV1Api(api).create_namespaced_pod_eviction(
-        victim, NAMESPACE, {"metadata": {"name": victim, "namespace": NAMESPACE}}
+        victim,
+        NAMESPACE,
+        kubernetes.client.V1Eviction(
+            metadata=kubernetes.client.V1ObjectMeta(name=victim, namespace=NAMESPACE)
+        ),
     )
     first = wait_for(
         lambda: job.first_world(after=deleted), WAIT, "a world after the eviction", interval=0.5
