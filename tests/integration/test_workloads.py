@@ -249,8 +249,7 @@ def test_failed_pod_is_replaced_by_the_job_and_the_replacement_joins(
     new_node = attach_nodes(rdzv, [replacement])[0]
     infos = join_all([nodes[0], new_node])
     assert {i.world_size for i in infos} == {2}
-    lost = [m for _, r, m in rdzv.events() if r == "MemberLost"]
-    assert any(nodes[1].pod in m and "PodFailed" in m for m in lost), lost
+    rdzv.wait_events("MemberLost", lambda m: nodes[1].pod in m and "PodFailed" in m)
 
 
 PRODUCTION_JOB: dict[str, Any] = {

@@ -189,6 +189,23 @@ class Rendezvous:
         )
         return [(e.type, e.reason, e.message) for e in found.items]
 
+    def wait_events(
+        self,
+        reason: str,
+        about: Callable[[str], bool],
+        kind: str | None = None,
+        timeout: float = 15,
+    ) -> list[str]:
+        """The messages of the Events of ``reason`` (and ``kind``) once one is ``about`` what
+        the test looks for: kopf posts Events in batches, after the status writes a test
+        may have waited for."""
+
+        def check() -> list[str] | None:
+            messages = [m for k, r, m in self.events() if r == reason and kind in (None, k)]
+            return messages if any(about(m) for m in messages) else None
+
+        return wait_for(check, timeout, f"{self.namespace}/{self.name}: the {reason} Event")
+
 
 @pytest.fixture
 def recorded(
