@@ -30,13 +30,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import workloads
+from k8s_rendezvous_operator import reasons, workloads
 
-REFUSED_NO_RULE = "NoWorkload"
-REFUSED_OTHER_WORKLOAD = "OtherWorkload"
-REFUSED_SELECTOR = "SelectorMismatch"
-REFUSED_ADDRESS = "AddressNotThePods"
-_NOT_ITS_WORKLOADS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD)
+_NOT_ITS_WORKLOADS = (reasons.REFUSED_NO_RULE, reasons.REFUSED_OTHER_WORKLOAD)
 """The refusals a claim of the name (:func:`claimed_by`) turns into holding back."""
 
 
@@ -169,36 +165,27 @@ def refusal(
     workload: Workload, pod: str, identity: PodIdentity, entry: state.NodeEntry
 ) -> Refusal | None:
     """Why ``pod``'s request may not count in ``workload``'s rendezvous, or ``None``."""
-    where = f"Rendezvous {workload.name}"
     if workload.owner_uid is None and workload.selector is None:
-        return Refusal(
-            REFUSED_NO_RULE,
-            f"{where} has no controller owner and no spec.podSelector, so no pod can be "
-            f"checked as one of its workload's and pod {pod} is not admitted. Set "
-            "spec.podSelector to the labels of the job's pods.",
-        )
+        return Refusal(reasons.REFUSED_NO_RULE, reasons.refused_no_rule(workload.name, pod))
     if workload.owner_uid is not None and workload.owner_uid not in (
         identity.controller_uid,
         *identity.ancestors,
     ):
         return Refusal(
-            REFUSED_OTHER_WORKLOAD,
-            f"pod {pod} is controlled by {identity.controller or 'nothing'}, not by "
-            f"{workload.owner}, which owns {where}: only that workload's pods may join it.",
+            reasons.REFUSED_OTHER_WORKLOAD,
+            reasons.refused_other_workload(
+                workload.name, pod, str(identity.controller or "nothing"), workload.owner
+            ),
         )
     if workload.selector is not None and not workload.selector.matches(dict(identity.labels)):
         return Refusal(
-            REFUSED_SELECTOR,
-            f"pod {pod}'s labels do not match spec.podSelector of {where} "
-            f"({workload.selector}): only the pods it selects may join it.",
+            reasons.REFUSED_SELECTOR,
+            reasons.refused_selector(workload.name, pod, str(workload.selector)),
         )
     if canonical_address(entry.addr) not in identity.addresses:
-        ips = ", ".join(sorted(identity.addresses))
         return Refusal(
-            REFUSED_ADDRESS,
-            f"pod {pod} offers address {entry.addr!r}, which is not one of its pod's IPs "
-            f"({ips}): other nodes would connect there. Leave --local-addr unset, or set it "
-            "to one of the pod's IPs.",
+            reasons.REFUSED_ADDRESS,
+            reasons.refused_address(pod, entry.addr, sorted(identity.addresses)),
         )
     return None
 

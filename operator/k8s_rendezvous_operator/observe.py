@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import job_annotations, membership, rounds
+from k8s_rendezvous_operator import job_annotations, membership, reasons, rounds
 
 
 def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.PodObservation:
@@ -26,13 +26,13 @@ def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.Pod
     identity = membership.identify_pod(body)
     gone = None
     if deleted:
-        gone = rounds.LOST_POD_DELETED
+        gone = reasons.LOST_POD_DELETED
     elif (body.get("metadata") or {}).get("deletionTimestamp"):
-        gone = rounds.LOST_POD_TERMINATING
+        gone = reasons.LOST_POD_TERMINATING
     elif status.get("phase") == "Failed":
-        gone = rounds.LOST_POD_FAILED
+        gone = reasons.LOST_POD_FAILED
     elif status.get("phase") == "Succeeded":
-        gone = rounds.LOST_POD_SUCCEEDED
+        gone = reasons.LOST_POD_SUCCEEDED
     node_name = (body.get("spec") or {}).get("nodeName")
     return rounds.PodObservation(
         gone,
@@ -123,10 +123,10 @@ def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
         if condition.get("status") != "True":
             continue
         if condition.get("type") == "Complete":
-            finished = (rounds.CLOSED_JOB_COMPLETE, f"Job {metadata.get('name')} completed")
+            finished = (reasons.CLOSED_JOB_COMPLETE, f"Job {metadata.get('name')} completed")
         elif condition.get("type") == "Failed":
             why = condition.get("reason") or "Failed"
-            finished = (rounds.CLOSED_JOB_FAILED, f"Job {metadata.get('name')} failed: {why}")
+            finished = (reasons.CLOSED_JOB_FAILED, f"Job {metadata.get('name')} failed: {why}")
     pod_spec = (spec.get("template") or {}).get("spec") or {}
     return JobObservation(
         uid=metadata.get("uid", ""),

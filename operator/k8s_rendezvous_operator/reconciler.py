@@ -39,9 +39,9 @@ log = logging.getLogger(__name__)
 # from an earlier sample, so a series first scraped at 1 would hide the first loss or
 # closure of its reason from every rate() (the dashboard's "Members lost by cause" and
 # "closed, budget spent").
-for _reason in rounds.LOST_REASONS:
+for _reason in reasons.LOST_REASONS:
     metrics.MEMBERS_LOST.labels(_reason)
-for _reason in rounds.CLOSED_REASONS:
+for _reason in reasons.CLOSED_REASONS:
     metrics.CLOSED.labels(_reason)
 
 
@@ -1024,7 +1024,7 @@ class Reconciler:
                 version=state.resource_version(body),
             )
         except kube.NotFound:
-            self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
+            self.pod_seen(pod, rounds.PodObservation(reasons.LOST_POD_NOT_FOUND), rendezvous)
             key = (pod[0], rendezvous)
             # A Lease a pod wrote (its uid annotation says which) outlives that pod: the pod
             # is gone, nothing is misconfigured, and a restarted operator would otherwise

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import membership, observe, workloads
+from k8s_rendezvous_operator import membership, observe, reasons, workloads
 
 JOB_UID = "job-uid-1"
 
@@ -85,26 +85,26 @@ def test_a_pod_of_the_owning_job_offering_its_own_ip_is_admitted() -> None:
 
 def test_a_pod_of_another_job_is_refused_naming_both_workloads() -> None:
     found = refusal(rendezvous(), pod("other-0", controller_uid="job-uid-2"), "10.1.0.5")
-    assert found.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert found.reason == reasons.REFUSED_OTHER_WORKLOAD
     assert "pod other-0 is controlled by Job/train, not by Job/train" in found.message
 
 
 def test_a_bare_pod_is_refused_by_an_owned_rendezvous() -> None:
     found = refusal(rendezvous(), pod(controller_uid=None), "10.1.0.5")
-    assert found.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert found.reason == reasons.REFUSED_OTHER_WORKLOAD
     assert "controlled by nothing" in found.message
 
 
 def test_an_address_that_is_not_the_pods_is_refused_with_the_fix() -> None:
     found = refusal(rendezvous(), pod(), "10.9.9.9")
-    assert found.reason == membership.REFUSED_ADDRESS
+    assert found.reason == reasons.REFUSED_ADDRESS
     assert "'10.9.9.9', which is not one of its pod's IPs (10.1.0.5)" in found.message
     assert "--local-addr" in found.message
 
 
 def test_a_hostname_is_no_address_of_the_pod() -> None:
     found = refusal(rendezvous(), pod(), "train-0.train.svc")
-    assert found.reason == membership.REFUSED_ADDRESS
+    assert found.reason == reasons.REFUSED_ADDRESS
 
 
 @pytest.mark.parametrize("written", ["fd00::0:7", "FD00::7", "[fd00::7]"])
@@ -115,12 +115,12 @@ def test_ipv6_addresses_compare_in_canonical_form(written: str) -> None:
 def test_a_host_network_pod_may_offer_its_nodes_addresses_only() -> None:
     on_host = pod(host_network=True)
     assert refusal(rendezvous(), on_host, "2001:db8::1") is None
-    assert refusal(rendezvous(), on_host, "10.1.0.5").reason == membership.REFUSED_ADDRESS
+    assert refusal(rendezvous(), on_host, "10.1.0.5").reason == reasons.REFUSED_ADDRESS
 
 
 def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_why() -> None:
     found = refusal(rendezvous(owner_uid=None), pod(), "10.1.0.5")
-    assert found.reason == membership.REFUSED_NO_RULE
+    assert found.reason == reasons.REFUSED_NO_RULE
     assert "Set spec.podSelector" in found.message
 
 
@@ -134,14 +134,14 @@ def test_a_hand_made_rendezvous_admits_the_pods_its_selector_matches() -> None:
     )
     assert refusal(selected, pod(labels={"app": "train"}), "10.1.0.5") is None
     found = refusal(selected, pod(labels={"app": "train", "tier": "spare"}), "10.1.0.5")
-    assert found.reason == membership.REFUSED_SELECTOR
+    assert found.reason == reasons.REFUSED_SELECTOR
     assert "app=train, tier NotIn (spare)" in found.message
 
 
 def test_the_operators_own_label_cannot_satisfy_a_selector() -> None:
     selected = rendezvous(owner_uid=None, podSelector={"matchLabels": {state.NODE_LABEL: "train"}})
     labelled = pod(labels={state.NODE_LABEL: "train"})
-    assert refusal(selected, labelled, "10.1.0.5").reason == membership.REFUSED_SELECTOR
+    assert refusal(selected, labelled, "10.1.0.5").reason == reasons.REFUSED_SELECTOR
 
 
 @pytest.mark.parametrize(
@@ -192,7 +192,7 @@ def test_a_refused_pod_cannot_close_the_rendezvous() -> None:
         frozenset(),
     )
     assert admission.counted == {}
-    assert admission.refused["stranger"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert admission.refused["stranger"].reason == reasons.REFUSED_OTHER_WORKLOAD
 
 
 def test_the_pod_observation_carries_its_identity() -> None:
@@ -274,7 +274,7 @@ def test_a_pod_of_a_jobsets_job_is_admitted_once_its_jobs_controller_is_read() -
     job = membership.to_climb(workload, identity)
     assert job == workloads.Reference("batch/v1", "Job", "train-workers-0", JOB_UID)
     unread = membership.refusal(workload, "train-workers-0-0", identity, entry())
-    assert unread is not None and unread.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert unread is not None and unread.reason == reasons.REFUSED_OTHER_WORKLOAD
     assert "controlled by Job/train-workers-0, not by JobSet/train, which owns" in unread.message
     read = dataclasses.replace(identity, ancestors=(JOBSET_UID,))
     assert membership.refusal(workload, "train-workers-0-0", read, entry()) is None
@@ -319,6 +319,6 @@ def test_the_status_names_a_bounded_number_of_refusals_by_pod_name() -> None:
     assert (first.instance, first.attempt, first.reason) == (
         "i-stranger-00",
         3,
-        membership.REFUSED_OTHER_WORKLOAD,
+        reasons.REFUSED_OTHER_WORKLOAD,
     )
     assert first.message == admission.refused["stranger-00"].message

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, reasons, reconciler, rounds, workloads
+from k8s_rendezvous_operator import kube, reasons, reconciler, workloads
 
 NS = "ns"
 NAME = "r"
@@ -326,7 +326,9 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
     assert ("Sealed", 2) not in written_states(harness.api)
     assert written_states(harness.api)[-1] == ("Reforming", 1)
     lost = [e for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
-    assert [e.message for e in lost] == [reasons.member_lost("p2", 1, 1, rounds.LOST_POD_NOT_FOUND)]
+    assert [e.message for e in lost] == [
+        reasons.member_lost("p2", 1, 1, reasons.LOST_POD_NOT_FOUND)
+    ]
     assert reasons.NODE_WITHOUT_POD in harness.events.reasons()
 
 
@@ -347,7 +349,9 @@ def test_the_lease_of_a_pod_gone_for_good_is_no_node_without_a_pod(harness: Harn
 
     asyncio.run(scenario())
     lost = [e for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
-    assert [e.message for e in lost] == [reasons.member_lost("p2", 1, 1, rounds.LOST_POD_NOT_FOUND)]
+    assert [e.message for e in lost] == [
+        reasons.member_lost("p2", 1, 1, reasons.LOST_POD_NOT_FOUND)
+    ]
     assert reasons.NODE_WITHOUT_POD not in harness.events.reasons()
 
 

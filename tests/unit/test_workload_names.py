@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous import state
-from k8s_rendezvous_operator import membership
+from k8s_rendezvous_operator import membership, reasons
 from k8s_rendezvous_operator.workloads import Reference
 
 SQUATTER = Reference("apps/v1", "StatefulSet", "squatter", "squatter-uid")
@@ -85,7 +85,7 @@ def test_a_pod_of_another_workload_is_refused_as_before() -> None:
     other = Reference("apps/v1", "StatefulSet", "elsewhere", "other-uid")
     admission = admitted(made_by_a_pod(SQUATTER), identity(other, None))
     assert admission.claims == {}
-    assert admission.refused["train-0"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert admission.refused["train-0"].reason == reasons.REFUSED_OTHER_WORKLOAD
 
 
 def test_a_name_held_by_its_own_workload_or_one_of_the_same_name_is_not_claimed() -> None:
@@ -93,7 +93,7 @@ def test_a_name_held_by_its_own_workload_or_one_of_the_same_name_is_not_claimed(
     assert (list(own.counted), own.claims) == (["train-0"], {})
     namesake = admitted(made_by_a_pod(JOB), identity(STATEFULSET, None))
     assert namesake.claims == {}, "two workloads of the name: the first made keeps it"
-    assert namesake.refused["train-0"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert namesake.refused["train-0"].reason == reasons.REFUSED_OTHER_WORKLOAD
 
 
 def test_a_hand_made_rendezvous_is_nobodys_to_claim_and_costs_no_climb() -> None:
@@ -103,11 +103,11 @@ def test_a_hand_made_rendezvous_is_nobodys_to_claim_and_costs_no_climb() -> None
     assert membership.to_climb(hand_made, identity(JOBSET_JOB, None)) is None
     admission = admitted(hand_made, identity(STATEFULSET, None))
     assert admission.claims == {}
-    assert admission.refused["train-0"].reason == membership.REFUSED_NO_RULE
+    assert admission.refused["train-0"].reason == reasons.REFUSED_NO_RULE
 
 
 def test_a_pod_whose_chain_is_not_read_claims_by_its_controller_only() -> None:
     """A JobSet's Job is named train-workers-0, not train: unread, it claims nothing."""
     admission = admitted(made_by_a_pod(SQUATTER), identity(JOBSET_JOB, None))
     assert admission.claims == {}
-    assert admission.refused["train-0"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert admission.refused["train-0"].reason == reasons.REFUSED_OTHER_WORKLOAD
