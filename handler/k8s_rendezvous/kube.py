@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 
 _POD_NAME_EXTRA: Final = "authentication.kubernetes.io/pod-name"
 """What the API server adds to the user info of a token bound to a pod: its name."""
-_TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
+_RETRIED: Final = (rest.Unavailable,)
+"""The failures retried for the whole retry budget: those that may pass later."""
+_RETRIED_BRIEFLY: Final = (rest.Unauthorized, rest.Forbidden)
+"""The failures retried for :data:`_REFUSAL_GRACE_SECONDS` only."""
 _REFUSAL_GRACE_SECONDS: Final = 5.0
 """How long 401 and 403 are retried (within the retry budget): a kube-apiserver that has
 just restarted refuses requests until its authorizer has loaded the roles. A lasting
@@ -135,9 +138,9 @@ class RendezvousClient:
             self._rest.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
         except rest.NotFound:
             return False
+        except rest.Forbidden:
+            return None
         except rest.RequestFailed as error:
-            if error.status == 403:
-                return None
             raise self._error(f"read pod {pod} for", error) from error
         return True
 
@@ -160,10 +163,8 @@ class RendezvousClient:
                 self._rest.request("POST", f"{self._group_path}/{state.PLURAL}", body)
             except rest.Conflict:
                 return True
-            except rest.Refused as error:
-                if error.status == 403:
-                    return False
-                raise
+            except rest.Forbidden:
+                return False
             return True
 
         return self._call("create", create)
@@ -270,12 +271,7 @@ class RendezvousClient:
                     event = json.loads(line)
                     kind, obj = event.get("type"), event.get("object") or {}
                     if kind == "ERROR":  # a metav1.Status, e.g. 410 Gone: too old a version
-                        code = obj.get("code")
-                        ended = rest.failure(
-                            code if isinstance(code, int) else 500,  # answered, code or not
-                            f"{obj.get('reason')}: {obj.get('message')}",
-                        )
-                        raise self._error("watch", ended, budget=0)
+                        raise self._error("watch", rest.status_failure(obj), budget=0)
                     yield kind, obj
             except rest.RequestFailed as error:
                 raise self._error("watch", error, budget=0) from error
@@ -300,10 +296,8 @@ class RendezvousClient:
                 return request()
             except rest.RequestFailed as error:
                 now = time.monotonic()
-                transient = (
-                    error.status is None
-                    or error.status in _TRANSIENT_STATUS
-                    or (error.status in (401, 403) and now < refusal_deadline)
+                transient = isinstance(error, _RETRIED) or (
+                    isinstance(error, _RETRIED_BRIEFLY) and now < refusal_deadline
                 )
                 if not transient or now >= deadline:
                     raise self._error(what, error, budget) from error
@@ -324,27 +318,27 @@ class RendezvousClient:
         target = f"{what} {self.reference}"
         budget = self.retry_seconds if budget is None else budget
         status, reason = error.status, str(error)
+        if isinstance(error, rest.NotFound):
+            return RendezvousNotFoundError(
+                f"{self.reference} does not exist. Annotate the Job with "
+                "k8s-rendezvous.dev/nodes, create the Rendezvous, let the pods create it "
+                "(bind the ClusterRole k8s-rendezvous-creator), or fix --rdzv-endpoint "
+                "(form: NAME or NAMESPACE/NAME)."
+            )
+        if isinstance(error, rest.Unauthorized | rest.Forbidden):
+            return KubernetesRendezvousConnectionError(
+                f"could not {target}: the API server answered {status} ({reason}). If "
+                "the pod lacks permission, bind the ClusterRole k8s-rendezvous-worker to "
+                f"its ServiceAccount in namespace {self.namespace} with a RoleBinding; if "
+                "the admission policy refused it, the node name (POD_NAME) must be the "
+                "pod's own name."
+            )
+        if isinstance(error, rest.Refused):
+            return KubernetesRendezvousStateError(
+                f"could not {target}: the API server rejected it ({reason}). Check that "
+                "the CRD installed matches this k8s-rendezvous version."
+            )
         if status is not None:
-            if status == 404:
-                return RendezvousNotFoundError(
-                    f"{self.reference} does not exist. Annotate the Job with "
-                    "k8s-rendezvous.dev/nodes, create the Rendezvous, let the pods create it "
-                    "(bind the ClusterRole k8s-rendezvous-creator), or fix --rdzv-endpoint "
-                    "(form: NAME or NAMESPACE/NAME)."
-                )
-            if status in (401, 403):
-                return KubernetesRendezvousConnectionError(
-                    f"could not {target}: the API server answered {status} ({reason}). If "
-                    "the pod lacks permission, bind the ClusterRole k8s-rendezvous-worker to "
-                    f"its ServiceAccount in namespace {self.namespace} with a RoleBinding; if "
-                    "the admission policy refused it, the node name (POD_NAME) must be the "
-                    "pod's own name."
-                )
-            if status in (400, 422):
-                return KubernetesRendezvousStateError(
-                    f"could not {target}: the API server rejected it ({reason}). Check that "
-                    "the CRD installed matches this k8s-rendezvous version."
-                )
             within = f" within {budget:.0f} s" if budget else ""
             return KubernetesRendezvousConnectionError(
                 f"could not {target}{within}: the API server answered {status} ({reason})."

@@ -28,7 +28,9 @@ module fails with one of these, so callers (and the error metric's label) name w
 happened, not the library."""
 NotFound = rest.NotFound
 Conflict = rest.Conflict
+Unauthorized = rest.Unauthorized
 Refused = rest.Refused
+Forbidden = rest.Forbidden
 Invalid = rest.Invalid
 Unavailable = rest.Unavailable
 

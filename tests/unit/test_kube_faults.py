@@ -1,7 +1,8 @@
 """Failure paths of the pod side's API client, with faults injected at the HTTP level by a
 scripted local server (fast, deterministic; the real API server covers the rest).
 
-Aspects: 5xx and 429 are retried with backoff until they pass, never sooner than a
+Aspects: 5xx and 429 (the shared vocabulary's Unavailable) are retried with backoff until
+they pass, never sooner than a
 Retry-After asks; an API server that stays down past the budget, or refuses connections,
 becomes RendezvousConnectionError saying so; 401 and 403 are retried only briefly (a
 restarted API server refuses until its authorizer is ready), then name the role to bind;
@@ -92,7 +93,7 @@ def rendezvous_client(host: str, retry_seconds: float = 5) -> kube.RendezvousCli
     )
 
 
-@pytest.mark.parametrize("status", [500, 503, 429])
+@pytest.mark.parametrize("status", [500, 501, 503, 429])
 def test_transient_errors_are_retried_until_they_pass(
     server: tuple[str, Script], status: int
 ) -> None:

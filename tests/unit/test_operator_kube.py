@@ -118,8 +118,8 @@ def test_adopting_a_rendezvous_made_anew_meanwhile_is_a_conflict(
     ("status", "kind"),
     [
         (400, kube.Refused),
-        (401, kube.ApiError),
-        (403, kube.Refused),
+        (401, kube.Unauthorized),
+        (403, kube.Forbidden),
         (404, kube.NotFound),
         (409, kube.Conflict),
         (422, kube.Invalid),
