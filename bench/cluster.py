@@ -27,7 +27,7 @@ from devkit import manifests, namespaces, paths
 from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
 from devkit.operator import OperatorProcess
 from devkit.waiting import WaitTimeout, wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 Log = Callable[[str], None]
 OPERATOR_METRICS_PORT = 8081
@@ -132,7 +132,7 @@ class Cluster:
             kubernetes.client.CustomObjectsApi(
                 self.admin
             ).delete_collection_namespaced_custom_object(
-                state.GROUP, state.VERSION, name, state.PLURAL
+                objects.GROUP, objects.VERSION, name, objects.PLURAL
             )
         with contextlib.suppress(ApiException):
             core.delete_namespace(name)
@@ -176,7 +176,7 @@ class Cluster:
         def create(name: str) -> None:
             body = manifests.bare_pod(
                 name,
-                labels={**manifests.WORKLOAD_LABELS, state.NODE_LABEL: rendezvous_of[name]},
+                labels={**manifests.WORKLOAD_LABELS, objects.NODE_LABEL: rendezvous_of[name]},
                 annotations={POD_IP_ANNOTATION: addresses[name]},
                 terminationGracePeriodSeconds=0,
             )
@@ -260,12 +260,12 @@ class Cluster:
     ) -> None:
         body = manifests.rendezvous(namespace, name, min_nodes, max_nodes, **spec)
         kubernetes.client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, namespace, state.PLURAL, body
+            objects.GROUP, objects.VERSION, namespace, objects.PLURAL, body
         )
 
     def rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         found = kubernetes.client.CustomObjectsApi(self.admin).get_namespaced_custom_object(
-            state.GROUP, state.VERSION, namespace, state.PLURAL, name
+            objects.GROUP, objects.VERSION, namespace, objects.PLURAL, name
         )
         return dict(found)
 

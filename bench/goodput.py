@@ -94,7 +94,7 @@ from devkit.training import (  # noqa: E402
     worker_pid,
 )
 from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
-from k8s_rendezvous import state  # noqa: E402
+from k8s_rendezvous.wire import codec, objects, records, specs, statuses  # noqa: E402
 from k8s_rendezvous_operator import leadership  # noqa: E402
 
 FAULTS = {
@@ -419,7 +419,7 @@ def leading_pod(lease: Json, now: float) -> str | None:
     record = leadership.Record.from_lease(lease)
     if not record.holder or not record.renew_time:
         return None
-    age = now - state.parse_time(record.renew_time, "spec.renewTime").timestamp()
+    age = now - codec.parse_time(record.renew_time, "spec.renewTime").timestamp()
     return leadership.pod_of(record.holder) if age <= record.duration_seconds else None
 
 
@@ -477,7 +477,7 @@ def sealed_after(rounds: Sequence[tuple[float, str, int]], at: float, until: flo
         (
             round(seen - at, 3)
             for seen, phase, round_ in rounds
-            if at < seen < until and phase == state.RoundState.SEALED.value and round_ > current
+            if at < seen < until and phase == statuses.RoundState.SEALED.value and round_ > current
         ),
         None,
     )
@@ -558,7 +558,7 @@ def merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return joined
 
 
-def member_gone(member: state.Member, pod: Json | None) -> bool:
+def member_gone(member: records.Member, pod: Json | None) -> bool:
     """Whether the pod a sealed round's ``member`` joined from is gone, terminating or
     ended, or no longer runs the agent that joined: a StatefulSet makes a deleted pod anew
     under its name (another IP), and restarts a crashed container in its pod."""
@@ -741,7 +741,7 @@ class Run:
                 stop,
                 lambda: (
                     custom.list_namespaced_custom_object,
-                    (state.GROUP, state.VERSION, self.namespace, state.PLURAL),
+                    (objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL),
                     {"field_selector": f"metadata.name={self.name}"},
                 ),
                 self._on_rendezvous,
@@ -782,7 +782,7 @@ class Run:
             leaks = self._leaks(before)
         if recorder is not None and recorder.spec is not None:
             try:
-                invariants.check(state.RendezvousSpec.from_dict(recorder.spec), recorder.statuses())
+                invariants.check(specs.RendezvousSpec.from_dict(recorder.spec), recorder.statuses())
             except invariants.Violation as violation:
                 self.violations.append(f"rendezvous history: {violation}")
         result = analyze(lines, injected, began, ended, self._rounds)
@@ -1021,12 +1021,12 @@ class Run:
                 if self.config.c10d:
                     continue
                 body: Json = custom.get_namespaced_custom_object(
-                    state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+                    objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL, self.name
                 )
             except Exception:
                 continue  # the API server restarting: the next sample sees
-            status = state.RendezvousStatus.from_dict(body.get("status"))
-            if status.state is not state.RoundState.SEALED:
+            status = statuses.RendezvousStatus.from_dict(body.get("status"))
+            if status.state is not statuses.RoundState.SEALED:
                 continue
             now = time.time()
             for member in status.members:
@@ -1042,7 +1042,7 @@ class Run:
             listed = read_object(
                 kubernetes.client.CoordinationV1Api(self.api).list_namespaced_lease,
                 self.namespace,
-                label_selector=f"{state.NODE_LABEL}={self.name}",
+                label_selector=f"{objects.NODE_LABEL}={self.name}",
             )
         except Exception:  # the API server unreachable: not in the way of the cleanup
             traceback.print_exc()

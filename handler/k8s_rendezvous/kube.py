@@ -21,13 +21,14 @@ from typing import Any, Final, TypeVar
 
 from kubernetes import client
 
-from k8s_rendezvous import rest, state
+from k8s_rendezvous import rest
 from k8s_rendezvous.errors import (
     ApiServerSilentError,
     KubernetesRendezvousConnectionError,
     KubernetesRendezvousStateError,
     RendezvousNotFoundError,
 )
+from k8s_rendezvous.wire import leases, objects, specs, statuses
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ class RendezvousClient:
         self._pod_uid: str | None = _pod_uid(self._rest.bearer_claims())
         self._lease_owners: dict[str, str] = {}
         """The owner uid each Lease this client made or moved was last written with."""
-        self._lease_entries: dict[str, state.NodeEntry] = {}
+        self._lease_entries: dict[str, leases.NodeEntry] = {}
         """The entry (the node's request) each Lease was last written with."""
-        self._group_path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}"
+        self._group_path = f"/apis/{objects.GROUP}/{objects.VERSION}/namespaces/{namespace}"
         self._leases_path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
     @property
@@ -105,7 +106,7 @@ class RendezvousClient:
         """The Rendezvous; within ``budget_seconds``, if given, each request included: a
         request on a pooled connection into a cut network would otherwise wait out the
         client's read timeout, far beyond the budget."""
-        path = f"{self._group_path}/{state.PLURAL}/{self.name}"
+        path = f"{self._group_path}/{objects.PLURAL}/{self.name}"
         if budget_seconds is None:
             return self._call("read", lambda: self._rest.request("GET", path))
         deadline = time.monotonic() + budget_seconds
@@ -144,23 +145,23 @@ class RendezvousClient:
             raise self._error(f"read pod {pod} for", error) from error
         return True
 
-    def create(self, spec: state.RendezvousSpec, creator: str) -> bool:
+    def create(self, spec: specs.RendezvousSpec, creator: str) -> bool:
         """Create the Rendezvous, made by pod ``creator`` (the operator gives it that pod's
         controller as its owner); ``True`` if made or already there, ``False`` if this
         service account may not create it."""
         body: dict[str, Any] = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {
                 "name": self.name,
-                "annotations": {state.CREATED_BY_ANNOTATION: creator},
+                "annotations": {objects.CREATED_BY_ANNOTATION: creator},
             },
             "spec": spec.to_dict(),
         }
 
         def create() -> bool:
             try:
-                self._rest.request("POST", f"{self._group_path}/{state.PLURAL}", body)
+                self._rest.request("POST", f"{self._group_path}/{objects.PLURAL}", body)
             except rest.Conflict:
                 return True
             except rest.Forbidden:
@@ -175,7 +176,7 @@ class RendezvousClient:
         instance: str,
         duration_seconds: int,
         owner_uid: str,
-        entry: state.NodeEntry | None = None,
+        entry: leases.NodeEntry | None = None,
         budget_seconds: float | None = None,
     ) -> None:
         """Renew this node's Lease and, if given, replace its entry (the join request),
@@ -185,7 +186,7 @@ class RendezvousClient:
         so N nodes joining at once are N independent writes instead of N retries of one
         object's optimistic update. The Rendezvous owns it, so it goes with it.
         """
-        renewal = state.NodeLease(
+        renewal = leases.NodeLease(
             self.name,
             node,
             instance,
@@ -255,7 +256,9 @@ class RendezvousClient:
         decodes it three times: loads, dumps, loads; a sealed round of 1000 members is
         about 130 kB, and every node receives it.)
         """
-        path = f"{self._group_path}/{state.PLURAL if slice_name is None else state.SLICE_PLURAL}"
+        path = (
+            f"{self._group_path}/{objects.PLURAL if slice_name is None else objects.SLICE_PLURAL}"
+        )
         query = [
             ("fieldSelector", self._selector(slice_name or self.name, round_key)),
             ("allowWatchBookmarks", "true"),
@@ -280,7 +283,7 @@ class RendezvousClient:
     def _selector(name: str, round_key: str | None) -> str:
         selector = f"metadata.name={name}"
         if round_key is not None:
-            selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
+            selector += f",{statuses.ROUND_KEY_FIELD}!={round_key}"
         return selector
 
     def _call(

@@ -1,5 +1,5 @@
 """What Pod and Job bodies say, in the terms of the round decisions (pure); a Lease reads
-itself (:class:`k8s_rendezvous.state.NodeLease`)."""
+itself (:class:`k8s_rendezvous.wire.leases.NodeLease`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec, objects, records, specs, statuses
 from k8s_rendezvous_operator import job_annotations, membership, reasons, rounds
 
 
@@ -59,22 +59,22 @@ def excluded_kube_nodes(
     observed = pods or {}
     try:
         excluded = tuple(
-            state.ExcludedNode.from_dict(item, f"status.excludedNodes[{index}]")
+            records.ExcludedNode.from_dict(item, f"status.excludedNodes[{index}]")
             for index, item in enumerate(
                 ((rendezvous.get("status") or {}).get("excludedNodes") or [])[
-                    -state.MAX_EXCLUDED_NODES :
+                    -statuses.MAX_EXCLUDED_NODES :
                 ]
             )
         )
         annotations = (rendezvous.get("metadata") or {}).get("annotations") or {}
-        raw = annotations.get(state.CLEAR_EXCLUDED_NODES_ANNOTATION)
-        cleared_at = None if raw is None else state.parse_time(raw, "annotation")
+        raw = annotations.get(objects.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        cleared_at = None if raw is None else codec.parse_time(raw, "annotation")
         members = [
             member.get("node")
             for member in (rendezvous.get("status") or {}).get("members") or []
             if isinstance(member, Mapping)
         ]
-    except state.DecodeError:
+    except codec.DecodeError:
         return ()
     recorded = [entry.node for entry in rounds.still_excluded(excluded, now, cleared_at)]
     failing = [
@@ -93,7 +93,7 @@ class JobObservation:
     """What an annotated Job asks for and where it stands."""
 
     uid: str
-    spec: state.RendezvousSpec | None
+    spec: specs.RendezvousSpec | None
     """``None`` when the annotations have errors (see ``errors``)."""
     errors: tuple[job_annotations.AnnotationError, ...]
     parallelism: int | None
@@ -130,7 +130,7 @@ def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
     pod_spec = (spec.get("template") or {}).get("spec") or {}
     return JobObservation(
         uid=metadata.get("uid", ""),
-        spec=parsed if isinstance(parsed, state.RendezvousSpec) else None,
+        spec=parsed if isinstance(parsed, specs.RendezvousSpec) else None,
         errors=parsed if isinstance(parsed, tuple) else (),
         parallelism=parallelism if isinstance(parallelism, int) else None,
         service_account=pod_spec.get("serviceAccountName") or "default",

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import RendezvousSpec
+from k8s_rendezvous.wire import leases, objects, statuses
+from k8s_rendezvous.wire.specs import RendezvousSpec
 
 # On a Rendezvous: its rounds.
 ROUND_SEALED: Final = "RoundSealed"
@@ -107,7 +107,7 @@ CLOSED_JOB_COMPLETE: Final = "JobComplete"
 """The annotated Job completed."""
 CLOSED_JOB_FAILED: Final = "JobFailed"
 """The annotated Job failed."""
-CLOSED_RESTARTS_EXHAUSTED: Final = state.CLOSED_RESTARTS_EXHAUSTED
+CLOSED_RESTARTS_EXHAUSTED: Final = statuses.CLOSED_RESTARTS_EXHAUSTED
 """A failure found the job's restart budget (``spec.maxRestarts``) spent. The pod side
 reads it too (a spare ends in failure then), so the wire format holds its value."""
 CLOSED_REASONS: Final = (
@@ -246,7 +246,7 @@ report is cut to fit instead, so that its output's last lines (where a test says
 are what is shown."""
 
 
-def health_check_failed(pod: str, node: str | None, report: state.HealthCheckReport) -> str:
+def health_check_failed(pod: str, node: str | None, report: leases.HealthCheckReport) -> str:
     """A pod's failed health check, on the Kubernetes node the Pod object names (never
     where the pod says it runs); its output's tail, printable and cut to fit the Event."""
     where = f"on node {node}" if node else "on a node not known (its Pod is gone or unscheduled)"
@@ -254,7 +254,7 @@ def health_check_failed(pod: str, node: str | None, report: state.HealthCheckRep
         f"pod {pod} {where} joins no round: its health check {report.summary()}; its agent "
         "ends so that its workload replaces it. Output ends: "
     )
-    tail = state.printable_tail(report.tail, max(0, MAX_EVENT_MESSAGE - len(head)))
+    tail = leases.printable_tail(report.tail, max(0, MAX_EVENT_MESSAGE - len(head)))
     return head + (tail or "(none)")
 
 
@@ -386,7 +386,7 @@ def rendezvous_not_owned(rendezvous: str, namespace: str, owner: str | None, sel
         held = "it has no owner"
     return (
         f"Rendezvous {rendezvous} exists and is not this Job's: a user or another "
-        f"controller made it, not a pod (it has no {state.CREATED_BY_ANNOTATION} "
+        f"controller made it, not a pod (it has no {objects.CREATED_BY_ANNOTATION} "
         f"annotation), and {held}. The operator leaves it as it is, so this Job's pods get "
         "no env and join nothing; it makes this Job's Rendezvous as soon as the name is "
         f"free. Delete it if it is not in use (kubectl -n {namespace} delete rendezvous "
@@ -502,6 +502,6 @@ def clear_excluded_nodes_unreadable(problem: str) -> str:
     return (
         f"{problem}; the Kubernetes nodes in status.excludedNodes are kept out until it is "
         "fixed. Write the time to clear up to, e.g. "
-        f"kubectl annotate rdzv NAME --overwrite {state.CLEAR_EXCLUDED_NODES_ANNOTATION}="
+        f"kubectl annotate rdzv NAME --overwrite {objects.CLEAR_EXCLUDED_NODES_ANNOTATION}="
         '"$(date -u +%Y-%m-%dT%H:%M:%SZ)"'
     )

@@ -72,25 +72,24 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from k8s_rendezvous.state import (
-    EXCLUDED_NODE_TTL,
-    MAX_EXCLUDED_NODES,
-    MAX_HISTORY,
+from k8s_rendezvous.wire.leases import NodeEntry, NodeIntent
+from k8s_rendezvous.wire.objects import SLICE_MEMBERS, slice_count, slices_needed
+from k8s_rendezvous.wire.records import (
     MAX_REFUSAL_MESSAGE,
-    SLICE_MEMBERS,
     Condition,
     ExcludedNode,
     Master,
     Member,
-    NodeEntry,
-    NodeIntent,
     Refusal,
-    RendezvousSpec,
-    RendezvousStatus,
     RoundRecord,
+)
+from k8s_rendezvous.wire.specs import RendezvousSpec
+from k8s_rendezvous.wire.statuses import (
+    EXCLUDED_NODE_TTL,
+    MAX_EXCLUDED_NODES,
+    MAX_HISTORY,
+    RendezvousStatus,
     RoundState,
-    slice_count,
-    slices_needed,
 )
 from k8s_rendezvous_operator import reasons
 from k8s_rendezvous_operator.membership import PodIdentity

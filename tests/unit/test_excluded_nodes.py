@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 from tests.unit.test_rounds import T0, World, reseal, spec
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import ExcludedNode, RendezvousSpec, RendezvousStatus
+from k8s_rendezvous.wire import leases, objects, statuses
+from k8s_rendezvous.wire.records import ExcludedNode
+from k8s_rendezvous.wire.specs import RendezvousSpec
+from k8s_rendezvous.wire.statuses import RendezvousStatus
 from k8s_rendezvous_operator import injection, observe, reasons, rounds
 
 
@@ -55,7 +57,7 @@ def test_a_planned_removal_keeps_no_node_out(reason: str) -> None:
     else:
         fail(world, "b", reason)
     world.decide()
-    assert world.status.state is state.RoundState.REFORMING
+    assert world.status.state is statuses.RoundState.REFORMING
     assert world.status.excluded_nodes == ()
 
 
@@ -71,9 +73,9 @@ def test_leaving_or_an_agent_restart_keeps_no_node_out() -> None:
 
 def test_a_member_whose_health_check_failed_before_its_next_join_keeps_its_node_out() -> None:
     world = sealed_world("a", "b")
-    report = state.HealthCheckReport(state.HealthCheckOutcome.FAILED, 0.5, 3, "port error\n")
+    report = leases.HealthCheckReport(leases.HealthCheckOutcome.FAILED, 0.5, 3, "port error\n")
     leave = dataclasses.replace(
-        world.requests["b"], intent=state.NodeIntent.LEAVE, health_check=report
+        world.requests["b"], intent=leases.NodeIntent.LEAVE, health_check=report
     )
     world.write("b", leave)
     world.decide()
@@ -93,7 +95,7 @@ def test_a_failed_pod_never_seen_scheduled_names_no_node() -> None:
 
 
 def test_the_list_keeps_the_newest_failures_and_one_entry_per_node() -> None:
-    pods = [f"p{index}" for index in range(state.MAX_EXCLUDED_NODES + 3)]
+    pods = [f"p{index}" for index in range(statuses.MAX_EXCLUDED_NODES + 3)]
     excluded: tuple[ExcludedNode, ...] = ()
     for minute, pod in enumerate(pods):
         loss = rounds.MemberLoss(pod, 0, reasons.LOST_POD_FAILED)
@@ -106,7 +108,7 @@ def test_the_list_keeps_the_newest_failures_and_one_entry_per_node() -> None:
     excluded = rounds.excluded_after(
         [again], {"q": rounds.PodObservation(kube_node="node-p5")}, excluded, later
     )
-    assert len(excluded) == state.MAX_EXCLUDED_NODES
+    assert len(excluded) == statuses.MAX_EXCLUDED_NODES
     assert [e.node for e in excluded].count("node-p5") == 1
     assert excluded[-1] == ExcludedNode("node-p5", reasons.LOST_HEARTBEAT_EXPIRED, "q", later)
 
@@ -116,7 +118,7 @@ def test_entries_older_than_the_age_bound_are_dropped() -> None:
     fail(world, "c", reasons.LOST_POD_FAILED)
     world.decide()
     reseal(world, "a", "b")
-    world.tick(state.EXCLUDED_NODE_TTL.total_seconds() - 1)
+    world.tick(statuses.EXCLUDED_NODE_TTL.total_seconds() - 1)
     assert world.decide().status.excluded_nodes != ()
     world.tick(1)
     decision = world.decide()
@@ -154,7 +156,7 @@ def test_the_kubernetes_node_is_the_pods_spec_node_name() -> None:
 def test_excluded_nodes_round_trip_and_are_bounded_when_read() -> None:
     entries = tuple(
         ExcludedNode(f"n{i}", reasons.LOST_POD_FAILED, f"p{i}", T0)
-        for i in range(state.MAX_EXCLUDED_NODES + 2)
+        for i in range(statuses.MAX_EXCLUDED_NODES + 2)
     )
     wire = dataclasses.replace(RendezvousStatus(), excluded_nodes=entries).to_dict()
     assert wire["excludedNodes"][0] == {
@@ -164,7 +166,7 @@ def test_excluded_nodes_round_trip_and_are_bounded_when_read() -> None:
         "failedAt": "2026-01-01T00:00:00.000000Z",
     }
     read = RendezvousStatus.from_dict(wire).excluded_nodes
-    assert read == entries[-state.MAX_EXCLUDED_NODES :]
+    assert read == entries[-statuses.MAX_EXCLUDED_NODES :]
 
 
 def test_the_webhook_view_skips_expired_and_cleared_entries_and_unreadable_status() -> None:
@@ -176,7 +178,7 @@ def test_the_webhook_view_skips_expired_and_cleared_entries_and_unreadable_statu
     cleared = {
         **body,
         "metadata": {
-            "annotations": {state.CLEAR_EXCLUDED_NODES_ANNOTATION: "2026-01-01T01:00:00Z"}
+            "annotations": {objects.CLEAR_EXCLUDED_NODES_ANNOTATION: "2026-01-01T01:00:00Z"}
         },
     }
     assert observe.excluded_kube_nodes(cleared, T0 + datetime.timedelta(hours=3)) == ("new",)

@@ -32,12 +32,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
 from k8s_rendezvous.errors import ApiServerSilentError, RendezvousNotFoundError
+from k8s_rendezvous.wire import leases, objects
 
 OBJECT = {
-    "apiVersion": state.API_VERSION,
-    "kind": state.KIND,
+    "apiVersion": objects.API_VERSION,
+    "kind": objects.KIND,
     "metadata": {"name": "r", "namespace": "ns", "resourceVersion": "7"},
     "spec": {"minNodes": 1, "maxNodes": 1, "runId": "r"},
 }
@@ -174,10 +175,10 @@ def test_a_read_with_a_budget_gives_up_on_a_server_that_never_answers() -> None:
     assert elapsed < kube.rest.DEFAULT_TIMEOUT[1] / 3, "bounded by the budget, not the read timeout"
 
 
-ENTRY = state.NodeEntry("i", 2, "10.0.0.1", 29500)
+ENTRY = leases.NodeEntry("i", 2, "10.0.0.1", 29500)
 
 
-def write_lease(client_: kube.RendezvousClient, entry: state.NodeEntry | None = ENTRY) -> None:
+def write_lease(client_: kube.RendezvousClient, entry: leases.NodeEntry | None = ENTRY) -> None:
     client_.write_lease("pod-a", "i", 30, "uid-1", entry)
 
 
@@ -229,18 +230,20 @@ def test_join_creates_the_own_lease_once_then_merge_patches_it(
     lease = created[2]
     assert lease is not None
     assert lease["metadata"]["name"] == "r.pod-a"
-    assert lease["metadata"]["labels"] == {state.NODE_LABEL: "r"}
+    assert lease["metadata"]["labels"] == {objects.NODE_LABEL: "r"}
     assert lease["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert lease["spec"]["holderIdentity"] == "pod-a"
     annotations = lease["metadata"]["annotations"]
-    assert state.NodeEntry.from_annotation(annotations[state.ENTRY_ANNOTATION], "e") == ENTRY
+    assert leases.NodeEntry.from_annotation(annotations[objects.ENTRY_ANNOTATION], "e") == ENTRY
     method, content_type, body = joined
     assert (method, content_type) == ("PATCH", "application/merge-patch+json")
     assert body is not None and "resourceVersion" not in body["metadata"]
-    written = body["metadata"]["annotations"][state.ENTRY_ANNOTATION]
-    assert state.NodeEntry.from_annotation(written, "e").attempt == 3
+    written = body["metadata"]["annotations"][objects.ENTRY_ANNOTATION]
+    assert leases.NodeEntry.from_annotation(written, "e").attempt == 3
     assert beat[0] == "PATCH"
-    assert beat[2] is not None and state.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    assert (
+        beat[2] is not None and objects.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    )
 
 
 def test_a_deleted_lease_is_created_again(server: tuple[str, Script]) -> None:
@@ -266,10 +269,12 @@ def test_a_heartbeat_that_finds_the_lease_deleted_makes_it_anew_with_the_request
     (_, patched, made, beat) = script.requests
     assert (patched[0], made[0], beat[0]) == ("PATCH", "POST", "PATCH")
     assert made[2] is not None
-    written = made[2]["metadata"]["annotations"][state.ENTRY_ANNOTATION]
-    assert state.NodeEntry.from_annotation(written, "e") == dataclasses.replace(ENTRY, attempt=3)
+    written = made[2]["metadata"]["annotations"][objects.ENTRY_ANNOTATION]
+    assert leases.NodeEntry.from_annotation(written, "e") == dataclasses.replace(ENTRY, attempt=3)
     # A renewal never writes the request: it could undo a newer join's.
-    assert beat[2] is not None and state.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    assert (
+        beat[2] is not None and objects.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    )
 
 
 @pytest.mark.parametrize("status", [429, 503])

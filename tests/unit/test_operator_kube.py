@@ -20,7 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from tests.support.local_http import QuietHandler, serving
 
-from k8s_rendezvous.state import RendezvousSpec
+from k8s_rendezvous.wire.specs import RendezvousSpec
 from k8s_rendezvous_operator import kube, workloads
 
 WEBHOOKS = [{"name": "torchrun-env.k8s-rendezvous.dev"}]

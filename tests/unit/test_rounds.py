@@ -18,17 +18,12 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import (
-    Member,
-    NodeEntry,
-    NodeIntent,
-    Refusal,
-    RendezvousSpec,
-    RendezvousStatus,
-    RoundState,
-    slice_count,
-)
+from k8s_rendezvous.wire import statuses
+from k8s_rendezvous.wire.leases import NodeEntry, NodeIntent
+from k8s_rendezvous.wire.objects import slice_count
+from k8s_rendezvous.wire.records import Member, Refusal
+from k8s_rendezvous.wire.specs import RendezvousSpec
+from k8s_rendezvous.wire.statuses import RendezvousStatus, RoundState
 from k8s_rendezvous_operator import reasons, rounds
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
@@ -357,7 +352,7 @@ def test_the_history_keeps_the_last_rounds_with_each_cause() -> None:
     world.decide()
     world.tick(31)
     assert world.decide().sealed
-    for _ in range(state.MAX_HISTORY + 2):
+    for _ in range(statuses.MAX_HISTORY + 2):
         world.join("b")
         assert world.decide().status.forming_cause == reasons.CAUSE_NODES_JOINED
         world.tick(0.25)
@@ -369,7 +364,7 @@ def test_the_history_keeps_the_last_rounds_with_each_cause() -> None:
         world.tick(31)
         assert world.decide().sealed
     history = world.status.history
-    assert len(history) == state.MAX_HISTORY
+    assert len(history) == statuses.MAX_HISTORY
     assert [r.round for r in history] == list(range(world.status.round - 9, world.status.round + 1))
     assert {(r.cause, r.world_size) for r in history} == {
         (reasons.CAUSE_NODES_JOINED, 2),
