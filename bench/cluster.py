@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import ssl
@@ -24,7 +25,14 @@ import psutil
 from kubernetes.client.exceptions import ApiException
 
 from devkit import manifests, namespaces, paths
-from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
+from devkit.cluster.controlplane import (
+    POD_IP_ANNOTATION,
+    ControlPlane,
+    build_binaries,
+    dig,
+    read_object,
+    read_object_or_none,
+)
 from devkit.operator import OperatorProcess
 from devkit.waiting import WaitTimeout, wait_for
 from k8s_rendezvous.wire import objects
@@ -137,18 +145,9 @@ class Cluster:
         with contextlib.suppress(ApiException):
             core.delete_namespace(name)
 
-        def gone() -> bool:
-            try:
-                core.read_namespace(name)
-            except ApiException as error:
-                if error.status == 404:
-                    return True
-                raise
-            return False
-
         try:
             wait_for(
-                gone,
+                lambda: read_object_or_none(core.read_namespace, name) is None,
                 timeout,
                 f"namespace {name} deleted",
                 interval=0.25,
@@ -264,10 +263,18 @@ class Cluster:
         )
 
     def rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
-        found = kubernetes.client.CustomObjectsApi(self.admin).get_namespaced_custom_object(
-            objects.GROUP, objects.VERSION, namespace, objects.PLURAL, name
+        return read_object(
+            kubernetes.client.CustomObjectsApi(self.admin).get_namespaced_custom_object,
+            objects.GROUP,
+            objects.VERSION,
+            namespace,
+            objects.PLURAL,
+            name,
         )
-        return dict(found)
+
+    def _round_key(self, namespace: str, name: str) -> str | None:
+        key = dig(self.rendezvous(namespace, name), "status", "roundKey")
+        return None if key is None else str(key)
 
     def wait_initialised(
         self, namespace: str, names: Iterable[str], timeout: float = 60, interval: float = 0.05
@@ -275,9 +282,7 @@ class Cluster:
         """The operator has written the first status (roundKey) of each Rendezvous."""
         for name in names:
             wait_for(
-                lambda name=name: (self.rendezvous(namespace, name).get("status") or {}).get(
-                    "roundKey"
-                ),
+                functools.partial(self._round_key, namespace, name),
                 timeout,
                 f"{namespace}/{name} initialised by the operator",
                 interval=interval,

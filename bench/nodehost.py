@@ -447,7 +447,7 @@ def _process_cpu_seconds() -> float:
 
 def main() -> None:
     # The handlers start their threads with a target, so wrapping run() sees them all.
-    threading.Thread.run = _run_and_report  # type: ignore[method-assign]
+    threading.Thread.run = _run_and_report  # type: ignore[method-assign, assignment]
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     child.serve(Host().operations())

@@ -55,9 +55,15 @@ if str(REPO) not in sys.path:
 import kubernetes.client  # noqa: E402
 import kubernetes.watch  # noqa: E402
 
-from bench import recovery  # noqa: E402
+from bench import faults, recovery  # noqa: E402
 from devkit import chart, namespaces  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries, dig, read_object  # noqa: E402
+from devkit.cluster.controlplane import (  # noqa: E402
+    ControlPlane,
+    build_binaries,
+    build_helm,
+    dig,
+    read_object,
+)
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import (  # noqa: E402
     TrainingJob,
@@ -110,7 +116,7 @@ def watch_in_thread(
 ) -> threading.Thread:
     def run() -> None:
         while not stop.is_set():
-            watcher = kubernetes.watch.Watch()
+            watcher = kubernetes.watch.Watch()  # type: ignore[no-untyped-call]
             try:
                 for event in stream_with(watcher, stream):
                     if stop.is_set():
@@ -119,7 +125,7 @@ def watch_in_thread(
             except Exception:  # a watch dropped: start it again, until stopped
                 time.sleep(0.1)
             finally:
-                watcher.stop()
+                watcher.stop()  # type: ignore[no-untyped-call]
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -128,7 +134,7 @@ def watch_in_thread(
 
 def stream_with(watcher: kubernetes.watch.Watch, stream: Callable[[], Any]) -> Any:
     method, args, kwargs = stream()
-    return watcher.stream(method, *args, timeout_seconds=60, **kwargs)
+    return watcher.stream(method, *args, timeout_seconds=60, **kwargs)  # type: ignore[no-untyped-call]
 
 
 class Run:
@@ -341,15 +347,10 @@ class Run:
         elif self.fault == "drain":
             at = time.time()
             self.pool.control_plane.kubectl("cordon", node)
-            self.core.create_namespaced_pod_eviction(
-                name,
-                self.namespace,
-                {"metadata": {"name": name, "namespace": self.namespace}},
-            )
+            faults.evict(self.core, self.namespace, name)
         else:
             at = time.time()
-            nodes.kill_kubelet(node)
-            nodes.cut_network(node)
+            faults.lose_node(nodes, node)
         return at
 
     def _repair(self, node: str) -> None:
@@ -489,6 +490,7 @@ def plot(results: list[Json], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     rows = list(results)
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
@@ -509,9 +511,7 @@ def plot(results: list[Json], path: Path) -> None:
     ax.set_yticks(range(len(rows)), [f"{r['fault']} / {r['backend']}" for r in rows])
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xlabel("seconds after the fault (symlog)")
-    handles = [
-        plt.Line2D([], [], marker=m, color="black", linestyle="none") for m in markers.values()
-    ]
+    handles = [Line2D([], [], marker=m, color="black", linestyle="none") for m in markers.values()]
     ax.legend(handles, list(markers), loc="lower right")
     ax.invert_yaxis()
     fig.tight_layout()
@@ -538,7 +538,7 @@ def real_node_pool(
             ) as nodes_home,
         ):
             plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"))
-            helm = chart.Helm(build_binaries() / "helm", Path(helm_home), plane.kubeconfig)
+            helm = chart.Helm(build_helm(), Path(helm_home), plane.kubeconfig)
             pool = NodePool(plane, helm, api, images, Path(nodes_home), restart_delay_cap)
             pool.get(ipv6=False)
             try:

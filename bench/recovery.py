@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Cluster
-from devkit.processes import LocalProcess, container_environment, json_lines, local_environment
+from devkit.processes import (
+    LocalProcess,
+    container_environment,
+    json_lines,
+    local_environment,
+    wait_world,
+)
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -152,34 +158,6 @@ class Node(LocalProcess):
 
 def lines_of(nodes: Iterable[Node]) -> list[Json]:
     return [line for node in nodes for line in node.lines()]
-
-
-def world_after(nodes: Sequence[Node], size: int, after: float, timeout: float) -> list[Json]:
-    """The progress lines of the first world of ``size`` ranks that trains on ``nodes``
-    after ``after`` (wall clock): once every rank has completed a step in it. Fails with
-    the nodes' log tails if it does not form within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    names = {node.name for node in nodes}
-    while True:
-        lines = [
-            line
-            for node in nodes
-            for line in node.lines()
-            if line["world_size"] == size and line["time"] > after
-        ]
-        if {line["rank"] for line in lines} == set(range(size)) and {
-            line["pod"] for line in lines
-        } == names:
-            return lines
-        exited = [node.name for node in nodes if not node.running()]
-        if exited or time.monotonic() > deadline:
-            tails = "\n".join(f"=== {node.name}\n{node.log_tail(15)}" for node in nodes)
-            raise RuntimeError(
-                f"no world of {size} on {sorted(names)} after the event"
-                + (f" ({exited} exited)" if exited else f" within {timeout:.0f} s")
-                + f"\n{tails}"
-            )
-        time.sleep(0.05)
 
 
 def restart_reason(node: Node, after: float) -> str | None:
@@ -378,13 +356,13 @@ def run_trial(variant: Variant, cluster: Cluster, work: Path, preload: str | Non
         started = time.time()
         for index, node in enumerate(nodes):
             node.start(trial.torchrun_args(node, host=index == 0))
-        before = world_after(nodes, NODES * NPROC_PER_NODE, started, FORM_TIMEOUT)
+        before = wait_world(nodes, NODES * NPROC_PER_NODE, after=started, timeout=FORM_TIMEOUT)
         result["first_world_seconds"] = round(max(line["time"] for line in before) - started, 3)
         ranks = {line["pod"]: line["group_rank"] for line in before}
         victim = max(nodes[1:], key=lambda node: ranks[node.name])
         survivors = [node for node in nodes if node is not victim]
         # A few steps in the world of 8 before the kill, every rank.
-        world_after(nodes, NODES * NPROC_PER_NODE, time.time() + 3 * STEP_SECONDS, 60)
+        wait_world(nodes, NODES * NPROC_PER_NODE, after=time.time() + 3 * STEP_SECONDS, timeout=60)
 
         killed = time.time()
         victim.kill()
@@ -393,7 +371,9 @@ def run_trial(variant: Variant, cluster: Cluster, work: Path, preload: str | Non
             kill["pod_deleted"] = round(time.time() - killed, 4)
             trial.delete_pod(victim)
             kill["pod_deletion_returned"] = round(time.time() - killed, 4)
-        smaller = world_after(survivors, (NODES - 1) * NPROC_PER_NODE, killed, FORM_TIMEOUT)
+        smaller = wait_world(
+            survivors, (NODES - 1) * NPROC_PER_NODE, after=killed, timeout=FORM_TIMEOUT
+        )
         kill.update(breakdown(killed, survivors, smaller, lines_of(nodes)))
         if "pod_deleted" in kill:
             kill["from_pod_deletion"] = round(kill["stages"]["first_step"] - kill["pod_deleted"], 4)
@@ -401,10 +381,15 @@ def run_trial(variant: Variant, cluster: Cluster, work: Path, preload: str | Non
 
         (newcomer,) = trial.make_nodes({"n4": f"127.101.0.{NODES + 1}"})
         everyone = [*survivors, newcomer]
-        world_after(survivors, (NODES - 1) * NPROC_PER_NODE, time.time() + 3 * STEP_SECONDS, 60)
+        wait_world(
+            survivors,
+            (NODES - 1) * NPROC_PER_NODE,
+            after=time.time() + 3 * STEP_SECONDS,
+            timeout=60,
+        )
         added = time.time()
         newcomer.start(trial.torchrun_args(newcomer, host=False))
-        larger = world_after(everyone, NODES * NPROC_PER_NODE, added, FORM_TIMEOUT)
+        larger = wait_world(everyone, NODES * NPROC_PER_NODE, after=added, timeout=FORM_TIMEOUT)
         add = breakdown(added, everyone, larger, lines_of(survivors), newcomer)
         joining = [
             e["time"] for e in newcomer.events() if e["event"] == "rendezvous" and e["time"] > added

@@ -513,6 +513,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(figure: Any, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    _pyplot().close(figure)
+
+
 def _draw_seal(results: Json, path: Path) -> None:
     """Seal latency against N, per backend (and the scale section's point)."""
     plt = _pyplot()
@@ -548,9 +554,7 @@ def _draw_seal(results: Json, path: Path) -> None:
     axis.set_title("Seal latency: median, min-max")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def _draw_failure_scaleup(results: Json, path: Path) -> None:
@@ -576,9 +580,7 @@ def _draw_failure_scaleup(results: Json, path: Path) -> None:
         axis.set_title(title)
         for position, value in enumerate(medians):
             axis.annotate(f"{value:.2f} s", (position, value), ha="center", va="bottom", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def _draw_cost(results: Json, path: Path) -> None:
@@ -619,9 +621,7 @@ def _draw_cost(results: Json, path: Path) -> None:
             axis.set_title(label)
             axis.grid(True, which="both", alpha=0.3)
             axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def _draw_scale(results: Json, path: Path) -> None:
@@ -643,9 +643,7 @@ def _draw_scale(results: Json, path: Path) -> None:
     for axis in (left, right):
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def _draw_recovery(results: Json, path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import shutil
@@ -38,7 +39,7 @@ Json = dict[str, Any]
 
 def busy_share(machine: Json) -> float:
     """How much of the machine's CPU was busy from the go to the last return (1 = all)."""
-    return float(machine["busy_cpu_seconds"]) / (machine["seconds"] * machine["cores"])
+    return float(machine["busy_cpu_seconds"] / (machine["seconds"] * machine["cores"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +197,8 @@ class Runner:
         took = time.monotonic() - began
         latency = result.get("latency")
         shown = f"{latency:.3f} s" if isinstance(latency, float) else "-"
-        error = f" ERROR {result['error']}" if result.get("error") else ""
-        self.log(f"{what}: {shown} ({took:.0f} s){error}")
+        failed = f" ERROR {result['error']}" if result.get("error") else ""
+        self.log(f"{what}: {shown} ({took:.0f} s){failed}")
         return result
 
     # -- sections ------------------------------------------------------------------------
@@ -293,8 +294,8 @@ class Runner:
                     conf = None if backend == OURS else {"join_timeout": plan.torch_join_timeout}
                     result = self.attempt(
                         f"seal {backend} N={count} rep {rep + 1}/{reps}",
-                        lambda b=backend, c=count, t=timeout, k=conf: scenarios.seal(
-                            env, b, c, timeout=t, torch_conf=k
+                        functools.partial(
+                            scenarios.seal, env, backend, count, timeout=timeout, torch_conf=conf
                         ),
                     )
                     raw[backend].setdefault(count, []).append(result)
@@ -365,7 +366,7 @@ class Runner:
                 raw[name].append(
                     self.attempt(
                         f"failure {name} rep {rep + 1}/{reps}",
-                        lambda b=backend, k=conf: scenarios.failure(env, b, torch_conf=k),
+                        functools.partial(scenarios.failure, env, backend, torch_conf=conf),
                     )
                 )
         section: Json = {}
@@ -396,7 +397,7 @@ class Runner:
                 raw[backend].append(
                     self.attempt(
                         f"scale-up {backend} rep {rep + 1}/{self.plan.scaleup_reps}",
-                        lambda b=backend: scenarios.scale_up(env, b),
+                        functools.partial(scenarios.scale_up, env, backend),
                     )
                 )
         self.results["scaleup_notice"] = {

@@ -36,6 +36,40 @@ WEBHOOK_SERVICE = "k8s-rendezvous-webhook"
 WEBHOOK_CONFIG = "k8s-rendezvous.k8s-rendezvous.dev"
 """The MutatingWebhookConfiguration the operator keeps its webhook in."""
 CRD_NAMES = ("rendezvous.k8s-rendezvous.dev", "rendezvousslices.k8s-rendezvous.dev")
+DEFAULT_OBJECTS = frozenset(
+    {
+        ("ServiceAccount", OPERATOR),
+        ("ClusterRole", OPERATOR),
+        ("ClusterRoleBinding", OPERATOR),
+        ("Role", f"{OPERATOR}-leader-election"),
+        ("RoleBinding", f"{OPERATOR}-leader-election"),
+        ("ClusterRole", WORKER_ROLE),
+        ("ClusterRole", CREATOR_ROLE),
+        ("Deployment", OPERATOR),
+        ("Service", WEBHOOK_SERVICE),
+        ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
+        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
+        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
+        ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
+        ("FlowSchema", "k8s-rendezvous-pod-leases"),
+    }
+)
+"""(kind, name) of each object the chart makes with its default values where the API server
+serves no MutatingAdmissionPolicy (and for ``helm template``)."""
+INJECTION_POLICY_OBJECTS = frozenset(
+    {
+        ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
+        ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
+    }
+)
+"""What it adds where the API server serves MutatingAdmissionPolicy (Kubernetes 1.36 and
+later): the injection policy."""
 
 
 class Helm:

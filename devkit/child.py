@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from devkit import processes
 from devkit.paths import REPO
 
 Json = dict[str, Any]
@@ -201,11 +202,7 @@ class ChildProcess:
         self.kill()
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return processes.log_tail(self.log_path, lines)
 
     def __enter__(self) -> ChildProcess:
         return self

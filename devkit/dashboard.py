@@ -83,3 +83,28 @@ def promql(expr: str, variables: Mapping[str, str]) -> str:
 def legend(template: str, labels: Mapping[str, str]) -> str:
     """A series' name as the panel's legendFormat makes it (``{{reason}}``)."""
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda found: labels.get(found[1], ""), template)
+
+
+def served_metrics() -> set[str]:
+    """The series names the operator serves (``k8s_rendezvous_operator.metrics``): a
+    counter's ``_total``, a gauge's name, a histogram's ``_bucket``, ``_sum`` and ``_count``:
+    what a panel or an alert may ask for."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from k8s_rendezvous_operator import metrics
+
+    return {
+        f"{family.name}{suffix}"
+        for value in vars(metrics).values()
+        if isinstance(value, MetricWrapperBase)
+        for family in value.describe()
+        for suffix in {
+            "counter": ("_total",),
+            "gauge": ("",),
+            "histogram": ("_bucket", "_sum", "_count"),
+        }[family.type]
+    }
+
+
+METRIC = re.compile(r"\bk8s_rendezvous_\w+")
+"""A metric name of the operator's, in a query."""

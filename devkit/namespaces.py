@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import kubernetes.client
-from kubernetes.client.exceptions import ApiException
 
 from devkit import chart
-from devkit.cluster.controlplane import to_model
+from devkit.cluster.controlplane import read_object_or_none, to_model
 from devkit.waiting import wait_for
 
 
@@ -34,13 +33,9 @@ def create(
     )
 
     def default_service_account() -> bool:
-        try:
-            core.read_namespaced_service_account("default", name)
-        except ApiException as error:
-            if error.status == 404:
-                return False
-            raise
-        return True
+        return (
+            read_object_or_none(core.read_namespaced_service_account, "default", name) is not None
+        )
 
     wait_for(
         default_service_account,
@@ -53,16 +48,28 @@ def create(
 def bind_worker_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
     """Let the pods of ``namespace`` (its ``default`` ServiceAccount) use a rendezvous: the
     worker ClusterRole of manifests/rbac/ and of the chart."""
+    _bind_cluster_role(api, namespace, chart.WORKER_ROLE)
+
+
+def bind_creator_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) create a missing
+    Rendezvous, as docs/workloads.md has users do for workloads that are not annotated Jobs."""
+    _bind_cluster_role(api, namespace, chart.CREATOR_ROLE)
+
+
+def _bind_cluster_role(api: kubernetes.client.ApiClient, namespace: str, role: str) -> None:
+    """Bind ClusterRole ``role`` to the ``default`` ServiceAccount of ``namespace``, in a
+    RoleBinding of the role's name."""
     kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(
         namespace,
         to_model(
             kubernetes.client.V1RoleBinding,
             {
-                "metadata": {"name": chart.WORKER_ROLE},
+                "metadata": {"name": role},
                 "roleRef": {
                     "apiGroup": "rbac.authorization.k8s.io",
                     "kind": "ClusterRole",
-                    "name": chart.WORKER_ROLE,
+                    "name": role,
                 },
                 "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
             },

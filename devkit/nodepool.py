@@ -72,8 +72,9 @@ class NodePool:
     def _install(self) -> chart.Release:
         """`helm install` of the chart with the operator image built here: two replicas (a
         leader and a standby, one per node), metrics and the webhook served from the pod;
-        returns once the leader serves the webhook (helm's --wait cannot tell: the chart
-        lets every replica be unavailable during a rollout)."""
+        returns once the leader serves the webhook. helm's --wait cannot tell: Helm 3's
+        counts the Deployment's maxUnavailable (100%: done at once), and Helm 4's waits for
+        every replica Ready, which a standby never is while the webhook is on."""
         repository, _, tag = self.images["operator"].reference.rpartition(":")
         values = {
             "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
@@ -101,9 +102,6 @@ class NodePool:
             chart.NAMESPACE,
             "--values",
             str(values_file),
-            "--wait",
-            "--timeout",
-            "180s",
         )
         leader = operator_leader(self.api)
         core = kubernetes.client.CoreV1Api(self.api)

@@ -107,10 +107,7 @@ class OperatorProcess:
         return None if self._process is None else self._process.poll()
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return processes.read_log(self.log_path)
 
     def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
+        return processes.log_tail(self.log_path, lines)

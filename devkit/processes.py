@@ -14,12 +14,15 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from devkit.cluster.controlplane import ControlPlane
 from devkit.paths import REPO
+from devkit.waiting import WaitTimeout, wait_for
+
+if TYPE_CHECKING:  # imported for its type alone: devkit.child's processes import this module
+    from devkit.cluster.controlplane import ControlPlane
 
 LOCAL_PROCESS_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 """For every local stand-in of a node: gloo on the loopback interface the nodes' addresses
@@ -103,6 +106,19 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def read_log(path: Path) -> str:
+    """A process's log as written so far ("" where there is none to read)."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of the log at ``path``."""
+    return "\n".join(read_log(path).splitlines()[-lines:])
+
+
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON lines a node's process has appended to ``path`` so far (none if it has not
     made the file yet)."""
@@ -112,6 +128,59 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
         return []
     # A line being appended may be incomplete; it is whole on the next read.
     return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
+def formed_world(
+    lines: Iterable[dict[str, Any]], size: int, pods: Collection[str], after: float
+) -> list[dict[str, Any]] | None:
+    """The progress lines (examples/elastic_train*.py's) of the world of ``size`` ranks on
+    exactly ``pods`` after ``after`` (wall clock), once every rank has completed a step in
+    it; None before."""
+    found = [line for line in lines if line["world_size"] == size and line["time"] > after]
+    ranks = {line["rank"] for line in found}
+    return (
+        found
+        if ranks == set(range(size)) and {line["pod"] for line in found} == set(pods)
+        else None
+    )
+
+
+class TrainingNode(Protocol):
+    """A local node whose workers append progress lines to :attr:`progress_path`."""
+
+    name: str
+    progress_path: Path
+
+    def running(self) -> bool: ...
+
+    def log_tail(self, lines: int = ...) -> str: ...
+
+
+def wait_world(
+    nodes: Sequence[TrainingNode], size: int, *, after: float, timeout: float
+) -> list[dict[str, Any]]:
+    """The progress lines of the world of ``size`` ranks that trains on ``nodes`` after
+    ``after`` (wall clock), once every rank has completed a step in it (:func:`formed_world`).
+    Raises :class:`~devkit.waiting.WaitTimeout` with the nodes' log tails as soon as one of
+    them exits, or after ``timeout``."""
+    names = sorted(node.name for node in nodes)
+
+    def formed() -> list[dict[str, Any]] | None:
+        lines = [line for node in nodes for line in json_lines(node.progress_path)]
+        if (world := formed_world(lines, size, names, after)) is not None:
+            return world
+        if exited := [node.name for node in nodes if not node.running()]:
+            raise WaitTimeout(f"{exited} exited")
+        return None
+
+    try:
+        # Every 50 ms: a recovery trial's next event follows its world at once.
+        return wait_for(formed, timeout, "not formed", interval=0.05, max_interval=0.05)
+    except WaitTimeout as error:
+        tails = "\n".join(f"=== {node.name}\n{node.log_tail(15)}" for node in nodes)
+        raise WaitTimeout(
+            f"no world of {size} on {names} after {after:.1f}: {error}\n{tails}"
+        ) from None
 
 
 def local_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -206,10 +275,7 @@ class LocalProcess:
         self.stop()
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)

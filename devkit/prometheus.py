@@ -22,10 +22,11 @@ SCRAPE_INTERVAL = "1s"
 """Short enough that a job of a few seconds leaves several samples of every change."""
 
 
-def binary() -> Path:
-    """The prometheus binary, fetched and unpacked by hack/tools.sh the first time."""
+def binary(tool: str = "prometheus") -> Path:
+    """The prometheus (or promtool) binary, fetched and unpacked by hack/tools.sh the first
+    time."""
     found = subprocess.run(
-        [str(paths.REPO / "hack" / "tools.sh"), "prometheus"],
+        [str(paths.REPO / "hack" / "tools.sh"), tool],
         check=True,
         capture_output=True,
         text=True,
@@ -47,12 +48,20 @@ def has_data(result: Sequence[Mapping[str, Any]]) -> bool:
 
 class Prometheus:
     """``prometheus`` scraping ``targets`` (job name -> host:port list) every
-    :data:`SCRAPE_INTERVAL`; a context manager that starts and stops it."""
+    :data:`SCRAPE_INTERVAL` and evaluating the rules of ``rules`` (a rule file's content:
+    ``groups``) as often; a context manager that starts and stops it."""
 
-    def __init__(self, binary: Path, directory: Path, targets: Mapping[str, Sequence[str]]) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        directory: Path,
+        targets: Mapping[str, Sequence[str]],
+        rules: Mapping[str, Any] | None = None,
+    ) -> None:
         self.binary = binary
         self.directory = directory
         self.targets = targets
+        self.rules = rules
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -62,13 +71,17 @@ class Prometheus:
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        config = {
+        config: dict[str, Any] = {
             "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
             "scrape_configs": [
                 {"job_name": job, "static_configs": [{"targets": list(addresses)}]}
                 for job, addresses in self.targets.items()
             ],
         }
+        if self.rules is not None:
+            rule_file = self.directory / "rules.yml"
+            rule_file.write_text(json.dumps(self.rules))
+            config["rule_files"] = [str(rule_file)]
         config_file = self.directory / "prometheus.yml"
         config_file.write_text(json.dumps(config))  # JSON is YAML
         self.port = _free_port()
@@ -113,11 +126,7 @@ class Prometheus:
         self.stop()
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = (self.directory / "prometheus.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return processes.log_tail(self.directory / "prometheus.log", lines)
 
     def _get(self, path: str, **params: str | Sequence[str]) -> Any:
         query = urllib.parse.urlencode(params, doseq=True)
@@ -140,6 +149,14 @@ class Prometheus:
             "/api/v1/query_range", query=expr, start=str(start), end=str(end), step=str(step)
         )
         return list(data["result"])
+
+    def firing(self) -> set[str]:
+        """The names of the alerts firing now."""
+        return {
+            alert["labels"]["alertname"]
+            for alert in self._get("/api/v1/alerts")["alerts"]
+            if alert["state"] == "firing"
+        }
 
     def label_values(self, label: str, match: str) -> list[str]:
         """The values of ``label`` on the series ``match`` selects (Grafana's

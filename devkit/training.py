@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from devkit import chart
 from devkit.cluster import images
-from devkit.cluster.controlplane import dig, read_object
+from devkit.cluster.controlplane import dig, read_object, read_object_or_none
 from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from devkit.paths import REPO, TRAIN_SCRIPT
 from devkit.waiting import wait_for
@@ -41,6 +41,19 @@ JOB_LABEL = "batch.kubernetes.io/job-name"
 OPERATOR_POD_LABELS = "app.kubernetes.io/name=k8s-rendezvous"
 
 
+PRODUCTION_SPEC: Mapping[str, Any] = {
+    "completionMode": "Indexed",
+    "backoffLimitPerIndex": 3,
+    "podFailurePolicy": {
+        "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+    },
+    "successPolicy": {"rules": [{"succeededCount": 1}]},
+}
+"""The failure and success settings of the Job docs/annotations.md recommends (its
+"production Job"), beside ``completions`` equal to ``parallelism``; the pods'
+``restartPolicy`` must be Never."""
+
+
 def job_manifest(
     name: str,
     trainer_image: str,
@@ -54,10 +67,14 @@ def job_manifest(
     node_name: str | None = None,
     backoff_limit: int = 20,
     command: list[str] | None = None,
+    production: bool = False,
 ) -> dict[str, Any]:
     """A Job as a user writes it: the nodes annotation, plain torchrun, nothing else
     rendezvous-related. Its pods spread over the real nodes (at most one more on a node
-    than on another) unless ``node_name`` pins them. ``command`` replaces torchrun."""
+    than on another) unless ``node_name`` pins them. ``command`` replaces torchrun.
+    ``production``: the Job docs/annotations.md recommends (:data:`PRODUCTION_SPEC`),
+    Indexed, resized by its parallelism and completions together; else ``backoff_limit``
+    for the whole Job."""
     container = {
         "name": CONTAINER,
         "command": command
@@ -89,8 +106,11 @@ def job_manifest(
         },
         "spec": {
             "parallelism": parallelism,
-            "completions": None,
-            "backoffLimit": backoff_limit,
+            **(
+                {"completions": parallelism, **PRODUCTION_SPEC}
+                if production
+                else {"completions": None, "backoffLimit": backoff_limit}
+            ),
             "template": {"spec": pod_spec},
         },
     }
@@ -331,12 +351,11 @@ def operator_leader(api: kubernetes.client.ApiClient) -> str:
     coordination = kubernetes.client.CoordinationV1Api(api)
 
     def holder() -> str | None:
-        try:
-            lease = read_object(coordination.read_namespaced_lease, chart.OPERATOR, chart.NAMESPACE)
-        except ApiException as exc:
-            if exc.status == 404:  # no replica has taken it yet
-                return None
-            raise
+        lease = read_object_or_none(
+            coordination.read_namespaced_lease, chart.OPERATOR, chart.NAMESPACE
+        )
+        if lease is None:  # no replica has taken it yet
+            return None
         found = (lease.get("spec") or {}).get("holderIdentity")
         return leadership.pod_of(str(found)) if found else None
 

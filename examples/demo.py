@@ -6,8 +6,10 @@ It starts a real Kubernetes control plane and two real nodes as local processes
 kubelet, containerd and runc), builds the operator image from the Dockerfile, and then
 does what a user does: ``helm install`` the chart, and create a Job annotated with
 ``k8s-rendezvous.dev/nodes`` whose 3 pods run plain ``torchrun examples/elastic_train.py``
-with no rendezvous flag. It follows the world from the workers' own progress lines,
-deletes one pod (the Job replaces it), raises the Job's parallelism to 4, and prints
+with no rendezvous flag, in the Job docs/annotations.md recommends (Indexed, failures
+counted per pod, disruptions not counted). It follows the world from the workers' own
+progress lines, evicts one pod as a node drain does (the Job replaces it and counts no
+failure), raises the Job's parallelism to 4, and prints
 ``kubectl get rdzv -o wide`` after each change. Everything it started is stopped by PID at
 the end, on error and on Ctrl-C.
 """
@@ -15,6 +17,7 @@ the end, on error and on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,7 +32,7 @@ import kubernetes.client  # noqa: E402
 import yaml  # noqa: E402
 
 from devkit import chart  # noqa: E402
-from devkit.cluster.controlplane import ControlPlane, build_binaries  # noqa: E402
+from devkit.cluster.controlplane import ControlPlane, build_binaries, build_helm  # noqa: E402
 from devkit.cluster.nodes import build_node_binaries  # noqa: E402
 from devkit.nodepool import NodePool, build_node_images  # noqa: E402
 from devkit.training import TrainingJob, World, create_job, job_manifest  # noqa: E402
@@ -58,14 +61,14 @@ def describe(world: World, job: TrainingJob) -> None:
 
 
 def run(plane: ControlPlane, workdir: Path) -> None:
-    say("building/locating the nodes' binaries and images (kubelet, containerd, runc; operator)")
-    build_node_binaries()
-    images = build_node_images()
     say("starting the control plane")
     plane.start()
     say(f"control plane up at {plane.server} in {plane.startup_seconds:.1f} s")
+    say("building/locating the nodes' binaries and images (kubelet, containerd, runc; operator)")
+    build_node_binaries()
+    images = build_node_images()
     with plane.api_client() as api:
-        helm = chart.Helm(build_binaries() / "helm", workdir / "helm", plane.kubeconfig)
+        helm = chart.Helm(build_helm(), workdir / "helm", plane.kubeconfig)
         pool = NodePool(plane, helm, api, images, workdir)
         try:
             say("starting 2 real nodes and: helm install k8s-rendezvous charts/k8s-rendezvous")
@@ -80,7 +83,7 @@ def run(plane: ControlPlane, workdir: Path) -> None:
 
 def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -> None:
     plane.kubectl("create", "namespace", NAMESPACE)
-    manifest = job_manifest(JOB, trainer, parallelism=3, nodes="2:4")
+    manifest = job_manifest(JOB, trainer, parallelism=3, nodes="2:4", production=True)
     container = manifest["spec"]["template"]["spec"]["containers"][0]
     say("creating the Job (its pods' container, abridged; the image is host userland):")
     print(
@@ -88,7 +91,7 @@ def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -
         + yaml.safe_dump(
             {
                 "metadata": manifest["metadata"],
-                "parallelism": 3,
+                "spec": {k: v for k, v in manifest["spec"].items() if k != "template"},
                 "command": container["command"],
             },
             sort_keys=False,
@@ -106,22 +109,40 @@ def train(plane: ControlPlane, api: kubernetes.client.ApiClient, trainer: str) -
     show(plane, "-n", NAMESPACE, "get", "rdzv", "-o", "wide")
 
     victim = world.pods[1]
-    say(f"deleting pod {victim} (rank 1): the Job makes a new one")
+    say(f"evicting pod {victim} (rank 1), as a node drain does: the Job makes a new one")
     deleted = time.time()
-    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(victim, NAMESPACE)
+    kubernetes.client.CoreV1Api(api).create_namespaced_pod_eviction(
+        victim,
+        NAMESPACE,
+        kubernetes.client.V1Eviction(
+            metadata=kubernetes.client.V1ObjectMeta(name=victim, namespace=NAMESPACE)
+        ),
+    )
     first = wait_for(
-        lambda: job.first_world(after=deleted), WAIT, "a world after the deletion", interval=0.5
+        lambda: job.first_world(after=deleted), WAIT, "a world after the eviction", interval=0.5
     )
     took = first.first_step - deleted
-    say(f"training in a world of {first.size}, {took:.1f} s after the deletion")
+    say(f"training in a world of {first.size}, {took:.1f} s after the eviction")
     world = job.wait_world(3, after=deleted, timeout=WAIT)
-    say(f"training in a world of 3 again, {world.first_step - deleted:.1f} s after the deletion")
+    say(f"training in a world of 3 again, {world.first_step - deleted:.1f} s after the eviction")
     describe(world, job)
+    say("the Job counted no failure (its podFailurePolicy ignores disruptions):")
+    show(
+        plane,
+        "-n",
+        NAMESPACE,
+        "get",
+        "job",
+        JOB,
+        "-o",
+        "custom-columns=ACTIVE:.status.active,FAILED:.status.failed,"
+        "FAILED-INDEXES:.status.failedIndexes",
+    )
 
-    say("raising the Job's parallelism to 4")
+    say("raising the Job's parallelism (and its completions: it is Indexed) to 4")
     raised = time.time()
     kubernetes.client.BatchV1Api(api).patch_namespaced_job(
-        JOB, NAMESPACE, {"spec": {"parallelism": 4}}
+        JOB, NAMESPACE, {"spec": {"parallelism": 4, "completions": 4}}
     )
     world = job.wait_world(4, after=raised, timeout=WAIT)
     say(f"training in a world of 4, {world.first_step - raised:.1f} s after the change")
@@ -159,14 +180,18 @@ def main() -> None:
         run(plane, workdir)
     except KeyboardInterrupt:
         say("interrupted: stopping everything")
-    except AssertionError as error:  # a wait that timed out
+    except Exception as error:  # a wait that timed out, a step that did not start
         failure = error
     finally:
         plane.stop()
-        kept = f" (logs in {plane.workdir}/logs and {workdir})" if args.keep else ""
-        say(f"stopped everything{kept}")
+        if args.keep:
+            say(f"stopped everything (logs in {plane.workdir}/logs and {workdir})")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)  # helm's home and values: no mounts
+            say("stopped everything")
     if failure is not None:
-        print(f"\nDEMO FAILED: {failure}", file=sys.stderr)
+        notes = "".join(f"\n{note}" for note in getattr(failure, "__notes__", ()))
+        print(f"\nDEMO FAILED: {type(failure).__name__}: {failure}{notes}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -376,8 +376,8 @@ write_kubernetes_results() {
     echo
     echo "For each version, \`devkit/cluster/build.sh\` built (or found cached) the control plane"
     echo "for a copy of devkit/cluster/versions.env with that Kubernetes and etcd (kwok"
-    echo "$(pinned KWOK_VERSION) and helm $(pinned HELM_VERSION) kept; helm is built per Kubernetes"
-    echo "minor, for \`helm template\`'s default), named by \`K8S_RDZV_VERSIONS\`. Then"
+    echo "$(pinned KWOK_VERSION), helm $(pinned HELM_VERSION) and $(pinned HELM3_VERSION) kept; helm 3 is"
+    echo "built per Kubernetes minor, for \`helm template\`'s default), named by \`K8S_RDZV_VERSIONS\`. Then"
     echo "\`python -m pytest ${kubernetes_paths[*]} -p no:cacheprovider -q${extra_pytest[*]:+ ${extra_pytest[*]}}\` ran from the"
     echo "repository root on Python $kubernetes_python, with the same"
     echo "\`K8S_RDZV_VERSIONS\`, so its control plane is that version's (test_control_plane.py"

@@ -18,9 +18,9 @@
         -f manifests/operator/ -f manifests/policy/ -f manifests/flowcontrol/ \\
         [-f manifests/injection/]
 
-helm comes from --helm, $HELM, or devkit/cluster/build.sh (which builds it once, for the
-pinned Kubernetes version: the chart's kubeVersion needs no --kube-version then; a release
-build of helm assumes the Kubernetes version of its client-go, recent enough too).
+helm comes from --helm, $HELM, or devkit/cluster/build.sh helm (HELM_VERSION, built once;
+the Kubernetes version it assumes without a cluster, that of its client-go for Helm 4, is
+recent enough for the chart's kubeVersion, so no --kube-version is needed).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def find_helm(explicit: str | None) -> str:
     if env := os.environ.get("HELM"):
         return env
     built = subprocess.run(
-        ["bash", str(REPO / "devkit" / "cluster" / "build.sh")],
+        ["bash", str(REPO / "devkit" / "cluster" / "build.sh"), "helm"],
         check=True,
         capture_output=True,
         text=True,
@@ -67,10 +67,13 @@ def render(helm: str, *args: str) -> str:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr}")
-    lines = []
+    lines: list[str] = []
     for line in done.stdout.splitlines():
         if line.strip().startswith("helm.sh/chart:"):
             continue
+        if line == "---":
+            while lines and not lines[-1].strip():  # Helm 4 ends a document with a blank line
+                lines.pop()
         lines.append(line.replace("managed-by: Helm", "managed-by: kubectl"))
     body = "\n".join(lines).strip()
     if body.startswith("---"):

@@ -37,7 +37,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TIMING_FILE_ENV = "K8S_RDZV_TIMING_FILE"
 """Where a lane's session leaves its timings (tests/support/timing.py), as JSON:
-``{"tiers": {name: Tier's fields}, "tests": {nodeid: seconds}}``."""
+``{"tiers": {name: Tier's fields}, "tests": {nodeid: seconds}, "failed": [nodeid (phase)]}``."""
 POD_CIDR_ENV = "K8S_RDZV_POD_CIDR"
 STOP_SECONDS = 120
 """How long an interrupted lane has to stop its control plane and nodes."""
@@ -106,11 +106,15 @@ def lane_command(lane: Lane, pytest_args: Sequence[str], files: Path) -> list[st
     ]
 
 
-def _stream(lane: Lane, pipe: IO[str], lock: threading.Lock) -> None:
-    for line in pipe:
-        with lock:
-            sys.stdout.write(f"[{lane.name}] {line}")
-            sys.stdout.flush()
+def _stream(lane: Lane, pipe: IO[str], lock: threading.Lock, log: Path) -> None:
+    """The lane's output, prefixed, to stdout, and unprefixed to its own log (kept with the
+    tests' files when a lane fails: a CI that shows only the output's end loses the rest)."""
+    with log.open("w") as copy:
+        for line in pipe:
+            copy.write(line)
+            with lock:
+                sys.stdout.write(f"[{lane.name}] {line}")
+                sys.stdout.flush()
 
 
 def run(pytest_args: Sequence[str], lanes: Sequence[Lane] = LANES, repo: Path = REPO) -> int:
@@ -137,7 +141,9 @@ def run(pytest_args: Sequence[str], lanes: Sequence[Lane] = LANES, repo: Path = 
                 bufsize=1,
                 start_new_session=True,
             )
-            reader = threading.Thread(target=_stream, args=(lane, process.stdout, lock))
+            reader = threading.Thread(
+                target=_stream, args=(lane, process.stdout, lock, files / f"{lane.name}.log")
+            )
             reader.start()
             running.append((lane, process, reader))
         codes = {lane.name: process.wait() for lane, process, _ in running}
@@ -154,10 +160,13 @@ def run(pytest_args: Sequence[str], lanes: Sequence[Lane] = LANES, repo: Path = 
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
             reader.join()
-    report_lanes(lanes, files, time.time() - started)
+    failed_tests = report_lanes(lanes, files, time.time() - started)
     failed = {name: code for name, code in codes.items() if code not in PASSED}
     if failed or all(code == pytest.ExitCode.NO_TESTS_COLLECTED for code in codes.values()):
-        print(f"make test: lanes {failed} failed; the tests' files are kept in {files}")
+        # Last, so that the end of the output, which is all some CIs show, names them.
+        for nodeid in failed_tests:
+            print(f"FAILED {nodeid}")
+        print(f"make test: lanes {failed} failed; their output and the tests' files are in {files}")
         return max(failed.values(), default=pytest.ExitCode.NO_TESTS_COLLECTED)
     # rm stays on its file system: a mount a test left behind fails the run instead of
     # being emptied.
@@ -165,17 +174,21 @@ def run(pytest_args: Sequence[str], lanes: Sequence[Lane] = LANES, repo: Path = 
     return 0
 
 
-def report_lanes(lanes: Sequence[Lane], files: Path, wall: float) -> None:
+def report_lanes(lanes: Sequence[Lane], files: Path, wall: float) -> list[str]:
+    """Prints the merged report; returns the tests that failed, each with its lane."""
     tiers: dict[str, Tier] = {}
     tests: dict[str, float] = {}
+    failed: list[str] = []
     for lane in lanes:
         timing = files / f"{lane.name}.timing.json"
         if timing.exists():
             data = json.loads(timing.read_text())
             tiers |= {f"{lane.name}: {name}": Tier(**tier) for name, tier in data["tiers"].items()}
             tests |= data["tests"]
+            failed += [f"[{lane.name}] {nodeid}" for nodeid in data["failed"]]
     print(f"\n{' where the time went (every lane) ':=^80}")
     report(tiers, tests, wall, print)
+    return failed
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #
 #   hack/tools.sh actionlint      # builds it if needed, prints the binary's path
 #   hack/tools.sh prometheus      # the distribution's package, unpacked (not installed)
+#   hack/tools.sh promtool        # from the same package (promtool test rules)
 set -euo pipefail
 
 # The newest release the module proxy listed on 2026-12-02 (go list -m -versions).
@@ -12,10 +13,11 @@ ACTIONLINT_VERSION=1.7.12
 
 cache=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}
 
-# Prometheus for the dashboard's test (tests/integration/test_dashboard.py): the Debian or
-# Ubuntu package of the machine's apt sources, downloaded and unpacked into the cache, never
-# installed (its postinst would start a system service). The package's version names the
-# directory, so a new one in the sources is fetched once.
+# Prometheus for the dashboard's test (tests/integration/test_dashboard.py) and its promtool
+# for the alerts' (tests/chart/test_alerts.py): the Debian or Ubuntu package of the
+# machine's apt sources, downloaded and unpacked into the cache, never installed (its
+# postinst would start a system service). The package's version names the directory, so a
+# new one in the sources is fetched once. Prints the directory holding both.
 prometheus() {
   local version out deb
   version=$(apt-cache policy prometheus 2>/dev/null | awk '$1 == "Candidate:" {print $2}')
@@ -25,7 +27,7 @@ prometheus() {
     exit 1
   fi
   out=$cache/tools-prometheus${version//[:~]/_}
-  if [ ! -x "$out/prometheus" ]; then
+  if [ ! -x "$out/prometheus" ] || [ ! -x "$out/promtool" ]; then
     rm -rf "$out/.work"; mkdir -p "$out/.work"
     # A superseded version in stale package lists is gone from the mirror: refresh them once
     # (as root, or through sudo where that needs no password, as on CI runners).
@@ -39,17 +41,18 @@ prometheus() {
     fi
     deb=$(echo "$out"/.work/prometheus_*.deb)
     dpkg-deb -x "$deb" "$out/.work/root"
+    mv -f "$out/.work/root/usr/bin/promtool" "$out/promtool"
     mv -f "$out/.work/root/usr/bin/prometheus" "$out/prometheus"
     rm -rf "$out/.work"
-    echo "[tools] unpacked prometheus $version into $out" >&2
+    echo "[tools] unpacked prometheus and promtool $version into $out" >&2
   fi
-  echo "$out/prometheus"
+  prometheus_dir=$out
 }
 
 case "${1:-}" in
   actionlint) module=github.com/rhysd/actionlint/cmd/actionlint version=$ACTIONLINT_VERSION ;;
-  prometheus) prometheus; exit 0 ;;
-  *) echo "usage: $0 actionlint|prometheus" >&2; exit 2 ;;
+  prometheus|promtool) prometheus; echo "$prometheus_dir/$1"; exit 0 ;;
+  *) echo "usage: $0 actionlint|prometheus|promtool" >&2; exit 2 ;;
 esac
 tool=$1
 out=$cache/tools-$tool$version

@@ -106,9 +106,10 @@ class ProbedAgent(launcher.LocalElasticAgent):  # type: ignore[misc, name-define
 
 
 def main(argv: list[str]) -> None:
-    launcher.LocalElasticAgent = ProbedAgent  # what launch_agent builds its agent from
+    # What launch_agent builds its agent from (a name the module imports, not one it exports).
+    launcher.LocalElasticAgent = ProbedAgent  # type: ignore[attr-defined]
     record("launched")
-    run(get_args_parser().parse_args(argv))
+    run(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 MEMBERS = 1000
 LAYOUTS = ((1, 1, 0), (1, 125, 0), (8, 125, 0), (16, 63, 0), (8, 125, 10), (16, 63, 10))
@@ -60,11 +61,15 @@ def watch_in_threads(
         # delivery alone: the watch takes this connection back from the pool.
         kubernetes.client.VersionApi(api).get_code()
         own = objects.slice_index(member_name(index), slices) if slices else None
-        events = client.watch_unless(
-            "1-Sealed",
-            None,
-            timeout_seconds=120,
-            slice_name=None if own is None else objects.slice_name("fanout", own),
+        # A generator: closed below, which ends the watch's request.
+        events = cast(
+            Generator[tuple[str, dict[str, Any]], None, None],
+            client.watch_unless(
+                "1-Sealed",
+                None,
+                timeout_seconds=120,
+                slice_name=None if own is None else objects.slice_name("fanout", own),
+            ),
         )
         armed.wait()
         started = time.thread_time()  # the request goes out on the first next(), below
@@ -130,12 +135,14 @@ def measure(
     import kubernetes.client
 
     from devkit import manifests
+    from devkit.cluster.controlplane import read_object
     from k8s_rendezvous.wire import objects, records, statuses
     from k8s_rendezvous_operator.kube import OperatorApi
 
     custom = kubernetes.client.CustomObjectsApi(admin)
     operator_api = OperatorApi(admin)
-    rendezvous = custom.create_namespaced_custom_object(
+    rendezvous = read_object(
+        custom.create_namespaced_custom_object,
         objects.GROUP,
         objects.VERSION,
         namespace,
@@ -252,6 +259,7 @@ def main() -> dict[str, Any]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["child"]:
-        watch_in_threads(*sys.argv[2:7], int(sys.argv[7]), int(sys.argv[8]))
+        host, ca, cert, key, namespace = sys.argv[2:7]
+        watch_in_threads(host, ca, cert, key, namespace, int(sys.argv[7]), int(sys.argv[8]))
     else:
         RESULTS.write_text(json.dumps(main(), indent=1) + "\n")

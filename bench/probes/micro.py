@@ -100,13 +100,13 @@ def _decode_costs(count: int) -> dict[str, Any]:
     line = json.dumps({"type": "MODIFIED", "object": obj})
     watcher = watch.Watch()  # type: ignore[no-untyped-call]
     watcher._api_client = client.ApiClient()
-    raw = watcher.unmarshal_event(line, "object")["raw_object"]
+    raw = watcher.unmarshal_event(line, "object")["raw_object"]  # type: ignore[no-untyped-call]
     decoded = statuses.RendezvousStatus.from_dict(raw["status"])
     last = members[-1]
     entry = leases.NodeEntry(last.instance, last.attempt, last.addr, 29500)
     line_bytes = line.encode()
     steps: dict[str, Callable[[], object]] = {
-        "kubernetes_watch_decode_ms": lambda: watcher.unmarshal_event(line, "object"),
+        "kubernetes_watch_decode_ms": lambda: watcher.unmarshal_event(line, "object"),  # type: ignore[no-untyped-call]
         "event_decode_ms": lambda: json.loads(line_bytes),
         "status_codec_ms": lambda: statuses.RendezvousStatus.from_dict(raw["status"]),
         "rank_of_ms": lambda: decoded.rank_of(last.node, entry),

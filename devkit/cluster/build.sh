@@ -5,6 +5,10 @@
 #   devkit/cluster/build.sh            # prints the directory holding the binaries
 #   devkit/cluster/build.sh nodes      # the same for real nodes: kubelet, containerd, runc,
 #                                     # the CNI plugins and a pause image's binary
+#   devkit/cluster/build.sh helm [VERSION]  # the directory of helm HELM_VERSION (or VERSION)
+#
+# The control plane's build also builds helm HELM_VERSION and HELM3_VERSION, each in a
+# directory of its own (the chart tests run both).
 #
 # K8S_RDZV_BINARIES=<dir> or KUBEBUILDER_ASSETS=<dir> pointing at prebuilt binaries skips
 # the build for whatever they hold (envtest assets have etcd and kube-apiserver only).
@@ -17,10 +21,23 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 target=${1:-control-plane}
 cache=${K8S_RDZV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/k8s-rendezvous}
+minor=$(cut -d. -f2 <<<"$KUBERNETES_VERSION")
+helm_dir() {  # helm_dir VERSION: where that helm is built (helm 3 per Kubernetes minor)
+  echo "$cache/helm$1-k8s1.$minor"
+}
 case "$target" in
-  control-plane) out=$cache/bin-k8s${KUBERNETES_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}-helm${HELM_VERSION} ;;
+  control-plane)
+    out=$cache/bin-k8s${KUBERNETES_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}
+    # Its binaries were once kept with helm's, under a name that held helm's version too:
+    # such a directory is used (linked), not built again, and stays for checkouts from then.
+    if [ ! -e "$out" ]; then
+      for old in "$out"-helm*/; do
+        if [ -x "$old/kube-apiserver" ]; then ln -s "${old%/}" "$out"; break; fi
+      done
+    fi ;;
   nodes) out=$cache/nodes-k8s${KUBERNETES_VERSION}-containerd${CONTAINERD_VERSION}-runc${RUNC_VERSION}-cni${CNI_PLUGINS_VERSION} ;;
-  *) echo "usage: $0 [control-plane|nodes]" >&2; exit 2 ;;
+  helm) helm_version=${2:-$HELM_VERSION}; out=$(helm_dir "$helm_version") ;;
+  *) echo "usage: $0 [control-plane|nodes|helm [VERSION]]" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
@@ -122,39 +139,64 @@ build_kwok() {
   rm -rf "$out/kwok-stages"; cp -r "$src" "$out/kwok-stages"; chmod -R u+w "$out/kwok-stages"
 }
 
-# helm's own Makefile sets the Kubernetes version it assumes without a cluster (helm
-# template, helm lint; default 1.20, below the chart's kubeVersion) through these variables;
-# here they name the pinned control plane's version. The stamp beside the binary records the
-# flags, so that a cached helm built without them (or with another version) is rebuilt.
-helm_ldflags() {
-  local minor pkg flags="-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION"
-  minor=$(cut -d. -f2 <<<"$KUBERNETES_VERSION")
-  for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
-    flags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$minor"
-  done
+# helm 3's Makefile sets the Kubernetes version it assumes without a cluster (helm template,
+# helm lint; default 1.20, below the chart's kubeVersion) through these variables; here they
+# name the pinned control plane's version. Helm 4 assumes that of the client-go it was built
+# with, which no flag changes (4.3.2: 1.37). The stamp beside the binary records the flags,
+# so that a cached helm built without them is rebuilt.
+helm_module() {  # helm_module VERSION: helm.sh/helm/v3 or v4
+  echo "helm.sh/helm/v${1%%.*}"
+}
+
+helm_ldflags() {  # helm_ldflags VERSION
+  local module pkg flags
+  module=$(helm_module "$1")
+  flags="-s -w -X $module/internal/version.version=v$1"
+  if [ "${1%%.*}" = 3 ]; then
+    for pkg in "$module/pkg/chartutil" "$module/pkg/lint/rules"; do
+      flags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$minor"
+    done
+  fi
   echo "$flags"
 }
 
-have_helm() {  # a prebuilt helm is taken as it is; a cached build only with today's flags
+have_helm() {  # have_helm VERSION DIR: a cached build with today's flags, or (for
+  # HELM_VERSION) a prebuilt one, taken as it is
   local dir
-  if [ -f "$out/helm" ] && [ ! -L "$out/helm" ] \
-    && [ "$(cat "$out/helm.ldflags" 2>/dev/null)" != "$(helm_ldflags)" ]; then
+  if [ "$1" = "$HELM_VERSION" ]; then
     for dir in "${K8S_RDZV_BINARIES:-}" "${KUBEBUILDER_ASSETS:-}"; do
-      if [ -n "$dir" ] && [ -x "$dir/helm" ]; then
-        ln -sf "$dir/helm" "$out/helm"; rm -f "$out/helm.ldflags"; return 0
+      if [ -n "$dir" ] && [ -x "$dir/helm" ] && [ ! -f "$2/helm.ldflags" ]; then
+        ln -sf "$dir/helm" "$2/helm"; return 0
       fi
     done
-    return 1
   fi
-  have helm
+  [ -x "$2/helm" ] && [ "$(cat "$2/helm.ldflags" 2>/dev/null)" = "$(helm_ldflags "$1")" ]
 }
 
-build_helm() {
-  local dir; dir=$(wrapper helm)
-  GOBIN="$dir" go install -trimpath -ldflags "$(helm_ldflags)" "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
-  mv -f "$dir/helm" "$out/helm"  # a rename: a helm running meanwhile is not disturbed
-  helm_ldflags >"$out/helm.ldflags"
+build_helm() {  # build_helm VERSION DIR
+  local work="$2/.work"
+  rm -rf "$work"; mkdir -p "$work"
+  GOBIN="$work" go install -trimpath -ldflags "$(helm_ldflags "$1")" "$(helm_module "$1")/cmd/helm@v$1"
+  rm -f "$2/helm"
+  mv -f "$work/helm" "$2/helm"  # a rename: a helm running meanwhile is not disturbed
+  helm_ldflags "$1" >"$2/helm.ldflags"
+  rm -rf "$work"
 }
+
+ensure_helm() {  # ensure_helm VERSION: built (or found) in its directory, its log there
+  local dir saved=$out lock; dir=$(helm_dir "$1"); mkdir -p "$dir"
+  if [ "$dir" != "$out" ]; then  # lib.sh holds $out's lock; a second one would wait on it
+    exec {lock}>"$dir/.build.lock"
+    flock "$lock"
+  fi
+  if ! have_helm "$1" "$dir"; then
+    helm_building=$1 helm_building_dir=$dir out=$dir
+    step helm "helm v$1" build_pending_helm
+    out=$saved
+  fi
+  if [ -n "${lock:-}" ]; then exec {lock}>&-; fi
+}
+build_pending_helm() { build_helm "$helm_building" "$helm_building_dir"; }
 
 start=$(date +%s)
 if [ "$target" = control-plane ]; then
@@ -163,7 +205,10 @@ if [ "$target" = control-plane ]; then
   fi
   have etcd || step etcd "etcd v$ETCD_VERSION" build_etcd
   { have kwok && [ -d "$out/kwok-stages" ]; } || step kwok "kwok v$KWOK_VERSION" build_kwok
-  have_helm || step helm "helm v$HELM_VERSION for Kubernetes $KUBERNETES_VERSION" build_helm
+  ensure_helm "$HELM_VERSION"
+  ensure_helm "$HELM3_VERSION"
+elif [ "$target" = helm ]; then
+  ensure_helm "$helm_version"
 else
   have kubelet || step kubelet "kubelet v$KUBERNETES_VERSION" build_kubelet
   have runc || step runc "runc v$RUNC_VERSION" build_runc

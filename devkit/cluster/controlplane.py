@@ -122,6 +122,13 @@ def build_binaries(*, stream_log: bool = False) -> Path:
     return run_build_script(BUILD_SCRIPT, stream_log=stream_log)
 
 
+def build_helm(version: str | None = None) -> Path:
+    """The helm binary of ``version`` (default: HELM_VERSION of versions.env), built by
+    devkit/cluster/build.sh the first time (the control plane's build makes HELM_VERSION's
+    and HELM3_VERSION's)."""
+    return run_build_script(BUILD_SCRIPT, "helm", *([version] if version else [])) / "helm"
+
+
 def run_build_script(script: Path, *args: str, stream_log: bool = False) -> Path:
     """Run one of devkit/cluster's build scripts, which prints the directory of what it
     built (or found cached) last; that directory."""
@@ -182,24 +189,22 @@ def _advertise_address() -> str:
     return FALLBACK_ADVERTISE_ADDRESS
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's counts): a zombie still "exists", but
+    runs nothing (its parent reaps it)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except PermissionError:
         return True
-    # A zombie still "exists"; it is not running.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rpartition(")")[2].split()[0] == "Z":
-            return False
-    return True
+    except OSError:  # no such process, or reaped since
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _pid_runs(pid: int, executable: Path) -> bool:
     """Whether ``pid`` is alive and still runs ``executable`` (guards against PID reuse)."""
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
@@ -217,11 +222,14 @@ def set_pod_phase(
     exit_code: int | None = None,
     reason: str | None = None,
     message: str = "",
+    disruption: str | None = None,
 ) -> None:
     """Mark a pod ``Succeeded`` or ``Failed`` the way a kubelet reports it: every container
     terminated (exit code 0 for Succeeded, ``exit_code`` or 1 for Failed), Ready and
     ContainersReady False, the phase set, all through the status subresource with
-    optimistic concurrency (retried on 409 if kwok writes in between)."""
+    optimistic concurrency (retried on 409 if kwok writes in between). ``disruption``: the
+    reason of a DisruptionTarget condition set with it, as a kubelet that evicts a pod for
+    node pressure says why (``TerminationByKubelet``)."""
     if phase not in ("Succeeded", "Failed"):
         raise ValueError(f"phase must be Succeeded or Failed, not {phase!r}")
     code = exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
@@ -264,6 +272,16 @@ def set_pod_phase(
                     "lastTransitionTime": now,
                 }
             conditions.append(condition)
+        if disruption is not None:
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": disruption,
+                    "message": message,
+                    "lastTransitionTime": now,
+                }
+            )
         body = {
             "metadata": {"resourceVersion": pod["metadata"]["resourceVersion"]},
             "status": {"phase": phase, "containerStatuses": statuses, "conditions": conditions},
@@ -290,8 +308,9 @@ def dig(obj: Any, *keys: str, default: Any = None) -> Any:
 
 
 def read_object(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Call a read/list method of the typed client and return the JSON as a plain dict
-    (camelCase keys, nothing dropped by model validation)."""
+    """Call a method of the typed client (a read or a list, or a create whose answer is
+    wanted) and return the JSON as a plain dict (camelCase keys, nothing dropped by model
+    validation)."""
     response = method(*args, _preload_content=False, **kwargs)
     try:
         data = response.data
@@ -300,6 +319,18 @@ def read_object(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             response.release_conn()
     result: dict[str, Any] = json.loads(data)
     return result
+
+
+def read_object_or_none(
+    method: Callable[..., Any], *args: Any, **kwargs: Any
+) -> dict[str, Any] | None:
+    """:func:`read_object`, or None where the object does not exist (404)."""
+    try:
+        return read_object(method, *args, **kwargs)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
 
 
 class ControlPlane:
@@ -414,8 +445,14 @@ class ControlPlane:
                 lambda: self._wait_https_healthz("kube-scheduler"),
             )
             self._wait_cluster_usable()
-        except BaseException:
-            self.keep_workdir = True  # the error message points into its logs
+        except BaseException as error:
+            # The message carries the failing component's log tail: its work directory (an
+            # etcd's data, 100 MB and more) goes too, unless it was asked to stay.
+            if not self.keep_workdir and self.workdir.exists():
+                error.add_note(
+                    f"(its work directory {self.workdir} is removed; "
+                    "K8S_RDZV_KEEP_WORKDIR=1 keeps it)"
+                )
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - started
@@ -1007,13 +1044,10 @@ class ControlPlane:
             core = kubernetes.client.CoreV1Api(api)
 
             def default_service_account() -> bool:
-                try:
-                    core.read_namespaced_service_account("default", "default")
-                except ApiException as exc:
-                    if exc.status == 404:
-                        return False
-                    raise
-                return True
+                found = read_object_or_none(
+                    core.read_namespaced_service_account, "default", "default"
+                )
+                return found is not None
 
             def nodes_ready() -> bool:
                 nodes = read_object(core.list_node)["items"]

@@ -59,7 +59,9 @@ from devkit.cluster.controlplane import (
     ControlPlane,
     ControlPlaneError,
     dig,
+    pid_alive,
     read_object,
+    read_object_or_none,
     run_build_script,
 )
 from devkit.cluster.images import ImageArchive
@@ -761,12 +763,9 @@ disabled_plugins = {json.dumps(disabled)}
                                 f"{daemon.name} of {node.name} exited; its log ends with:\n"
                                 f"{daemon.tail()}"
                             )
-                    try:
-                        body = read_object(core.read_node, node.name)
-                    except ApiException as exc:
-                        if exc.status == 404:
-                            return False
-                        raise
+                    body = read_object_or_none(core.read_node, node.name)
+                    if body is None:
+                        return False
                     conditions = dig(body, "status", "conditions", default=[])
                     if not any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
                         return False
@@ -849,9 +848,9 @@ def stop_abandoned(root: Path | None = None) -> list[Path]:
         try:
             state = json.loads(path.read_text())
             owner = state.get("owner")
-            if owner is None or _alive(owner):
+            if owner is None or pid_alive(owner):
                 continue  # a detached cluster (`down` stops it) or a live run
-            if any(_alive(pid) for pid in state.get("pids", {}).values()):
+            if any(pid_alive(pid) for pid in state.get("pids", {}).values()):
                 continue
             nodes = RealNodes.attach(ControlPlane.attach(path.parent.parent))
         except (OSError, ValueError, KeyError):
@@ -861,16 +860,6 @@ def stop_abandoned(root: Path | None = None) -> list[Path]:
                 nodes.stop()
             cleaned.append(path.parent.parent)
     return cleaned
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _leftover_interfaces() -> list[str]:

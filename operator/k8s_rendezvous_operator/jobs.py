@@ -149,6 +149,22 @@ class Jobs:
                     message=reasons.invalid_annotations([e.message for e in job.errors]),
                 )
             return
+        # Once per Job (and again if its failure settings change), as its annotations are
+        # fixed: a Job with bad annotations is told about those first.
+        if job.pod_losses is not None and (
+            previous is None or previous.spec is None or previous.pod_losses != job.pod_losses
+        ):
+            self._post(
+                [body],
+                warning=True,
+                reason=reasons.POD_LOSSES_END_JOB,
+                message=reasons.pod_losses_end_job(
+                    key[1],
+                    job.pod_losses.losses,
+                    job.pod_losses.per_index,
+                    job.pod_losses.restart_policy_never,
+                ),
+            )
         if previous is None or previous.spec != job.spec:
             await self._ensure_rendezvous(key, body, job.spec)
         self._request(key)

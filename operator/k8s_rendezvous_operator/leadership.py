@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from k8s_rendezvous.rest import own_namespace
 from k8s_rendezvous.wire import codec
-from k8s_rendezvous_operator import health, kube
+from k8s_rendezvous_operator import health, kube, metrics
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +380,7 @@ async def _lead(
     if not acquired:
         elector.close()
         return 0
+    metrics.LEADER.set(1)
 
     stop = asyncio.Event()
     ready = asyncio.Event()
@@ -414,6 +415,7 @@ async def _lead(
     try:
         await operate(stop, ready)
     finally:
+        metrics.LEADER.set(0)
         for task in helpers:
             task.cancel()
         for task in helpers:
@@ -470,9 +472,11 @@ def run_unelected(*, liveness_endpoint: str | None, **kopf_options: Any) -> None
             if liveness_endpoint
             else None
         )
+        metrics.LEADER.set(1)
         try:
             await kopf.operator(**kopf_options)
         finally:
+            metrics.LEADER.set(0)
             if probe is not None:
                 await probe.cleanup()
 

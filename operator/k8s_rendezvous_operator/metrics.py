@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Final
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -79,6 +80,69 @@ UNREACHABLE_MEMBERS: Final = Gauge(
 QUEUE_DEPTH: Final = Gauge(
     "k8s_rendezvous_reconcile_queue_depth", "Rendezvous being reconciled or waiting to be."
 )
+LEADER: Final = Gauge(
+    "k8s_rendezvous_leader",
+    "1 on the replica that acts (it holds the leader-election Lease, or runs without "
+    "election), 0 on a standby.",
+)
+RECOVERY: Final = Histogram(
+    "k8s_rendezvous_recovery_seconds",
+    "From a failure or a member's loss, as the operator noticed it, to the seal of the "
+    "round formed after it (status.history's formingMilliseconds of a round whose cause is "
+    "neither FirstRound, NodesJoined nor SpecChanged).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+
+# Per rendezvous: one series each of these for at most PER_RENDEZVOUS_LIMIT rendezvous,
+# dropped with their rendezvous.
+PER_RENDEZVOUS_LIMIT: Final = 500
+"""How many rendezvous get series of their own. A pod with the creator role can make
+rendezvous, so their number is not the operator's to choose: past this, a rendezvous
+counts only in the sums (the first ones seen keep theirs), and a scrape stays bounded."""
+WORLD_SIZE: Final = Gauge(
+    "k8s_rendezvous_world_size",
+    "Nodes in the sealed round of each rendezvous (0 while a round forms or once closed).",
+    ["namespace", "rendezvous"],
+)
+MAX_NODES: Final = Gauge(
+    "k8s_rendezvous_max_nodes", "Each rendezvous' spec.maxNodes.", ["namespace", "rendezvous"]
+)
+LAST_RECOVERY: Final = Gauge(
+    "k8s_rendezvous_last_recovery_seconds",
+    "Each rendezvous' latest recovery (k8s_rendezvous_recovery_seconds).",
+    ["namespace", "rendezvous"],
+)
+PER_RENDEZVOUS: Final = (WORLD_SIZE, MAX_NODES, LAST_RECOVERY)
+
+
+class RendezvousSeries:
+    """Which rendezvous have series of their own (at most :data:`PER_RENDEZVOUS_LIMIT`)."""
+
+    def __init__(self, limit: int = PER_RENDEZVOUS_LIMIT) -> None:
+        self._limit = limit
+        self._kept: set[tuple[str, str]] = set()
+
+    def set(
+        self, key: tuple[str, str], world_size: int, max_nodes: int, recovery: float | None
+    ) -> None:
+        if key not in self._kept:
+            if len(self._kept) >= self._limit:
+                return
+            self._kept.add(key)
+        WORLD_SIZE.labels(*key).set(world_size)
+        MAX_NODES.labels(*key).set(max_nodes)
+        if recovery is not None:
+            LAST_RECOVERY.labels(*key).set(recovery)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        if key in self._kept:
+            self._kept.discard(key)
+            for gauge in PER_RENDEZVOUS:
+                with contextlib.suppress(KeyError):  # never recovered: no series
+                    gauge.remove(*key)
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 BUILD_INFO: Final = Gauge(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from k8s_rendezvous.wire import codec, objects, records, specs, statuses
 from k8s_rendezvous_operator import job_annotations, membership, reasons, rounds
@@ -89,6 +89,60 @@ def excluded_kube_nodes(
 
 
 @dataclasses.dataclass(frozen=True)
+class PodLossBudget:
+    """A Job that counts its pods lost to disruptions as failures, and how many end it."""
+
+    losses: int
+    """Pods lost that end it: its ``backoffLimit`` + 1, or with ``per_index`` its
+    ``backoffLimitPerIndex`` + 1 on one index (that index is then failed for good and not
+    run again, and the Job ends Failed)."""
+    per_index: bool
+    restart_policy_never: bool
+    """Its pods' ``restartPolicy`` is Never, which a ``podFailurePolicy`` needs."""
+
+
+DEFAULT_BACKOFF_LIMIT: Final = 6
+"""The Job API's default ``backoffLimit``."""
+
+
+def _ignores_disruptions(rule: Mapping[str, Any]) -> bool:
+    return rule.get("action") == "Ignore" and any(
+        isinstance(condition, Mapping)
+        and condition.get("type") == "DisruptionTarget"
+        and condition.get("status", "True") == "True"
+        for condition in rule.get("onPodConditions") or ()
+    )
+
+
+def pod_loss_budget(spec: Mapping[str, Any]) -> PodLossBudget | None:
+    """How many pod losses end a Job of ``spec``, if pods it lost to a disruption count:
+    ``None`` when a ``podFailurePolicy`` rule ignores them (action Ignore on the
+    DisruptionTarget condition, which Kubernetes sets on a pod it deletes for a drain's
+    eviction, a preemption, a taint or a node that is gone).
+
+    Without that rule the Job controller counts each such pod as failed, as it counts a pod
+    deleted by hand: ``backoffLimit`` (6 by default) counts them for the whole Job, and
+    ``backoffLimitPerIndex`` (an Indexed Job) for each index, so a long run on a busy
+    cluster ends after a few node drains, whatever the rendezvous does."""
+    policy = spec.get("podFailurePolicy") or {}
+    rules = policy.get("rules") if isinstance(policy, Mapping) else None
+    if any(isinstance(rule, Mapping) and _ignores_disruptions(rule) for rule in rules or ()):
+        return None
+    never = ((spec.get("template") or {}).get("spec") or {}).get("restartPolicy") == "Never"
+    limit = spec.get("backoffLimit")
+    per_index = spec.get("backoffLimitPerIndex")
+    if isinstance(per_index, int):
+        # backoffLimit unset is then unbounded; set, it bounds the Job too, and the budget
+        # spent first ends it.
+        if not isinstance(limit, int) or per_index < limit:
+            return PodLossBudget(per_index + 1, True, never)
+        return PodLossBudget(limit + 1, False, never)
+    return PodLossBudget(
+        (limit if isinstance(limit, int) else DEFAULT_BACKOFF_LIMIT) + 1, False, never
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class JobObservation:
     """What an annotated Job asks for and where it stands."""
 
@@ -104,6 +158,8 @@ class JobObservation:
     """The Job is being deleted: what it owns goes with it, and is not made again."""
     agent_env: tuple[tuple[str, str], ...] = ()
     """What its annotations give its pods' agents (its health check), name and value."""
+    pod_losses: PodLossBudget | None = None
+    """How many pods lost to disruptions end it, if they count (:func:`pod_loss_budget`)."""
 
 
 def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
@@ -137,4 +193,5 @@ def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
         finished=finished,
         deleting=bool(metadata.get("deletionTimestamp")),
         agent_env=job_annotations.agent_env(metadata.get("annotations") or {}),
+        pod_losses=pod_loss_budget(spec),
     )

@@ -53,6 +53,8 @@ SERVICE_ACCOUNT_NOT_FOUND: Final = "ServiceAccountNotFound"
 """The Job's ServiceAccount does not exist: the worker role is not bound yet."""
 POD_NOT_INJECTED: Final = "PodNotInjected"
 """A pod of the Job was made without the env that points torchrun here."""
+POD_LOSSES_END_JOB: Final = "PodLossesEndJob"
+"""The Job counts pods lost to disruptions (drains, preemptions, lost nodes) as failures."""
 
 # Why a member left a round: MemberLost's message, the cause of the next round in
 # ``status.history``, an ``excludedNodes`` entry's reason, the members-lost metric's label.
@@ -495,6 +497,28 @@ def pod_not_injected(pod: object, job: str) -> str:
         "change, and the injection policy, where the cluster serves it, needs the Job's "
         f"Rendezvous to exist). A plain torchrun in it trains alone. Delete pod {pod}: the Job "
         "replaces it, with the env."
+    )
+
+
+def pod_losses_end_job(job: str, losses: int, per_index: bool, restart_policy_never: bool) -> str:
+    """A Job whose failure settings end it after a few pods lost to disruptions, and the
+    Job to make instead (docs/annotations.md shows it whole)."""
+    if per_index:
+        ends = (
+            f"{losses} on one index (backoffLimitPerIndex + 1) fail that index for good, "
+            "and the Job with it"
+        )
+    else:
+        ends = f"{losses} (backoffLimit + 1) fail the whole Job"
+    never = "" if restart_policy_never else ", with restartPolicy: Never in its pod template"
+    return (
+        f"Job {job} counts a pod lost to a node drain, a preemption, an eviction or a lost "
+        f"node as failed, as the Job API does by default: {ends}, however well the survivors "
+        "train on. Make it anew with a podFailurePolicy whose rules ignore disruptions "
+        "({action: Ignore, onPodConditions: [{type: DisruptionTarget}]})"
+        f"{never}; completionMode: Indexed with backoffLimitPerIndex also keeps the Job "
+        "controller's back-off per pod, not for the whole Job (docs: Annotated Jobs, the "
+        "production Job)."
     )
 
 

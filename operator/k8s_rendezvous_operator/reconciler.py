@@ -37,12 +37,19 @@ log = logging.getLogger(__name__)
 
 # Each reason's series is served at 0 from the start: Prometheus counts an increase only
 # from an earlier sample, so a series first scraped at 1 would hide the first loss or
-# closure of its reason from every rate() (the dashboard's "Members lost by cause" and
-# "closed, budget spent").
+# closure of its reason from every rate() (the dashboard's "Members lost by cause",
+# "closed, budget spent" and "Nodes refused by reason").
 for _reason in reasons.LOST_REASONS:
     metrics.MEMBERS_LOST.labels(_reason)
 for _reason in reasons.CLOSED_REASONS:
     metrics.CLOSED.labels(_reason)
+for _reason in reasons.REFUSED_REASONS:
+    metrics.NODES_REFUSED.labels(_reason)
+
+PLANNED = frozenset(
+    {reasons.CAUSE_FIRST_ROUND, reasons.CAUSE_NODES_JOINED, reasons.CAUSE_SPEC_CHANGED}
+)
+"""Causes of a round that are no recovery: the first, a scale-up, a spec edited."""
 
 
 _REPORTS_KEPT = 1024
@@ -171,6 +178,7 @@ class Reconciler:
         self._starting = True
         self._unposted: list[tuple[Key, str, str]] = []
         self._warnings = events.WarningBudgets()
+        self._series = metrics.RendezvousSeries()
         self._started_at = clock()
         self._unreachable: frozenset[reachability.Target] = frozenset()
         self._reporting: set[asyncio.Task[None]] = set()
@@ -249,6 +257,7 @@ class Reconciler:
             self._pods.pop((key[0], node), None)
         if memory.timer:
             memory.timer.cancel()
+        self._series.forget(key)
         self._set_gauges()
 
     async def job_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
@@ -719,6 +728,7 @@ class Reconciler:
         self._remember(key, written)
         self._report(written, decision, now)
         self._count(memory, decision)
+        self._count_rendezvous(key, body, decision)
         return Written.WRITTEN
 
     async def _publish_slices(
@@ -798,6 +808,24 @@ class Reconciler:
         memory.waiting = 0 if status.state is statuses.RoundState.CLOSED else status.nodes_waiting
         memory.spares_short = rounds.spares_short(status)
         self._set_gauges()
+
+    def _count_rendezvous(
+        self, key: Key, body: Mapping[str, Any], decision: rounds.Decision
+    ) -> None:
+        """Its own series: world size against maxNodes, and the time its latest round took
+        to recover from a failure or a loss."""
+        status = decision.status
+        recovery = None
+        if decision.sealed and status.history and status.history[-1].cause not in PLANNED:
+            recovery = status.history[-1].forming_milliseconds / 1000
+            metrics.RECOVERY.observe(recovery)
+        sealed = status.state is statuses.RoundState.SEALED
+        self._series.set(
+            key,
+            status.world_size if sealed else 0,
+            int((body.get("spec") or {}).get("maxNodes") or 0),
+            recovery,
+        )
 
     def _set_gauges(self) -> None:
         """The gauges over every rendezvous remembered."""

@@ -13,8 +13,9 @@ from typing import Any
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.support.fixtures import Rendezvous, bind_creator_role, create_pods
+from tests.support.fixtures import Rendezvous, create_pods
 
+from devkit import namespaces
 from devkit.chart import Release
 from devkit.cluster.controlplane import ControlPlane
 from devkit.waiting import wait_for
@@ -276,7 +277,7 @@ def test_a_pods_lease_is_owned_only_by_a_version_the_api_server_serves(
 
 
 def test_a_pod_puts_no_finalizer_on_its_lease_nor_on_a_rendezvous_it_makes(
-    control_plane: ControlPlane, pod_a: PodClient, rendezvous: Rendezvous
+    admin_api: kubernetes.client.ApiClient, pod_a: PodClient, rendezvous: Rendezvous
 ) -> None:
     """Found with issue 55: a finalizer kept a pod's Lease after the garbage collector
     deleted it, and a pod-made Rendezvous after the operator deleted it to give its name
@@ -308,7 +309,7 @@ def test_a_pod_puts_no_finalizer_on_its_lease_nor_on_a_rendezvous_it_makes(
     pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
     assert "may put no finalizer" in denied(lambda: pod_a.patch_lease(own, held))
 
-    bind_creator_role(control_plane, pod_a.namespace)
+    namespaces.bind_creator_role(admin_api, pod_a.namespace)
     body = {
         "apiVersion": objects.API_VERSION,
         "kind": objects.KIND,
@@ -408,12 +409,12 @@ def test_the_status_is_not_the_pods_to_write(pod_a: PodClient, rendezvous: Rende
 
 
 def test_a_pod_makes_a_rendezvous_only_in_its_own_name_and_names_no_owner(
-    control_plane: ControlPlane, pod_a: PodClient
+    admin_api: kubernetes.client.ApiClient, pod_a: PodClient
 ) -> None:
     """With the creator role, a pod makes a missing Rendezvous saying only that it made it:
     naming an owner (another workload, whose pods would run under the spec it chose), or
     a selector that admits another workload's pods, is refused."""
-    bind_creator_role(control_plane, pod_a.namespace)
+    namespaces.bind_creator_role(admin_api, pod_a.namespace)
 
     def create(name: str, creator: str, **extra: Any) -> object:
         spec = {"minNodes": 1, "maxNodes": 2, "runId": name, **extra.pop("spec", {})}

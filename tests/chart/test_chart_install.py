@@ -1,18 +1,26 @@
 """The chart against the real API server: a server-side dry run of what it renders (and of
-the plain manifests rendered from it), then a real install that creates everything and an
-uninstall that leaves the CRD and nothing else of ours."""
+the plain manifests rendered from it), then, with each helm the project supports (Helm 4
+and Helm 3), the packaged chart installed at an older version, upgraded with its CRDs, and
+uninstalled, leaving the CRDs and nothing else of ours."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from hack.sync_chart import version
 
 from devkit.chart import (
     CHART,
     CRD_NAMES,
     CREATOR_ROLE,
+    DEFAULT_OBJECTS,
+    INJECTION_POLICY_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -27,7 +35,7 @@ from devkit.chart import (
     serves_mutating_admission_policy,
     sets,
 )
-from devkit.cluster.controlplane import ControlPlane
+from devkit.cluster.controlplane import ControlPlane, build_helm, read_versions
 from devkit.paths import REPO
 from devkit.waiting import wait_for
 
@@ -121,9 +129,53 @@ def crds_there(control_plane: ControlPlane) -> int:
     return len(found.stdout.split())
 
 
-def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
-    cluster_helm: Helm, control_plane: ControlPlane
+def packaged(helm: Helm, directory: Path, version: str | None = None) -> Path:
+    """``helm package`` of the chart, as a release publishes it; with ``version``, an
+    older release of it: that version, and a Rendezvous CRD without the Declared column (a
+    CRD change, which helm upgrade alone would not apply)."""
+    source = CHART
+    if version is not None:
+        source = directory / "older" / CHART.name
+        shutil.copytree(CHART, source)
+        chart = source / "Chart.yaml"
+        chart.write_text(re.sub(r"(?m)^version: .*$", f"version: {version}", chart.read_text()))
+        crd = source / "crds" / "k8s-rendezvous.dev_rendezvous.yaml"
+        crd.write_text(
+            "".join(
+                line for line in crd.read_text().splitlines(True) if "name: Declared" not in line
+            )
+        )
+    out = directory / ("older-package" if version else "package")
+    helm.run("package", str(source), "--destination", str(out))
+    (tgz,) = out.glob("*.tgz")
+    return tgz
+
+
+def columns(control_plane: ControlPlane) -> list[str]:
+    """The printer columns of the Rendezvous CRD in the cluster."""
+    found = control_plane.kubectl(
+        "get",
+        "crd",
+        CRD_NAMES[0],
+        "-o",
+        "jsonpath={.spec.versions[0].additionalPrinterColumns[*].name}",
+    )
+    return found.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "helm_version",
+    [read_versions()["HELM_VERSION"], read_versions()["HELM3_VERSION"]],
+    ids=lambda version: f"helm{version}",
+)
+def test_the_packaged_chart_installs_upgrades_its_crds_and_uninstalls(
+    helm_version: str, control_plane: ControlPlane, tmp_path: Path
 ) -> None:
+    """With each helm the project supports (docs/install.md): install an older release of
+    the packaged chart, upgrade to this one (its CRDs first, as docs/install.md says: helm
+    upgrade never touches crds/), uninstall; what stays is the CRDs."""
+    helm = Helm(build_helm(helm_version), tmp_path / "helm-home", control_plane.kubeconfig)
+    older, current = packaged(helm, tmp_path, "0.0.1"), packaged(helm, tmp_path)
     # From a cluster without any of it, the CRD included, to see helm create each object.
     removed = adopt_shared_roles(control_plane)
     control_plane.kubectl("delete", "crd", *CRD_NAMES, "--ignore-not-found", "--wait")
@@ -131,9 +183,8 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
     ensure_namespace(control_plane)
     installed = False
     try:
-        notes = cluster_helm.run(
-            "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
-            "--wait", "--timeout", "120s",
+        notes = helm.run(
+            "install", RELEASE, str(older), "--namespace", NAMESPACE, "--wait", "--timeout", "120s",
         ).stdout  # fmt: skip
         installed = True
         assert "kubectl -n team create rolebinding k8s-rendezvous-worker" in notes
@@ -141,40 +192,38 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         assert "kind: Rendezvous" in notes, "NOTES: the next steps"
         assert f"MutatingWebhookConfiguration {WEBHOOK_CONFIG}" in notes
         assert crds_there(control_plane) == len(CRD_NAMES), "helm installs the CRDs from crds/"
+        assert "Declared" not in columns(control_plane)
         control_plane.kubectl(
             "wait", "--for=condition=established", "-f", str(CHART / "crds"), "--timeout=60s"
         )
-        manifest = cluster_helm.run("get", "manifest", RELEASE, "--namespace", NAMESPACE).stdout
+
+        new_crds = helm.run("show", "crds", str(current)).stdout
+        control_plane.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", "-", input=new_crds
+        )
+        assert "Declared" in columns(control_plane), "the upgraded CRD"
+        helm.run(
+            "upgrade",
+            RELEASE,
+            str(current),
+            "--namespace",
+            NAMESPACE,
+            "--wait",
+            "--timeout",
+            "120s",
+        )
+        listed = json.loads(helm.run("list", "--namespace", NAMESPACE, "-o", "json").stdout)
+        (release,) = listed
+        assert (release["chart"], str(release["revision"]), release["status"]) == (
+            f"k8s-rendezvous-{version()}",
+            "2",
+            "deployed",
+        )
+        manifest = helm.run("get", "manifest", RELEASE, "--namespace", NAMESPACE).stdout
         objects = [doc for doc in yaml.safe_load_all(manifest) if doc]
-        assert kinds(objects) == {
-            ("ServiceAccount", OPERATOR),
-            ("ClusterRole", OPERATOR),
-            ("ClusterRoleBinding", OPERATOR),
-            ("Role", f"{OPERATOR}-leader-election"),
-            ("RoleBinding", f"{OPERATOR}-leader-election"),
-            ("ClusterRole", WORKER_ROLE),
-            ("ClusterRole", CREATOR_ROLE),
-            ("Deployment", OPERATOR),
-            ("Service", WEBHOOK_SERVICE),
-            ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
-            ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
-            ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-            ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
-            ("FlowSchema", "k8s-rendezvous-pod-leases"),
-        } | (
+        assert kinds(objects) == DEFAULT_OBJECTS | (
             # Where the API server serves it (1.36 and later), the chart installs it.
-            {
-                ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-                ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
-            }
-            if serves_mutating_admission_policy(control_plane)
-            else set()
+            INJECTION_POLICY_OBJECTS if serves_mutating_admission_policy(control_plane) else set()
         )
         missing = [describe(o) for o in objects if not exists(control_plane, o)]
         assert not missing, f"installed but not there: {missing}"
@@ -184,7 +233,7 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         ).stdout  # fmt: skip
         assert available == "1", "kwok runs the Deployment's pod (without its container)"
 
-        cluster_helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
+        helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
         installed = False
         wait_for(lambda: not ours_left(control_plane), 60, "every object of the release gone")
         left = [describe(o) for o in objects if exists(control_plane, o)]
@@ -192,7 +241,11 @@ def test_install_creates_everything_and_uninstall_leaves_only_the_crd(
         assert crds_there(control_plane) == len(CRD_NAMES), "CRDs in crds/ stay (and their objects)"
     finally:
         if installed:
-            cluster_helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)
+            helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)
+        # The session's other tests expect this checkout's CRDs, whatever happened here.
+        control_plane.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds")
+        )
         if removed:
             restore_shared_roles(control_plane)
 

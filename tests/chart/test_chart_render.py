@@ -5,7 +5,6 @@ generated copies and the README not drifting."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from devkit import dashboard
 from devkit.chart import (
     CHART,
     CREATOR_ROLE,
+    DEFAULT_OBJECTS,
+    INJECTION_POLICY_OBJECTS,
     NAMESPACE,
     OPERATOR,
     RELEASE,
@@ -57,9 +58,10 @@ def test_lint_strict_passes(helm: Helm) -> None:
 
 
 def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None:
-    """No --kube-version anywhere: devkit/cluster/build.sh builds helm for the pinned version
-    (a helm built without its Makefile's ldflags assumes 1.20, below the chart's kubeVersion;
-    a release build, that of its client-go)."""
+    """No --kube-version anywhere: devkit/cluster/build.sh builds helm 3 for the pinned
+    version (a helm 3 built without its Makefile's ldflags assumes 1.20, below the chart's
+    kubeVersion; a release build, that of its client-go); Helm 4 assumes its client-go's,
+    which no flag changes (4.3.2: 1.37)."""
     chart = helm.home / "capabilities"
     (chart / "templates").mkdir(parents=True, exist_ok=True)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: capabilities\nversion: 0.1.0\n")
@@ -71,36 +73,18 @@ def test_helm_assumes_a_kubernetes_version_the_chart_accepts(helm: Helm) -> None
     required = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
     least = required.removeprefix(">=").split(".")
     assert (int(major), int(minor)) >= (int(least[0]), int(least[1])), (version, required)
-    if not helm.binary.is_symlink() and Path(f"{helm.binary}.ldflags").exists():
-        # built by devkit/cluster/build.sh (a prebuilt helm is a link to it)
+    stamp = Path(f"{helm.binary}.ldflags")
+    if not helm.binary.is_symlink() and stamp.exists() and "k8sVersionMinor" in stamp.read_text():
+        # a helm 3 built by devkit/cluster/build.sh (a prebuilt helm is a link to it)
         pinned = read_versions()["KUBERNETES_VERSION"].split(".")
         assert (major, minor) == (pinned[0], pinned[1]), version
 
 
 def test_defaults_render_one_hardened_leader_elected_operator(helm: Helm) -> None:
     objects = helm.template_objects()
-    assert kinds(objects) == {
-        ("ServiceAccount", OPERATOR),
-        ("ClusterRole", OPERATOR),
-        ("ClusterRoleBinding", OPERATOR),
-        ("Role", f"{OPERATOR}-leader-election"),
-        ("RoleBinding", f"{OPERATOR}-leader-election"),
-        ("ClusterRole", WORKER_ROLE),
-        ("ClusterRole", CREATOR_ROLE),
-        ("Deployment", OPERATOR),
-        ("Service", WEBHOOK_SERVICE),
-        ("MutatingWebhookConfiguration", WEBHOOK_CONFIG),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-leases"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-leases"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-worker-leases"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-worker-leases"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-operator-writes"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-operator-writes"),
-        ("ValidatingAdmissionPolicy", "k8s-rendezvous-pod-rendezvous"),
-        ("ValidatingAdmissionPolicyBinding", "k8s-rendezvous-pod-rendezvous"),
-        ("PriorityLevelConfiguration", "k8s-rendezvous-pod-leases"),
-        ("FlowSchema", "k8s-rendezvous-pod-leases"),
-    }, "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
+    assert kinds(objects) == DEFAULT_OBJECTS, (
+        "the metrics Service, ServiceMonitor and Grafana dashboard are opt-in"
+    )
     deployment = find(objects, "Deployment", OPERATOR)
     spec = deployment["spec"]
     assert spec["replicas"] == 1
@@ -228,6 +212,69 @@ def test_non_default_values_render_what_they_say(helm: Helm) -> None:
     ]
 
 
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def test_name_overrides_rename_every_object_but_the_shared_roles(helm: Helm) -> None:
+    objects = helm.template_objects(
+        *sets({"fullnameOverride": "rdzv", "nameOverride": "trainer-rdzv"})
+    )
+    names = {o["metadata"]["name"] for o in objects}
+    assert {f"{OPERATOR}", WEBHOOK_SERVICE} & names == set(), "the default names are gone"
+    assert {"rdzv-operator", "rdzv-webhook", "rdzv.k8s-rendezvous.dev"} <= names
+    fixed = {WORKER_ROLE, CREATOR_ROLE}
+    assert fixed <= names, "the handler's messages and the docs name these two"
+    assert all(name.startswith("rdzv") for name in names - fixed), sorted(names)
+    assert {o["metadata"]["labels"]["app.kubernetes.io/name"] for o in objects} == {"trainer-rdzv"}
+    deployment = find(objects, "Deployment", "rdzv-operator")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector["app.kubernetes.io/name"] == "trainer-rdzv"
+    (operator,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--leader-election-id=rdzv-operator" in operator["args"]
+    renamed = helm.template_objects(*sets({"nameOverride": "trainer-rdzv"}))
+    assert {f"{RELEASE}-trainer-rdzv-operator"} <= {o["metadata"]["name"] for o in renamed}
+
+
+def test_an_image_digest_pins_the_image_whatever_its_tag(helm: Helm) -> None:
+    objects = helm.template_objects(*sets({"image.digest": DIGEST, "image.tag": "9.9.9"}))
+    assert container(objects)["image"] == f"k8s-rendezvous-operator@{DIGEST}"
+
+
+@pytest.mark.parametrize(
+    ("values", "budget"),
+    [
+        ({"replicas": 2}, None),
+        ({"replicas": 2, "webhook.enabled": "false"}, {"maxUnavailable": 1}),
+        (
+            {
+                "replicas": 3,
+                "podDisruptionBudget.enabled": "true",
+                "podDisruptionBudget.maxUnavailable": "50%",
+                "podDisruptionBudget.unhealthyPodEvictionPolicy": "AlwaysAllow",
+            },
+            {"maxUnavailable": "50%", "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+        ),
+        ({"replicas": 2, "webhook.enabled": "false", "podDisruptionBudget.enabled": "false"}, None),
+        ({"replicas": 1, "podDisruptionBudget.enabled": "true"}, None),
+    ],
+    ids=["auto-with-the-webhook", "auto-without", "on", "off", "one-replica"],
+)
+def test_the_disruption_budget_is_rendered_where_it_can_help(
+    helm: Helm, values: dict[str, object], budget: dict[str, object] | None
+) -> None:
+    """With the webhook only the leader is Ready, and a budget would count the standby as
+    the pod already unavailable: never the leader's eviction. auto leaves it out then."""
+    objects = helm.template_objects(*sets(values))
+    found = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    if budget is None:
+        assert not found
+        return
+    (pdb,) = found
+    assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == budget
+    deployment = find(objects, "Deployment", OPERATOR)
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+
+
 def test_flow_control_queues_a_join_storm_of_one_service_account(helm: Helm) -> None:
     objects = helm.template_objects(
         *sets({"flowControl.queuing.handSize": 8, "flowControl.queuing.queueLengthLimit": 500})
@@ -337,28 +384,14 @@ def test_the_grafana_dashboard_is_a_configmap_labelled_for_grafanas_sidecar(helm
 def test_the_dashboard_queries_only_metrics_the_operator_exports() -> None:
     """Every name a panel or variable asks for is one ``k8s_rendezvous_operator.metrics``
     serves (a counter's ``_total``, a histogram's ``_bucket``, ``_sum``, ``_count``)."""
-    from prometheus_client.metrics import MetricWrapperBase
-
-    from k8s_rendezvous_operator import metrics
-
-    served = {
-        f"{family.name}{suffix}"
-        for value in vars(metrics).values()
-        if isinstance(value, MetricWrapperBase)
-        for family in value.describe()
-        for suffix in {
-            "counter": ("_total",),
-            "gauge": ("",),
-            "histogram": ("_bucket", "_sum", "_count"),
-        }[family.type]
-    }
+    served = dashboard.served_metrics()
     assert {"k8s_rendezvous_rounds_sealed_total", "k8s_rendezvous_nodes_waiting"} <= served
     board = dashboard.load()
     asked = " ".join(
         [t.expr for t in dashboard.targets(board)]
         + [v.get("definition", "") for v in board["templating"]["list"]]
     )
-    names = set(re.findall(r"\bk8s_rendezvous_\w+", asked))
+    names = set(dashboard.METRIC.findall(asked))
     assert names, asked
     assert names <= served, names - served
 
@@ -470,6 +503,19 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
             ["--set", "webhook.certificate.existingSecret=Webhook_TLS"],
             "- at '/webhook/certificate/existingSecret': 'Webhook_TLS' does not match pattern",
         ),
+        (["--set", "image.digest=latest"], "- at '/image/digest': 'latest' does not match pattern"),
+        (
+            ["--set", "fullnameOverride=Rdzv"],
+            "- at '/fullnameOverride': 'Rdzv' does not match pattern",
+        ),
+        (
+            ["--set", "podDisruptionBudget.enabled=yes"],
+            "- at '/podDisruptionBudget/enabled': value must be one of",
+        ),
+        (
+            ["--set", "metrics.prometheusRule.enable=true"],
+            "- at '/metrics/prometheusRule': additional properties 'enable' not allowed",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -489,6 +535,10 @@ def test_policy_names_the_operator_it_exempts(helm: Helm) -> None:
         "dashboard-misspelt-key",
         "dashboard-label-not-a-string",
         "existing-secret-not-a-name",
+        "digest-not-a-digest",
+        "fullname-not-a-name",
+        "budget-bool-string",
+        "prometheus-rule-misspelt-key",
     ],
 )
 def test_values_schema_refuses(helm: Helm, flags: list[str], error: str) -> None:
@@ -580,11 +630,7 @@ def test_the_injection_policy_is_installed_where_the_api_server_serves_it(
         for o in objects
         if o["kind"].startswith("MutatingAdmissionPolicy")
     }
-    expected = {
-        ("MutatingAdmissionPolicy", "k8s-rendezvous-torchrun-env"),
-        ("MutatingAdmissionPolicyBinding", "k8s-rendezvous-torchrun-env"),
-    }
-    assert policies == (expected if installed else set())
+    assert policies == (INJECTION_POLICY_OBJECTS if installed else set())
     assert any(o["kind"] == "MutatingWebhookConfiguration" for o in objects), "the webhook stays"
 
 

@@ -1,18 +1,21 @@
 """Least privilege, proven: the operator runs as a local process with a real token of the
 chart's ServiceAccount (bound to one of the Deployment's pods, as the kubelet would mount
 it; its flags as in the Deployment, leader election and the admission webhook included,
-the webhook served on 127.0.0.1) through the core scenarios. Its ClusterRole is compared
-with an explicit minimal list, and the API server is asked what it may not do."""
+the webhook served on 127.0.0.1) through the core scenarios, the release's NOTES among
+them. Its ClusterRole is compared with an explicit minimal list, and the API server is
+asked what it may not do."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes.client
 import pytest
+import yaml
 from kubernetes.client.exceptions import ApiException
 from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, delete_pod, free_port
@@ -20,9 +23,11 @@ from tests.support.fixtures import Node, Rendezvous, delete_pod, free_port
 from devkit.chart import (
     NAMESPACE,
     OPERATOR,
+    RELEASE,
     WEBHOOK_CONFIG,
     WORKER_ROLE,
     ChartOperator,
+    Helm,
     Release,
 )
 from devkit.cluster.controlplane import ControlPlane, read_object
@@ -762,3 +767,57 @@ def test_a_job_naming_a_missing_service_account_gets_no_binding_until_it_exists(
         "the worker role bound once the ServiceAccount exists",
     )
     assert [s.name for s in bound[0].subjects] == ["ghost"]
+
+
+def notes_commands(notes: str, namespace: str) -> tuple[list[str], str, list[str]]:
+    """What the release's NOTES tell a user to run, for namespace ``namespace`` (theirs
+    say "team"): the worker role's binding, the Rendezvous' YAML, torchrun's words."""
+    lines = notes.splitlines()
+    start = next(i for i, line in enumerate(lines) if "create rolebinding" in line)
+    binding = ""
+    for line in lines[start:]:
+        binding += line.strip().removesuffix("\\")
+        if not line.rstrip().endswith("\\"):
+            break
+    yaml_text = notes.split("<<'YAML'\n", 1)[1].split("\n     YAML", 1)[0]
+    (torchrun,) = [line.strip() for line in lines if line.strip().startswith("torchrun ")]
+
+    def here(words: list[str]) -> list[str]:
+        return [w.replace("team:", f"{namespace}:") if w != "team" else namespace for w in words]
+
+    return here(shlex.split(binding)), yaml_text, shlex.split(torchrun)
+
+
+def test_the_notes_rendezvous_admits_the_pods_they_name_and_a_round_seals(
+    chart_operator: ChartOperator,
+    cluster_helm: Helm,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    attach_nodes: Callable[..., list[Node]],
+) -> None:
+    """The release's own NOTES (helm get notes), followed word for word: the RoleBinding
+    command, the Rendezvous YAML applied to the real API server, pods labelled as they say
+    and torchrun's flags; two pods join and a round seals. (A Rendezvous with no
+    podSelector, as they once gave, admits nobody; a torchrun without --rdzv-id is refused.)"""
+    notes = cluster_helm.run("get", "notes", RELEASE, "--namespace", NAMESPACE).stdout
+    binding, yaml_text, torchrun = notes_commands(notes, workers_namespace)
+    assert "POD_NAME" not in notes, "a pod's name comes from its token: nothing to set"
+    # The worker role's binding the workers_namespace fixture made, made anew as NOTES say.
+    control_plane.kubectl("-n", workers_namespace, "delete", "rolebinding", WORKER_ROLE)
+    assert binding[0] == "kubectl"
+    control_plane.kubectl(*binding[1:])
+    control_plane.kubectl("-n", workers_namespace, "apply", "-f", "-", input=yaml_text)
+    rendezvous = yaml.safe_load(yaml_text)
+    flags = dict(word.removeprefix("--").split("=", 1) for word in torchrun if "=" in word)
+    assert flags["rdzv-backend"] == "kubernetes"
+    assert flags["rdzv-endpoint"] == rendezvous["metadata"]["name"]
+    assert flags["rdzv-id"] == rendezvous["spec"]["runId"], "else every node is refused"
+    labels = rendezvous["spec"]["podSelector"]["matchLabels"]
+    assert f"label the training pods {','.join(f'{k}: {v}' for k, v in labels.items())}" in notes
+    low, high = (int(n) for n in flags["nnodes"].split(":"))
+    pods = fixtures.create_pods(admin_api, workers_namespace, ["notes-0", "notes-1"], labels=labels)
+    rdzv = Rendezvous(admin_api, workers_namespace, flags["rdzv-endpoint"])
+    nodes = attach_nodes(rdzv, pods, min_nodes=low, max_nodes=high)
+    assert sorted(join_all(nodes)) == [(0, 2), (1, 2)]
+    assert rdzv.status().state is statuses.RoundState.SEALED

@@ -20,8 +20,8 @@ from tests.controllers.fixtures import (  # noqa: F401
     trainer,
 )
 from tests.controllers.kubelet import Kubelet
-from tests.support import fixtures
 
+from devkit import namespaces
 from devkit.cluster.controlplane import ControlPlane
 
 HERE = Path(__file__).resolve().parent
@@ -43,10 +43,10 @@ def namespace(make_namespace: Callable[..., str]) -> str:
 
 
 @pytest.fixture
-def creator_role(control_plane: ControlPlane, namespace: str) -> None:
+def creator_role(admin_api: kubernetes.client.ApiClient, namespace: str) -> None:
     """The pods' ServiceAccount may make their Rendezvous: a workload the operator does
     not make one for (docs/workloads.md)."""
-    fixtures.bind_creator_role(control_plane, namespace)
+    namespaces.bind_creator_role(admin_api, namespace)
 
 
 @pytest.fixture

@@ -45,8 +45,6 @@ def stop_after_layer(item: pytest.Item, nextitem: pytest.Item | None, layer: Pat
 
 
 def _stop(running: controllers.Controllers) -> None:
-    for controller in running.running.values():
-        print(f"--- {controller.name} log (tail) ---\n{controller.log_tail()}")
     running.stop()
 
 

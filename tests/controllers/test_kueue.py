@@ -64,8 +64,16 @@ def training_job(parallelism: int, nodes: str, priority: str | None = None) -> d
             },
         },
         "spec": {
+            # The production Job of docs/annotations.md, as docs/workloads.md shows it with
+            # Kueue: Indexed, resized by parallelism and completions together.
             "parallelism": parallelism,
-            "backoffLimit": 10,
+            "completions": parallelism,
+            "completionMode": "Indexed",
+            "backoffLimitPerIndex": 3,
+            "podFailurePolicy": {
+                "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+            },
+            "successPolicy": {"rules": [{"succeededCount": 1}]},
             "template": {
                 "spec": {
                     "restartPolicy": "Never",
@@ -138,8 +146,9 @@ class Cluster:
         return read_object(self.batch.read_namespaced_job, name, self.namespace)
 
     def scale(self, parallelism: int, name: str = JOB) -> float:
+        """An Indexed Job is resized by its parallelism and completions together."""
         self.batch.patch_namespaced_job(
-            name, self.namespace, {"spec": {"parallelism": parallelism}}
+            name, self.namespace, {"spec": {"parallelism": parallelism, "completions": parallelism}}
         )
         return time.time()
 

@@ -56,7 +56,13 @@ metadata:
     k8s-rendezvous.dev/last-call-timeout: "10"
 spec:
   parallelism: 3
-  backoffLimit: 10
+  completions: 3
+  completionMode: Indexed
+  backoffLimitPerIndex: 3
+  podFailurePolicy:
+    rules: [{action: Ignore, onPodConditions: [{type: DisruptionTarget}]}]
+  successPolicy:
+    rules: [{succeededCount: 1}]
   template:
     spec:
       restartPolicy: Never
@@ -81,8 +87,8 @@ echo "== a node lost: delete one pod"
 kubectl -n "$namespace" delete "$(kubectl -n "$namespace" get pods -l batch.kubernetes.io/job-name=train -o name | head -1)" --wait=false
 wait_round 2
 
-echo "== scale up: parallelism 4"
-kubectl -n "$namespace" patch job train --type merge -p '{"spec":{"parallelism":4}}'
+echo "== scale up: parallelism 4 (and completions: the Job is Indexed)"
+kubectl -n "$namespace" patch job train --type merge -p '{"spec":{"parallelism":4,"completions":4}}'
 wait_round 3
 
 kubectl -n "$namespace" wait --for=condition=complete job/train --timeout=15m

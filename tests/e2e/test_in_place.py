@@ -29,6 +29,7 @@ from tests.e2e.harness import LocalPod, LocalPods, describe, timing, wait_all_ex
 from tests.support.fixtures import Rendezvous
 
 from devkit.paths import REPO
+from devkit.processes import wait_world
 from devkit.waiting import wait_for
 from k8s_rendezvous import warm as warm_start
 
@@ -48,28 +49,7 @@ Line = dict[str, Any]
 def wait_lines(nodes: Iterable[LocalPod], size: int, *, after: float) -> list[Line]:
     """The progress lines of the world of ``size`` ranks that trains on ``nodes`` after
     ``after`` (wall clock), once every rank has completed a step in it."""
-    nodes = list(nodes)
-    names = {node.name for node in nodes}
-
-    def world() -> list[Line] | None:
-        exited = [node for node in nodes if not node.running()]
-        lines = [
-            line
-            for node in nodes
-            for line in node.progress_lines()
-            if line["world_size"] == size and line["time"] > after
-        ]
-        if {line["rank"] for line in lines} == set(range(size)) and {
-            line["pod"] for line in lines
-        } == names:
-            return lines
-        assert not exited, f"{[n.name for n in exited]} exited\n{describe(nodes)}"
-        return None
-
-    found: list[Line] = wait_for(
-        world, FORM_TIMEOUT, f"a world of {size} on {sorted(names)}", interval=0.05
-    )
-    return found
+    return wait_world(list(nodes), size, after=after, timeout=FORM_TIMEOUT)
 
 
 def pids(lines: Iterable[Line], nodes: Iterable[LocalPod]) -> set[tuple[str, int]]:

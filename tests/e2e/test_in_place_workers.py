@@ -38,7 +38,7 @@ import pytest
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from devkit.paths import REPO
-from devkit.processes import LocalProcess, json_lines
+from devkit.processes import LocalProcess, json_lines, wait_world
 from devkit.waiting import wait_for
 from k8s_rendezvous import handoff
 
@@ -157,28 +157,7 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, Node]]:
 def world(nodes: list[Node], size: int, after: float) -> list[dict[str, Any]]:
     """The progress lines of the world of ``size`` on ``nodes`` after ``after``, once every
     rank has completed a step in it."""
-    names = {node.name for node in nodes}
-
-    def found() -> list[dict[str, Any]] | None:
-        lines = [
-            line
-            for node in nodes
-            for line in node.lines()
-            if line["world_size"] == size and line["time"] > after
-        ]
-        if {line["rank"] for line in lines} == set(range(size)) and {
-            line["pod"] for line in lines
-        } == names:
-            return lines
-        for node in nodes:
-            assert node.running(), node.tail()
-        return None
-
-    try:
-        lines: list[dict[str, Any]] = wait_for(found, 120, f"a world of {size}", interval=0.05)
-    except AssertionError as error:
-        raise AssertionError(f"{error}\n" + "\n".join(n.tail() for n in nodes)) from None
-    return lines
+    return wait_world(nodes, size, after=after, timeout=120)
 
 
 def start_world(rounds: Rounds, nodes: list[Node], compute: float = 0.0) -> list[dict[str, Any]]:

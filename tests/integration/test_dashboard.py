@@ -1,7 +1,9 @@
-"""The chart's Grafana dashboard against a real Prometheus (Grafana's server is not one the
-project may use): Prometheus scrapes the operator while a short job seals rounds, loses a
-member, leaves nodes waiting and spends a Warning budget; then every query of every panel,
-its variables put as Grafana puts them, must answer with a number.
+"""The chart's Grafana dashboard and alerts against a real Prometheus (Grafana's server is not
+one the project may use): Prometheus scrapes the operator, and evaluates the chart's alert
+rules, while a short job seals rounds, loses a member, leaves nodes waiting, refuses a pod
+of another workload, spends a restart budget and a Warning budget; then every query of
+every panel, its variables put as Grafana puts them, must answer with a number, and the
+alert of the spent budget fires (tests/chart/test_alerts.py tests every rule with promtool).
 
 K8S_RDZV_DASHBOARD_ANSWERS=<file> also saves each query's answer over the job
 (``query_range``) there, for hack/dashboard_picture.py to draw, after Prometheus has
@@ -16,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import kubernetes.client
 import pytest
@@ -24,9 +27,11 @@ from tests.support.fixtures import Node, Rendezvous, delete_pod
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from devkit import dashboard
+from devkit.chart import OPERATOR, Helm, find
 from devkit.operator import OperatorProcess
 from devkit.prometheus import Prometheus, binary, has_data
 from devkit.waiting import wait_for
+from k8s_rendezvous.errors import NodeRefusedError
 from k8s_rendezvous.wire import objects
 
 pytestmark = pytest.mark.usefixtures("operator_process")
@@ -103,6 +108,32 @@ def run_short_job(
     write_unreadable_requests(admin_api, flooded, 11)
 
 
+def refuse_a_stranger(
+    rdzv: Rendezvous, admin_api: kubernetes.client.ApiClient, attach: Callable[..., list[Node]]
+) -> None:
+    """A pod of another workload (not of the Rendezvous' podSelector) asks to join."""
+    pods = fixtures.create_pods(admin_api, rdzv.namespace, ["stranger"], labels={"app": "other"})
+    (stranger,) = attach(rdzv, pods)
+    with pytest.raises(NodeRefusedError):
+        stranger.handler.next_rendezvous()
+
+
+def variables_as_grafana_fills_them(
+    board: dict[str, Any], prometheus: Prometheus
+) -> dict[str, str]:
+    """Each query variable, in order, as Grafana fills it: label_values() over what was
+    scraped (with the variables before it put in), every value selected."""
+    variables = {"__rate_interval": dashboard.RATE_INTERVAL}
+    for variable in board["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        selector, label = dashboard.variable_query(board, variable["name"])
+        found = prometheus.label_values(label, dashboard.promql(selector, variables))
+        assert found, f"variable {variable['name']}: no values"
+        variables[variable["name"]] = dashboard.multi_value(found)
+    return variables
+
+
 QUIET_PANELS = {"Reconcile queue depth"}
 """Panels the job need not move (a queue drained between two scrapes): they must only
 answer. Every other panel must have shown more than zero at some point of the job."""
@@ -121,14 +152,18 @@ def panel_queries(
 def test_every_panel_of_the_dashboard_answers_after_a_short_job(
     make_rendezvous: Callable[..., Rendezvous],
     make_nodes: Callable[..., list[Node]],
+    attach_nodes: Callable[..., list[Node]],
     admin_api: kubernetes.client.ApiClient,
     operator_process: OperatorProcess,
+    helm: Helm,
     tmp_path: Path,
 ) -> None:
     board = dashboard.load()
     targets = dashboard.targets(board)
     scraped = {SCRAPE_JOB: [f"127.0.0.1:{metrics_port(operator_process)}"]}
-    with Prometheus(binary(), tmp_path / "prometheus", scraped) as prometheus:
+    rule = helm.template_objects("--set", "metrics.prometheusRule.enabled=true")
+    rules = {"groups": find(rule, "PrometheusRule", OPERATOR)["spec"]["groups"]}
+    with Prometheus(binary(), tmp_path / "prometheus", scraped, rules) as prometheus:
         began = time.time()
         wait_for(
             lambda: prometheus.query(f'up{{job="{SCRAPE_JOB}"}} == 1'),
@@ -136,14 +171,12 @@ def test_every_panel_of_the_dashboard_answers_after_a_short_job(
             f"Prometheus scraping the operator (log: {prometheus.log_tail()})",
         )
         run_short_job(make_rendezvous, make_nodes, admin_api, prometheus)
+        refuse_a_stranger(make_rendezvous(1, 1), admin_api, attach_nodes)
 
-        # As Grafana fills the job variable: label_values() over what was scraped.
-        selector, label = dashboard.variable_query(board, "job")
-        jobs = prometheus.label_values(label, selector)
-        assert jobs == [SCRAPE_JOB]
-        variables = {"__rate_interval": dashboard.RATE_INTERVAL, "job": dashboard.multi_value(jobs)}
+        variables = variables_as_grafana_fills_them(board, prometheus)
+        assert variables["job"] == dashboard.multi_value([SCRAPE_JOB])
         panels = panel_queries(targets, variables)
-        assert len(panels) == 9, list(panels)
+        assert len(panels) == 13, list(panels)
         for panel, queries in panels.items():
             for query in queries:
                 wait_for(
@@ -178,6 +211,16 @@ def test_every_panel_of_the_dashboard_answers_after_a_short_job(
         (spent,) = [t for t in targets if t.legend == "closed, budget spent"]
         spent_peak = f"max_over_time(({dashboard.promql(spent.expr, variables)})[1m:1s]) > 0"
         assert prometheus.query(spent_peak), f"the spent budget drawn: {spent_peak}"
+        refused = prometheus.query(f'k8s_rendezvous_nodes_refused_total{{job="{SCRAPE_JOB}"}} > 0')
+        assert [s["metric"]["reason"] for s in refused] == ["SelectorMismatch"], refused
+        # The chart's alert on a spent restart budget, evaluated by Prometheus itself; the
+        # operator leads (an unelected one acts), so no alert says it does not.
+        wait_for(
+            lambda: "K8sRendezvousRestartsExhausted" in prometheus.firing(),
+            30,
+            f"K8sRendezvousRestartsExhausted firing (log: {prometheus.log_tail()})",
+        )
+        assert not prometheus.firing() & {"K8sRendezvousNoLeader", "K8sRendezvousOperatorAbsent"}
 
         if answers := os.environ.get(ANSWERS_ENV):
             hold = float(os.environ.get(HOLD_ENV, "0"))

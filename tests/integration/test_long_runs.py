@@ -411,7 +411,7 @@ def test_the_jobs_restart_budget_is_spent_by_any_nodes_failure_and_ends_every_ag
     wait_told_to_rejoin([second], "the agent still training sent into the closure")
     with pytest.raises(RendezvousClosedError):
         second.handler.next_rendezvous()
-    (warning,) = [m for kind, reason, m in rdzv.events() if (kind, reason) == ("Warning", "Closed")]
+    (warning,) = rdzv.wait_events("Closed", lambda m: True, kind="Warning")
     assert "spec.maxRestarts" in warning and "RestartsExhausted" in warning
     table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace).stdout
     header, row = table.splitlines()

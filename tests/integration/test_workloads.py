@@ -21,7 +21,6 @@ import pytest
 from tests.support.fixtures import (
     Node,
     Rendezvous,
-    bind_creator_role,
     create_pods,
     join_all,
     statefulset_pods,
@@ -36,6 +35,7 @@ from tests.support.jobs import (
 )
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
+from devkit import namespaces, training
 from devkit.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
@@ -250,8 +250,78 @@ def test_failed_pod_is_replaced_by_the_job_and_the_replacement_joins(
     new_node = attach_nodes(rdzv, [replacement])[0]
     infos = join_all([nodes[0], new_node])
     assert {i.world_size for i in infos} == {2}
-    lost = [m for _, r, m in rdzv.events() if r == "MemberLost"]
-    assert any(nodes[1].pod in m and "PodFailed" in m for m in lost), lost
+    rdzv.wait_events("MemberLost", lambda m: nodes[1].pod in m and "PodFailed" in m)
+
+
+PRODUCTION_JOB: dict[str, Any] = {
+    **training.PRODUCTION_SPEC,
+    "backoffLimit": None,
+    # 0: a single failure counted would fail the index at once.
+    "backoffLimitPerIndex": 0,
+}
+"""The production Job of docs/annotations.md (tests/tooling/test_production_job.py holds
+the docs to the dev kit's), its budget per index cut to 0."""
+
+
+def test_the_production_job_replaces_a_pod_lost_to_a_disruption_and_counts_nothing(
+    admin_api: kubernetes.client.ApiClient, workers_namespace: str
+) -> None:
+    """Each Job loses a pod as a kubelet evicting it for node pressure reports it (Failed,
+    DisruptionTarget): the real Job controller replaces it in both, and counts it only in
+    the Job of the API's defaults, which the operator warns about, once."""
+    nodes = {"k8s-rendezvous.dev/nodes": "1:2"}
+    make_job(admin_api, workers_namespace, "kept", 2, nodes, completions=2, **PRODUCTION_JOB)
+    make_job(admin_api, workers_namespace, "counted", 2, nodes)
+    batch = kubernetes.client.BatchV1Api(admin_api)
+    for job in ("kept", "counted"):
+        victim = running_pods(admin_api, workers_namespace, job, 2)[0]["metadata"]["name"]
+        set_pod_phase(
+            admin_api,
+            workers_namespace,
+            victim,
+            "Failed",
+            exit_code=143,
+            disruption="TerminationByKubelet",
+            message="The node was low on resource: memory.",
+        )
+        pods = wait_for(
+            lambda job=job, victim=victim: (
+                found
+                if len(found := job_pods(admin_api, workers_namespace, job)) == 2
+                and victim not in {p["metadata"]["name"] for p in found}
+                else None
+            ),
+            60,
+            f"Job {job} replaced the pod it lost",
+        )
+        assert len(pods) == 2
+    kept = read_object(batch.read_namespaced_job_status, "kept", workers_namespace)["status"]
+    assert not kept.get("failed") and not kept.get("failedIndexes"), kept
+    wait_for(
+        lambda: (
+            read_object(batch.read_namespaced_job_status, "counted", workers_namespace)[
+                "status"
+            ].get("failed")
+            == 1
+        ),
+        30,
+        "the Job of the API's defaults counted the lost pod as failed",
+    )
+
+    def warned(job: str) -> list[str]:
+        return [
+            m for _, r, m in job_events(admin_api, workers_namespace, job) if r == "PodLossesEndJob"
+        ]
+
+    (warning,) = wait_for(lambda: warned("counted") or None, 30, "PodLossesEndJob on the Job")
+    assert "7 (backoffLimit + 1) fail the whole Job" in warning, warning
+    assert "onPodConditions: [{type: DisruptionTarget}]" in warning, warning
+    # Both Jobs' Rendezvous were made (the operator handled both) and only one was warned.
+    assert any(
+        r == "RendezvousCreated" for _, r, _ in job_events(admin_api, workers_namespace, "kept")
+    )
+    assert warned("kept") == []
+    assert len(warned("counted")) == 1
 
 
 # A member's pod succeeding closes the rendezvous before the Job's Complete condition
@@ -429,7 +499,7 @@ def pod_node(
 def test_statefulset_pods_create_their_rendezvous_owned_by_the_statefulset(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str, control_plane: ControlPlane
 ) -> None:
-    bind_creator_role(control_plane, workers_namespace)
+    namespaces.bind_creator_role(admin_api, workers_namespace)
     sts_uid, pods = statefulset_pods(admin_api, workers_namespace, "sts", 2)
     nodes = [pod_node(control_plane, workers_namespace, pod, "sts-train", 2) for pod in pods]
     try:
@@ -456,7 +526,7 @@ def test_set_closed_before_the_rendezvous_exists_makes_it_closed_as_with_c10d(
     """c10d's set_closed() writes a closed state where there was none: a node that closes
     first makes the Rendezvous (its creator role), the operator closes it, and the other
     node's next_rendezvous() raises RendezvousClosedError instead of waiting to join."""
-    bind_creator_role(control_plane, workers_namespace)
+    namespaces.bind_creator_role(admin_api, workers_namespace)
     _, pods = statefulset_pods(admin_api, workers_namespace, "early", 2)
     closing, late = (pod_node(control_plane, workers_namespace, pod, "early", 2) for pod in pods)
     try:
@@ -479,10 +549,9 @@ def test_set_closed_before_the_rendezvous_exists_makes_it_closed_as_with_c10d(
 def test_a_rendezvous_made_by_a_bare_pod_gets_no_owner_and_says_why(
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
-    control_plane: ControlPlane,
     attach_nodes: AttachNodes,
 ) -> None:
-    bind_creator_role(control_plane, workers_namespace)
+    namespaces.bind_creator_role(admin_api, workers_namespace)
     rdzv = Rendezvous(admin_api, workers_namespace, "loner-train")
     (node,) = attach_nodes(rdzv, create_pods(admin_api, workers_namespace, ["loner"]))
     node.join_in_background()  # it makes the Rendezvous, then waits to be admitted

@@ -39,11 +39,10 @@ import pytest
 import yaml
 from tests.controllers import controllers, jobsets, leaderworkersets, queueing, timeline
 from tests.e2e.harness import timing
-from tests.support import fixtures
 
 from devkit import namespaces
 from devkit.cluster import images
-from devkit.cluster.controlplane import ControlPlane, dig
+from devkit.cluster.controlplane import dig
 from devkit.training import TrainingJob, agent_pid, local_command, on_real_nodes
 from devkit.waiting import wait_for
 
@@ -59,7 +58,6 @@ KILLED_EXIT_CODE = 137
 @pytest.fixture
 def controlled_namespace(
     make_namespace: Callable[..., str],
-    control_plane: ControlPlane,
     admin_api: kubernetes.client.ApiClient,
     operator_release: object,
 ) -> str:
@@ -67,7 +65,7 @@ def controlled_namespace(
     (the worker and creator roles, as docs/workloads.md has users bind them)."""
     namespace = make_namespace({controllers.CONTROLLERS_LABEL: "on"})
     namespaces.bind_worker_role(admin_api, namespace)
-    fixtures.bind_creator_role(control_plane, namespace)
+    namespaces.bind_creator_role(admin_api, namespace)
     return namespace
 
 

@@ -21,6 +21,7 @@ from tests.support.fixtures import (
 from tests.support.hostile import Attacker
 from tests.support.jobs import make_job, running_pods, wait_webhook_registered
 
+from devkit import namespaces
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
@@ -384,7 +385,7 @@ def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_with_the
     where StatefulSet squat used that name in good faith."""
     ns = workers_namespace
     wait_webhook_registered(control_plane, ns)
-    fixtures.bind_creator_role(control_plane, ns)
+    namespaces.bind_creator_role(admin_api, ns)
     sts_uid, (squat_pod,) = fixtures.statefulset_pods(admin_api, ns, "squat", 1)
     rdzv = Rendezvous(admin_api, ns, "train-llm")
     (squatter,) = attach_nodes(rdzv, [squat_pod])

@@ -13,7 +13,7 @@ import pytest
 from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, join_all
 
-from devkit.cluster.controlplane import ControlPlane
+from devkit import namespaces
 from devkit.waiting import wait_for
 from k8s_rendezvous.wire import objects
 
@@ -30,7 +30,6 @@ def warnings_on(
 
 
 def test_a_pod_made_rendezvous_under_a_statefulsets_name_is_given_back_to_it(
-    control_plane: ControlPlane,
     admin_api: kubernetes.client.ApiClient,
     workers_namespace: str,
     attach_nodes: Callable[..., list[Node]],
@@ -39,7 +38,7 @@ def test_a_pod_made_rendezvous_under_a_statefulsets_name_is_given_back_to_it(
     sts-victim's pods were refused for good (NodeRefused: controlled by
     StatefulSet/sts-victim, not by StatefulSet/squatter)."""
     ns = workers_namespace
-    fixtures.bind_creator_role(control_plane, ns)
+    namespaces.bind_creator_role(admin_api, ns)
     squatter_uid, (squatter_pod,) = fixtures.statefulset_pods(admin_api, ns, "squatter", 1)
     rdzv = Rendezvous(admin_api, ns, "sts-victim")
     (squatter,) = attach_nodes(rdzv, [squatter_pod])

@@ -10,7 +10,7 @@ world is whole again (sealed, every running agent in it or a spare) and records 
 that took; after the others it strikes again at once, so faults overlap.
 
 Every status version is recorded from a watch and, with what every handler returned,
-checked against the invariants (tests/support/invariants.py) every few faults and at the
+checked against the invariants (devkit/invariants.py) every few faults and at the
 end. The soak stops by itself at a round count or a time limit, whichever comes first.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
-from tests.support import invariants
 from tests.support.fixtures import create_pods
 
+from devkit import invariants
 from devkit.cluster.controlplane import ControlPlane
 from devkit.manifests import WORKLOAD_SELECTOR
 from devkit.operator import OperatorProcess

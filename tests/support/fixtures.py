@@ -15,11 +15,15 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from tests.support import invariants
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from devkit import chart, manifests, namespaces
-from devkit.cluster.controlplane import POD_IP_ANNOTATION, ControlPlane, build_binaries, read_object
+from devkit import chart, invariants, manifests, namespaces
+from devkit.cluster.controlplane import (
+    POD_IP_ANNOTATION,
+    ControlPlane,
+    build_helm,
+    read_object,
+)
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous import config, kube
@@ -35,7 +39,7 @@ def rendezvous_crd(control_plane: ControlPlane) -> None:
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> chart.Helm:
     """helm without a cluster (lint, template)."""
-    return chart.Helm(build_binaries() / "helm", tmp_path_factory.mktemp("helm-home"))
+    return chart.Helm(build_helm(), tmp_path_factory.mktemp("helm-home"))
 
 
 @pytest.fixture(scope="session")
@@ -193,6 +197,23 @@ class Rendezvous:
             self.namespace, field_selector=f"involvedObject.name={self.name}"
         )
         return [(e.type, e.reason, e.message) for e in found.items]
+
+    def wait_events(
+        self,
+        reason: str,
+        about: Callable[[str], bool],
+        kind: str | None = None,
+        timeout: float = 15,
+    ) -> list[str]:
+        """The messages of the Events of ``reason`` (and ``kind``) once one is ``about`` what
+        the test looks for: kopf posts Events in batches, after the status writes a test
+        may have waited for."""
+
+        def check() -> list[str] | None:
+            messages = [m for k, r, m in self.events() if r == reason and kind in (None, k)]
+            return messages if any(about(m) for m in messages) else None
+
+        return wait_for(check, timeout, f"{self.namespace}/{self.name}: the {reason} Event")
 
 
 @pytest.fixture
@@ -481,20 +502,6 @@ def statefulset_pods(
         return pods if len(pods) == replicas else None
 
     return created.metadata.uid, wait_for(running, 60, f"{replicas} StatefulSet pods running")
-
-
-def bind_creator_role(control_plane: ControlPlane, namespace: str) -> None:
-    """Let the pods of ``namespace`` (its ``default`` ServiceAccount) create a missing
-    Rendezvous, as the README says for workloads that are not annotated Jobs."""
-    control_plane.kubectl(
-        "-n",
-        namespace,
-        "create",
-        "rolebinding",
-        "creator",
-        "--clusterrole=k8s-rendezvous-creator",
-        f"--serviceaccount={namespace}:default",
-    )
 
 
 def delete_pod(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:

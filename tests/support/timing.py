@@ -29,6 +29,7 @@ class TierClock:
         self.root = root
         self.tiers: dict[str, test_lanes.Tier] = {}
         self.tests: dict[str, float] = {}
+        self.failed: list[str] = []
         self.started = time.time()
 
     @pytest.hookimpl
@@ -38,6 +39,8 @@ class TierClock:
         tier.last_end = max(tier.last_end, report.stop)
         tier.busy += report.duration
         self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
+        if report.failed:
+            self.failed.append(f"{report.nodeid} ({report.when})")
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             tier.tests += 1
 
@@ -47,7 +50,9 @@ class TierClock:
             return
         if destination := os.environ.get(test_lanes.TIMING_FILE_ENV):
             tiers = {name: dataclasses.asdict(tier) for name, tier in self.tiers.items()}
-            Path(destination).write_text(json.dumps({"tiers": tiers, "tests": self.tests}))
+            Path(destination).write_text(
+                json.dumps({"tiers": tiers, "tests": self.tests, "failed": self.failed})
+            )
             return  # the driver reports every lane's at once
         terminalreporter.section("where the time went")
         test_lanes.report(

@@ -1,5 +1,6 @@
 """make test's lanes (hack/test_lanes.py): every tier runs in exactly one lane; a lane's
-failure fails the run and keeps the tests' files; the report covers every lane."""
+failure fails the run, names the failed tests last and keeps the lanes' output and the
+tests' files; the report covers every lane."""
 
 from __future__ import annotations
 
@@ -74,4 +75,8 @@ def test_one_failing_lane_fails_the_run_and_keeps_the_files(
     code = test_lanes.run(["-p", "no:cacheprovider"], LANES, _repo(tmp_path, False))
     assert code == pytest.ExitCode.TESTS_FAILED
     (kept,) = files_root.iterdir()
-    assert f"the tests' files are kept in {kept}" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    # The failed test is named at the very end, which is all some CIs show.
+    assert out[-2] == "FAILED [y] tests/second/test_two.py::test_this (call)"
+    assert out[-1].endswith(f"their output and the tests' files are in {kept}")
+    assert "assert False" in (kept / "y.log").read_text()  # the lane's whole output

@@ -1,4 +1,4 @@
-"""The invariant checker itself (tests/support/invariants.py): each invariant, broken on
+"""The invariant checker itself (devkit/invariants.py): each invariant, broken on
 purpose, is reported; a correct history passes."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tests.support import invariants
 
+from devkit import invariants
 from k8s_rendezvous.wire import records, specs, statuses
 
 SPEC = specs.RendezvousSpec(1, 3, "r")

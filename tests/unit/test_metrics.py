@@ -26,3 +26,4 @@ def test_each_cause_and_budget_is_served_before_it_first_counts() -> None:
     assert served_labels(metrics.MEMBERS_LOST, "reason") >= set(reasons.LOST_REASONS)
     assert served_labels(metrics.CLOSED, "reason") >= set(reasons.CLOSED_REASONS)
     assert served_labels(metrics.EVENTS_SUPPRESSED, "budget") >= set(events.WARNING_BUDGETS)
+    assert served_labels(metrics.NODES_REFUSED, "reason") >= set(reasons.REFUSED_REASONS)

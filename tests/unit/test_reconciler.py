@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous.wire import leases, objects, records, specs, statuses
-from k8s_rendezvous_operator import kube, reasons, reconciler, workloads
+from k8s_rendezvous_operator import kube, metrics, reasons, reconciler, workloads
 
 NS = "ns"
 NAME = "r"
@@ -468,3 +468,56 @@ def test_a_pod_made_rendezvous_named_after_another_workload_is_given_back_to_it(
     assert given_back[1].message == reasons.rendezvous_taken_back(
         NAME, "squatter-0", "StatefulSet/squatter", f"StatefulSet/{NAME}"
     )
+
+
+def sample(gauge: Any, key: tuple[str, str]) -> float | None:
+    """The value of ``gauge``'s series for rendezvous ``key``, if it has one."""
+    return next(
+        (
+            s.value
+            for family in gauge.collect()
+            for s in family.samples
+            if (s.labels.get("namespace"), s.labels.get("rendezvous")) == key
+        ),
+        None,
+    )
+
+
+def test_each_rendezvous_has_its_world_against_max_and_its_last_recovery(
+    harness: Harness,
+) -> None:
+    async def scenario() -> None:
+        for node in (1, 2):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        body = harness.api.add_rendezvous(spec(1, 2), None)
+        await harness.rendezvous(body)
+        await harness.lease("p1", entry(1))
+        await harness.lease("p2", entry(2))
+        assert (sample(metrics.WORLD_SIZE, KEY), sample(metrics.MAX_NODES, KEY)) == (2, 2)
+        assert sample(metrics.LAST_RECOVERY, KEY) is None, "the first round recovers nothing"
+        await harness.lease("p2", None)  # its request removed: p1 re-forms alone
+        assert sample(metrics.WORLD_SIZE, KEY) == 0, "no sealed round while one forms"
+        harness.clock[0] = T0 + datetime.timedelta(seconds=0.5)
+        await harness.lease("p1", entry(1, attempt=2))
+        assert written_states(harness.api)[-1] == ("Sealed", 2)
+        assert sample(metrics.WORLD_SIZE, KEY) == 1
+        assert sample(metrics.LAST_RECOVERY, KEY) == 0.5
+        await harness.reconciler.rendezvous_seen(KEY, harness.api.rendezvous[NAME], deleted=True)
+
+    asyncio.run(scenario())
+    for gauge in metrics.PER_RENDEZVOUS:
+        assert sample(gauge, KEY) is None, f"{gauge} dropped with its rendezvous"
+
+
+def test_only_so_many_rendezvous_have_series_of_their_own() -> None:
+    series = metrics.RendezvousSeries(limit=2)
+    for name in ("a", "b", "c"):
+        series.set(("limits", name), 1, 4, None)
+    assert len(series) == 2
+    assert sample(metrics.WORLD_SIZE, ("limits", "c")) is None
+    series.forget(("limits", "a"))
+    series.set(("limits", "c"), 1, 4, 0.25)
+    assert sample(metrics.LAST_RECOVERY, ("limits", "c")) == 0.25
+    assert sample(metrics.WORLD_SIZE, ("limits", "a")) is None
+    for name in ("b", "c"):
+        series.forget(("limits", name))

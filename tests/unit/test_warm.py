@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from devkit.cluster.controlplane import pid_alive
 from devkit.waiting import wait_for
 from k8s_rendezvous import warm
 
@@ -141,7 +142,7 @@ def test_a_signal_to_the_clients_group_ends_its_worker(
         assert worker != waiting.pid
         os.killpg(waiting.pid, signum)
         assert waiting.wait(60) == -signum
-        wait_for(lambda: not _alive(worker), 30, f"worker {worker} ended with its client")
+        wait_for(lambda: not pid_alive(worker), 30, f"worker {worker} ended with its client")
     finally:
         if waiting.poll() is None:
             waiting.kill()
@@ -190,7 +191,7 @@ def test_the_zygote_ends_with_its_workers_when_the_agent_goes(script: Path, tmp_
         assert process.stdin is not None
         process.stdin.close()
         assert process.wait(60) == 0
-        assert not _alive(worker)
+        assert not pid_alive(worker)
         assert not _listening(path), "its socket closed"
     finally:
         for running in (waiting, process):
@@ -211,16 +212,6 @@ def _listening(name: str) -> bool:
         if len(fields) == 8 and fields[7] == name and int(fields[3], 16) & 0x10000:  # ACCEPTCON
             return True
     return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes: it runs nothing (its parent reaps it).
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 GATE_MODULE = """\

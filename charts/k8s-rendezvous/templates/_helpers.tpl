@@ -1,15 +1,31 @@
-{{/* The chart's name. */}}
+{{/* The chart's name (nameOverride), the app.kubernetes.io/name label. */}}
 {{- define "k8s-rendezvous.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* The release's prefix for every object name: the release name when it already
-contains the chart's name, else <release>-<chart>. */}}
+{{/* The release's prefix for every object name: fullnameOverride, else the release name
+when it already contains the chart's name, else <release>-<name>. 52 characters leave
+room for the longest suffix (-operator-leader-election). */}}
 {{- define "k8s-rendezvous.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "k8s-rendezvous.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 52 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 52 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator image: repository@digest when a digest is given (the tag is then only
+documentation), else repository:tag (the chart's appVersion by default). */}}
+{{- define "k8s-rendezvous.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 {{- end -}}
 

@@ -1,6 +1,7 @@
 """The rendezvous invariants, checked over a history: every status version a watch saw,
 plus what the handlers returned. Usable from tests (every Rendezvous made by the
-``make_rendezvous`` fixture is recorded and checked at teardown) and from the soak.
+``make_rendezvous`` fixture is recorded and checked at teardown), from the soak and from
+bench/goodput.py.
 
 The invariants:
 
@@ -23,8 +24,8 @@ from typing import Any
 
 import kubernetes.client
 from kubernetes import watch
-from kubernetes.client.exceptions import ApiException
 
+from devkit.cluster.controlplane import read_object_or_none
 from k8s_rendezvous.wire import codec, objects, records, specs, statuses
 
 
@@ -117,7 +118,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._kept = threading.Condition(self._lock)
         self._stopped = threading.Event()
-        self._watch = watch.Watch()
+        self._watch = watch.Watch()  # type: ignore[no-untyped-call]
         self._thread = threading.Thread(target=self._run, name=f"record-{name}", daemon=True)
         self._thread.start()
 
@@ -125,7 +126,7 @@ class Recorder:
         version = "0"  # from the start: the API server replays the object's current state
         while not self._stopped.is_set():
             try:
-                for event in self._watch.stream(
+                for event in self._watch.stream(  # type: ignore[no-untyped-call]
                     self._api.list_namespaced_custom_object,
                     objects.GROUP,
                     objects.VERSION,
@@ -145,13 +146,23 @@ class Recorder:
                 if self._stopped.wait(0.2):
                     return
                 try:
-                    obj = self._api.get_namespaced_custom_object(
-                        objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL, self.name
-                    )
+                    obj = self._current()
                 except Exception:
+                    continue
+                if obj is None:
                     continue
                 version = obj["metadata"]["resourceVersion"]
                 self._keep(obj)
+
+    def _current(self) -> dict[str, Any] | None:
+        return read_object_or_none(
+            self._api.get_namespaced_custom_object,
+            objects.GROUP,
+            objects.VERSION,
+            self.namespace,
+            objects.PLURAL,
+            self.name,
+        )
 
     def _keep(self, obj: dict[str, Any]) -> None:
         self.spec = obj.get("spec")
@@ -164,14 +175,9 @@ class Recorder:
     def catch_up(self, timeout: float = 30) -> None:
         """Wait until the history holds the object's current version: a test can end (its
         nodes returned) while this watch still reconnects after a fault of the test's."""
-        try:
-            current = self._api.get_namespaced_custom_object(
-                objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL, self.name
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return  # never created, or deleted: the history is what was seen
-            raise
+        current = self._current()
+        if current is None:
+            return  # never created, or deleted: the history is what was seen
         target = int(current["metadata"]["resourceVersion"])
         with self._kept:
             reached = self._kept.wait_for(
@@ -193,5 +199,5 @@ class Recorder:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._watch.stop()
+        self._watch.stop()  # type: ignore[no-untyped-call]
         self._thread.join(10)
