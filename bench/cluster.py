@@ -35,7 +35,7 @@ from devkit.cluster.controlplane import (
 )
 from devkit.operator import OperatorProcess
 from devkit.waiting import WaitTimeout, wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 Log = Callable[[str], None]
 OPERATOR_METRICS_PORT = 8081
@@ -140,7 +140,7 @@ class Cluster:
             kubernetes.client.CustomObjectsApi(
                 self.admin
             ).delete_collection_namespaced_custom_object(
-                state.GROUP, state.VERSION, name, state.PLURAL
+                objects.GROUP, objects.VERSION, name, objects.PLURAL
             )
         with contextlib.suppress(ApiException):
             core.delete_namespace(name)
@@ -175,7 +175,7 @@ class Cluster:
         def create(name: str) -> None:
             body = manifests.bare_pod(
                 name,
-                labels={**manifests.WORKLOAD_LABELS, state.NODE_LABEL: rendezvous_of[name]},
+                labels={**manifests.WORKLOAD_LABELS, objects.NODE_LABEL: rendezvous_of[name]},
                 annotations={POD_IP_ANNOTATION: addresses[name]},
                 terminationGracePeriodSeconds=0,
             )
@@ -259,16 +259,16 @@ class Cluster:
     ) -> None:
         body = manifests.rendezvous(namespace, name, min_nodes, max_nodes, **spec)
         kubernetes.client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, namespace, state.PLURAL, body
+            objects.GROUP, objects.VERSION, namespace, objects.PLURAL, body
         )
 
     def rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
         return read_object(
             kubernetes.client.CustomObjectsApi(self.admin).get_namespaced_custom_object,
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             namespace,
-            state.PLURAL,
+            objects.PLURAL,
             name,
         )
 

@@ -32,7 +32,7 @@ from devkit.training import (
     wait_webhook_served_by_leader_alone,
     worker_pid,
 )
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec
 from k8s_rendezvous_operator import leadership
 
 REPAIR_SECONDS = 45.0
@@ -64,7 +64,7 @@ def leading_pod(lease: Json, now: float) -> str | None:
     record = leadership.Record.from_lease(lease)
     if not record.holder or not record.renew_time:
         return None
-    age = now - state.parse_time(record.renew_time, "spec.renewTime").timestamp()
+    age = now - codec.parse_time(record.renew_time, "spec.renewTime").timestamp()
     return leadership.pod_of(record.holder) if age <= record.duration_seconds else None
 
 

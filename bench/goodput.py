@@ -100,7 +100,7 @@ from devkit.cluster.controlplane import dig, read_object, to_model  # noqa: E402
 from devkit.nodepool import NodePool  # noqa: E402
 from devkit.training import TrainingJob, create_job, job_manifest  # noqa: E402
 from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
-from k8s_rendezvous import state  # noqa: E402
+from k8s_rendezvous.wire import objects, specs, statuses  # noqa: E402
 
 TORCHRUN_ARGS = ("--max-restarts=100",)
 OUT = REPO / "bench" / "results" / "goodput"
@@ -329,7 +329,7 @@ class Run:
                 stop,
                 lambda: (
                     custom.list_namespaced_custom_object,
-                    (state.GROUP, state.VERSION, self.namespace, state.PLURAL),
+                    (objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL),
                     {"field_selector": f"metadata.name={self.name}"},
                 ),
                 self._on_rendezvous,
@@ -369,7 +369,7 @@ class Run:
             leaks = self._leaks(before)
         if recorder is not None and recorder.spec is not None:
             try:
-                invariants.check(state.RendezvousSpec.from_dict(recorder.spec), recorder.statuses())
+                invariants.check(specs.RendezvousSpec.from_dict(recorder.spec), recorder.statuses())
             except invariants.Violation as violation:
                 self.violations.append(f"rendezvous history: {violation}")
         result = analyze(lines, injected, began, ended, self._rounds)
@@ -485,16 +485,16 @@ class Run:
                     continue
                 body = read_object(
                     custom.get_namespaced_custom_object,
-                    state.GROUP,
-                    state.VERSION,
+                    objects.GROUP,
+                    objects.VERSION,
                     self.namespace,
-                    state.PLURAL,
+                    objects.PLURAL,
                     self.name,
                 )
             except Exception:
                 continue  # the API server restarting: the next sample sees
-            status = state.RendezvousStatus.from_dict(body.get("status"))
-            if status.state is not state.RoundState.SEALED:
+            status = statuses.RendezvousStatus.from_dict(body.get("status"))
+            if status.state is not statuses.RoundState.SEALED:
                 continue
             now = time.time()
             for member in status.members:
@@ -510,7 +510,7 @@ class Run:
             listed = read_object(
                 kubernetes.client.CoordinationV1Api(self.api).list_namespaced_lease,
                 self.namespace,
-                label_selector=f"{state.NODE_LABEL}={self.name}",
+                label_selector=f"{objects.NODE_LABEL}={self.name}",
             )
         except Exception:  # the API server unreachable: not in the way of the cleanup
             traceback.print_exc()

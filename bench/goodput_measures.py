@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import records, statuses
 
 FULL = 4
 """The full world: pods in the Job, one worker each."""
@@ -254,7 +254,7 @@ def sealed_after(rounds: Sequence[tuple[float, str, int]], at: float, until: flo
         (
             round(seen - at, 3)
             for seen, phase, round_ in rounds
-            if at < seen < until and phase == state.RoundState.SEALED.value and round_ > current
+            if at < seen < until and phase == statuses.RoundState.SEALED.value and round_ > current
         ),
         None,
     )
@@ -332,7 +332,7 @@ def merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return joined
 
 
-def member_gone(member: state.Member, pod: Json | None) -> bool:
+def member_gone(member: records.Member, pod: Json | None) -> bool:
     """Whether the pod a sealed round's ``member`` joined from is gone, terminating or
     ended, or no longer runs the agent that joined: a StatefulSet makes a deleted pod anew
     under its name (another IP), and restarts a crashed container in its pod."""

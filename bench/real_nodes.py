@@ -76,7 +76,7 @@ from devkit.training import (  # noqa: E402
     worker_pid,
 )
 from devkit.waiting import WaitTimeout, wait_for  # noqa: E402
-from k8s_rendezvous import state  # noqa: E402
+from k8s_rendezvous.wire import objects, statuses  # noqa: E402
 
 FAULTS = {
     "worker": "a worker SIGKILLed in its container",
@@ -257,7 +257,7 @@ class Run:
 
     def _round(self) -> int:
         body = kubernetes.client.CustomObjectsApi(self.api).get_namespaced_custom_object(
-            state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+            objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL, self.name
         )
         return int(dig(body, "status", "round", default=0))
 
@@ -299,10 +299,10 @@ class Run:
 
             def on_rendezvous(event: Json) -> None:
                 status = event["object"].get("status") or {}
-                if status.get("state") == state.RoundState.REFORMING.value:
+                if status.get("state") == statuses.RoundState.REFORMING.value:
                     marks.mark("member lost")
                 if (
-                    status.get("state") == state.RoundState.SEALED.value
+                    status.get("state") == statuses.RoundState.SEALED.value
                     and int(status.get("round", 0)) > round_before
                 ):
                     marks.mark("round sealed")
@@ -311,7 +311,7 @@ class Run:
                 stop,
                 lambda: (
                     custom.list_namespaced_custom_object,
-                    (state.GROUP, state.VERSION, self.namespace, state.PLURAL),
+                    (objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL),
                     {"field_selector": f"metadata.name={self.name}"},
                 ),
                 on_rendezvous,

@@ -26,7 +26,7 @@ import kubernetes.client
 from kubernetes import watch
 
 from devkit.cluster.controlplane import read_object_or_none
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec, objects, records, specs, statuses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +47,15 @@ class Violation(AssertionError):
 
 
 def check(
-    spec: state.RendezvousSpec,
-    statuses: Iterable[tuple[int, state.RendezvousStatus]],
+    spec: specs.RendezvousSpec,
+    history: Iterable[tuple[int, statuses.RendezvousStatus]],
     outcomes: Iterable[Outcome] = (),
 ) -> None:
     """Raise :class:`Violation` naming the first broken invariant."""
-    sealed: dict[int, tuple[tuple[str, ...], state.Master | None]] = {}
+    sealed: dict[int, tuple[tuple[str, ...], records.Master | None]] = {}
     last_round = -1
     last_version = -1
-    for version, status in statuses:
+    for version, status in history:
         if version <= last_version:
             raise Violation(f"history out of order at resourceVersion {version}")
         last_version = version
@@ -67,7 +67,7 @@ def check(
         names = tuple(member.node for member in status.members)
         if len(set(names)) != len(names):
             raise Violation(f"round {status.round}: a node holds two ranks: {names}")
-        if status.state is state.RoundState.SEALED and not (
+        if status.state is statuses.RoundState.SEALED and not (
             spec.min_nodes <= len(names) <= spec.max_nodes
         ):
             raise Violation(
@@ -128,10 +128,10 @@ class Recorder:
             try:
                 for event in self._watch.stream(  # type: ignore[no-untyped-call]
                     self._api.list_namespaced_custom_object,
-                    state.GROUP,
-                    state.VERSION,
+                    objects.GROUP,
+                    objects.VERSION,
                     self.namespace,
-                    state.PLURAL,
+                    objects.PLURAL,
                     field_selector=f"metadata.name={self.name}",
                     resource_version=version,
                     timeout_seconds=5,
@@ -157,10 +157,10 @@ class Recorder:
     def _current(self) -> dict[str, Any] | None:
         return read_object_or_none(
             self._api.get_namespaced_custom_object,
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             self.namespace,
-            state.PLURAL,
+            objects.PLURAL,
             self.name,
         )
 
@@ -185,15 +185,15 @@ class Recorder:
             )
         assert reached, f"the history of {self.name} did not reach version {target} in {timeout} s"
 
-    def statuses(self) -> list[tuple[int, state.RendezvousStatus]]:
+    def statuses(self) -> list[tuple[int, statuses.RendezvousStatus]]:
         """Every recorded version that decodes (a test may write nonsense on purpose)."""
         with self._lock:
             versions = sorted({v: s for v, s in self._versions}.items())
         decoded = []
         for version, raw in versions:
             try:
-                decoded.append((version, state.RendezvousStatus.from_dict(raw or None)))
-            except state.DecodeError:
+                decoded.append((version, statuses.RendezvousStatus.from_dict(raw or None)))
+            except codec.DecodeError:
                 continue
         return decoded
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from devkit import paths
 from devkit.cluster.controlplane import ControlPlane
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 WORKLOAD_LABELS = {"k8s-rendezvous.dev/test-workload": "trainer"}
 """On the kit's bare pods; the Rendezvous it makes select them (spec.podSelector), as an
@@ -32,8 +32,8 @@ def rendezvous(
 ) -> dict[str, Any]:
     """A Rendezvous selecting :data:`WORKLOAD_LABELS`' pods, its run id its name."""
     return {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "minNodes": min_nodes,

@@ -29,7 +29,7 @@ from devkit.cluster.controlplane import dig, read_object, read_object_or_none
 from devkit.cluster.nodes import REAL_NODE_LABEL, REAL_NODE_TOLERATION
 from devkit.paths import REPO, TRAIN_SCRIPT
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 from k8s_rendezvous_operator import leadership
 
 VENV_BIN = REPO / ".venv" / "bin"
@@ -187,10 +187,10 @@ class TrainingJob:
         """The status of the Rendezvous named after the Job (an annotated Job's)."""
         body = read_object(
             kubernetes.client.CustomObjectsApi(self.api).get_namespaced_custom_object,
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             self.namespace,
-            state.PLURAL,
+            objects.PLURAL,
             self.name,
         )
         return dict(body.get("status") or {})

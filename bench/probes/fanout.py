@@ -3,7 +3,7 @@
 ``python -m bench.probes.fanout`` (output committed as ``results/fanout.json``) isolates the part
 of the 1000-node round that comes after the seal: every node's watch receives the sealed
 status (about 124 kB) and the node reads its own entry from it
-(:class:`k8s_rendezvous.state.NodeView`), exactly as the handler's round watcher does,
+(:class:`k8s_rendezvous.wire.views.NodeView`), exactly as the handler's round watcher does,
 through :meth:`k8s_rendezvous.kube.RendezvousClient.watch_unless`. No operator, no joins,
 no store: one status write by the admin, watched on the real API server.
 
@@ -43,7 +43,8 @@ def watch_in_threads(
     """Child process: ``count`` watching nodes; prints READY, then their CPU seconds."""
     import kubernetes.client
 
-    from k8s_rendezvous import kube, state
+    from k8s_rendezvous import kube
+    from k8s_rendezvous.wire import leases, objects, views
 
     configuration = kubernetes.client.Configuration()
     configuration.host, configuration.ssl_ca_cert = host, ca
@@ -59,7 +60,7 @@ def watch_in_threads(
         # Connect first (TCP and TLS, about 3 ms of CPU), so that the figure is the round's
         # delivery alone: the watch takes this connection back from the pool.
         kubernetes.client.VersionApi(api).get_code()
-        own = state.slice_index(member_name(index), slices) if slices else None
+        own = objects.slice_index(member_name(index), slices) if slices else None
         # A generator: closed below, which ends the watch's request.
         events = cast(
             Generator[tuple[str, dict[str, Any]], None, None],
@@ -67,15 +68,15 @@ def watch_in_threads(
                 "1-Sealed",
                 None,
                 timeout_seconds=120,
-                slice_name=None if own is None else state.slice_name("fanout", own),
+                slice_name=None if own is None else objects.slice_name("fanout", own),
             ),
         )
         armed.wait()
         started = time.thread_time()  # the request goes out on the first next(), below
         # The round enters the filter as ADDED; a BOOKMARK may come first.
         obj = next(obj for kind, obj in events if kind in ("ADDED", "MODIFIED"))
-        view = state.NodeView.from_dict(obj.get("status"), member_name(index))
-        entry = state.NodeEntry(f"{index:016x}", 1, member_address(index), 29500)
+        view = views.NodeView.from_dict(obj.get("status"), member_name(index))
+        entry = leases.NodeEntry(f"{index:016x}", 1, member_address(index), 29500)
         assert view.round == 2 and view.rank_of(entry) == index, "not this node's round"
         with lock:
             cpu.append(time.thread_time() - started)
@@ -135,37 +136,37 @@ def measure(
 
     from devkit import manifests
     from devkit.cluster.controlplane import read_object
-    from k8s_rendezvous import state
+    from k8s_rendezvous.wire import objects, records, statuses
     from k8s_rendezvous_operator.kube import OperatorApi
 
-    objects = kubernetes.client.CustomObjectsApi(admin)
+    custom = kubernetes.client.CustomObjectsApi(admin)
     operator_api = OperatorApi(admin)
     rendezvous = read_object(
-        objects.create_namespaced_custom_object,
-        state.GROUP,
-        state.VERSION,
+        custom.create_namespaced_custom_object,
+        objects.GROUP,
+        objects.VERSION,
         namespace,
-        state.PLURAL,
+        objects.PLURAL,
         manifests.rendezvous(namespace, "fanout", members, members),
     )
     round_members = tuple(
-        state.Member(member_name(i), f"{i:016x}", 1, member_address(i)) for i in range(members)
+        records.Member(member_name(i), f"{i:016x}", 1, member_address(i)) for i in range(members)
     )
 
     def seal(round_number: int, slices: int) -> None:
         """Write the round as the operator does: the status, then its slices at once."""
-        status = state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+        status = statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=round_number,
             members=round_members,
-            master=state.Master(round_members[0].addr, 29500),
+            master=records.Master(round_members[0].addr, 29500),
             slices=slices,
         )
-        objects.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+        custom.patch_namespaced_custom_object_status(
+            objects.GROUP,
+            objects.VERSION,
             namespace,
-            state.PLURAL,
+            objects.PLURAL,
             "fanout",
             {"status": status.operator_fields()},
             _content_type="application/merge-patch+json",

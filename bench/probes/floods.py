@@ -55,14 +55,14 @@ from bench.cluster import OPERATOR_METRICS_PORT, Cluster, Sampler, dump
 from devkit.admission import pod_review
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, objects
 
 RESULTS = Path(__file__).parents[1] / "results" / "floods.json"
 WINDOW_SECONDS = 30.0
 LEASES = 2000
 WARNINGS = 300
 NO_SUCH_UID = "00000000-0000-4000-8000-000000000000"
-READABLE = state.NodeEntry("flood", 1, "127.100.0.1", 29500).to_annotation()
+READABLE = leases.NodeEntry("flood", 1, "127.100.0.1", 29500).to_annotation()
 """A request the operator can read."""
 WEBHOOK_SECONDS = 15.0
 WEBHOOK_CLIENTS = 8
@@ -86,8 +86,8 @@ class Attacker:
         admits it, else owned by a Rendezvous that does not exist. Says which."""
         metadata: dict[str, Any] = {
             "name": f"{rendezvous}.{self.name}",
-            "labels": {state.NODE_LABEL: rendezvous},
-            "annotations": {state.ENTRY_ANNOTATION: entry, state.POD_UID_ANNOTATION: self.uid},
+            "labels": {objects.NODE_LABEL: rendezvous},
+            "annotations": {objects.ENTRY_ANNOTATION: entry, objects.POD_UID_ANNOTATION: self.uid},
         }
         body = {
             "apiVersion": "coordination.k8s.io/v1",
@@ -109,8 +109,8 @@ class Attacker:
                 raise
         metadata["ownerReferences"] = [
             {
-                "apiVersion": state.API_VERSION,
-                "kind": state.KIND,
+                "apiVersion": objects.API_VERSION,
+                "kind": objects.KIND,
                 "name": rendezvous,
                 "uid": NO_SUCH_UID,
             }
@@ -119,9 +119,9 @@ class Attacker:
         return "owned by a Rendezvous that does not exist"
 
 
-def count(cluster: Cluster, namespace: str, plural: str, group: str = state.GROUP) -> int:
+def count(cluster: Cluster, namespace: str, plural: str, group: str = objects.GROUP) -> int:
     custom = kubernetes.client.CustomObjectsApi(cluster.admin)
-    version = "v1" if group == "coordination.k8s.io" else state.VERSION
+    version = "v1" if group == "coordination.k8s.io" else objects.VERSION
     found = cast(
         dict[str, Any], custom.list_namespaced_custom_object(group, version, namespace, plural)
     )
@@ -251,7 +251,7 @@ def flood_slices(cluster: Cluster) -> dict[str, Any]:
         return {}
 
     return measured(cluster, slices) | {
-        "slices_written": count(cluster, namespace, state.SLICE_PLURAL)
+        "slices_written": count(cluster, namespace, objects.SLICE_PLURAL)
     }
 
 

@@ -73,10 +73,10 @@ def sealed_status_decode(counts: tuple[int, ...] = (32, 128, 1000)) -> list[dict
 def _decode_costs(count: int) -> dict[str, Any]:
     from kubernetes import client, watch
 
-    from k8s_rendezvous import state
+    from k8s_rendezvous.wire import leases, objects, records, statuses, views
 
     members = tuple(
-        state.Member(
+        records.Member(
             node=f"bench-{count}-node-{i:04d}",
             instance=f"{i:08x}-1f3a-4c2b-9d7e-5a6b7c8d9e0f",
             attempt=1,
@@ -84,15 +84,15 @@ def _decode_costs(count: int) -> dict[str, Any]:
         )
         for i in range(count)
     )
-    sealed = state.RendezvousStatus(
-        state=state.RoundState.SEALED,
+    sealed = statuses.RendezvousStatus(
+        state=statuses.RoundState.SEALED,
         round=1,
         members=members,
-        master=state.Master(members[0].addr, 29500),
+        master=records.Master(members[0].addr, 29500),
     )
     obj = {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {"name": "train", "namespace": "bench", "resourceVersion": "1"},
         "spec": {"minNodes": count, "maxNodes": count, "runId": "train"},
         "status": sealed.operator_fields(),
@@ -101,16 +101,16 @@ def _decode_costs(count: int) -> dict[str, Any]:
     watcher = watch.Watch()  # type: ignore[no-untyped-call]
     watcher._api_client = client.ApiClient()
     raw = watcher.unmarshal_event(line, "object")["raw_object"]  # type: ignore[no-untyped-call]
-    decoded = state.RendezvousStatus.from_dict(raw["status"])
+    decoded = statuses.RendezvousStatus.from_dict(raw["status"])
     last = members[-1]
-    entry = state.NodeEntry(last.instance, last.attempt, last.addr, 29500)
+    entry = leases.NodeEntry(last.instance, last.attempt, last.addr, 29500)
     line_bytes = line.encode()
     steps: dict[str, Callable[[], object]] = {
         "kubernetes_watch_decode_ms": lambda: watcher.unmarshal_event(line, "object"),  # type: ignore[no-untyped-call]
         "event_decode_ms": lambda: json.loads(line_bytes),
-        "status_codec_ms": lambda: state.RendezvousStatus.from_dict(raw["status"]),
+        "status_codec_ms": lambda: statuses.RendezvousStatus.from_dict(raw["status"]),
         "rank_of_ms": lambda: decoded.rank_of(last.node, entry),
-        "node_view_ms": lambda: state.NodeView.from_dict(raw["status"], last.node).rank_of(entry),
+        "node_view_ms": lambda: views.NodeView.from_dict(raw["status"], last.node).rank_of(entry),
     }
     repeats = max(20, 20000 // count)
     return {

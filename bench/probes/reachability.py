@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import datagrams
 from k8s_rendezvous_operator.probing import Prober
 from k8s_rendezvous_operator.reachability import Target
 
@@ -64,10 +64,10 @@ def responders(count: int) -> None:
                 sock = key.fileobj
                 with contextlib.suppress(BlockingIOError):
                     while True:
-                        datagram, sender = sock.recvfrom(state.Probe.REQUEST_BYTES + 1)
+                        datagram, sender = sock.recvfrom(datagrams.Probe.REQUEST_BYTES + 1)
                         counts["requests"] += 1
                         counts["bytes_in"] += len(datagram)
-                        probe = state.Probe.from_request(datagram)
+                        probe = datagrams.Probe.from_request(datagram)
                         if probe is None or key.data in muted:
                             continue
                         with contextlib.suppress(OSError):
@@ -201,7 +201,7 @@ def report(f: dict[str, Any], command: str) -> str:
 Run {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z} on {os.cpu_count()} cores
 ({model}), holding the lock that keeps the other heavy jobs of this machine off it. A real
 `Prober` (interval {INTERVAL} s, window {WINDOW} s) probed {n:,} responders on 127.0.0.1,
-all in one child process (an epoll loop answering with `state.Probe`, as `ProbeResponder`
+all in one child process (an epoll loop answering with `datagrams.Probe`, as `ProbeResponder`
 does); {f["warmup_s"]} s of warm-up, then {f["measured_s"]} s measured. The responders
 count datagrams and bytes (UDP payload: IP and UDP headers add 28 bytes a datagram). Then
 the child stopped answering one member, at whatever point of a round the measurement ended.

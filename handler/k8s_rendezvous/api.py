@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from k8s_rendezvous import state
+    from k8s_rendezvous.wire import leases, specs
 
 
 class RendezvousReader(Protocol):
@@ -59,7 +59,7 @@ class LeaseWriter(Protocol):
         instance: str,
         duration_seconds: int,
         owner_uid: str,
-        entry: state.NodeEntry | None = None,
+        entry: leases.NodeEntry | None = None,
         budget_seconds: float | None = None,
     ) -> None:
         """Renew node ``node``'s Lease (owned by the Rendezvous of ``owner_uid``) and, if
@@ -83,6 +83,6 @@ class RendezvousApi(RendezvousReader, LeaseWriter, Protocol):
         """Whether Pod ``pod`` exists in the namespace; ``None`` if these credentials may
         not tell."""
 
-    def create(self, spec: state.RendezvousSpec, creator: str) -> bool:
+    def create(self, spec: specs.RendezvousSpec, creator: str) -> bool:
         """Create the Rendezvous (made by pod ``creator``); ``True`` if made or already
         there, ``False`` if these credentials may not."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, specs, tunables
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -37,7 +37,7 @@ renewal here is an API write, and 1,000 nodes at 5 s would be 200 writes a secon
 _KEEP_ALIVE = "keep_alive_interval x keep_alive_max_attempt"
 
 
-def _tunable_meaning(tunable: state.SpecTunable) -> str:
+def _tunable_meaning(tunable: tunables.SpecTunable) -> str:
     where = (
         "this node's own (the spec's if not given)"
         if tunable.node_local
@@ -46,12 +46,12 @@ def _tunable_meaning(tunable: state.SpecTunable) -> str:
     return f"{tunable.unit}, at least {tunable.minimum}: {tunable.meaning}; {where}"
 
 
-_HEARTBEAT = next(t for t in state.SPEC_TUNABLES if t.conf_key is None)
+_HEARTBEAT = next(t for t in tunables.SPEC_TUNABLES if t.conf_key is None)
 CONFIG_KEYS: Final = {
     "read_timeout": "seconds to retry the API server and to wait on the round's store (60)",
     **{
         tunable.conf_key: _tunable_meaning(tunable)
-        for tunable in state.SPEC_TUNABLES
+        for tunable in tunables.SPEC_TUNABLES
         if tunable.conf_key is not None
     },
     "keep_alive_interval": "seconds between renewals of the node's Lease (10); times "
@@ -60,7 +60,7 @@ CONFIG_KEYS: Final = {
     "keep_alive_interval",
     "heartbeat_timeout": "seconds one renewal of the node's Lease may take, retries "
     "included (5), as c10d bounds one keep-alive write",
-    **{setting.conf_key: setting.meaning for setting in state.AGENT_SETTINGS},
+    **{setting.conf_key: setting.meaning for setting in tunables.AGENT_SETTINGS},
 }
 _IGNORED_CONFIG_KEYS: Final = {"timeout"}  # torchrun adds it for every backend
 C10D_KEYS_NOT_USED: Final = {
@@ -92,16 +92,16 @@ class Settings:
     """Seconds to retry the API server and to wait on the round's store: torch's own
     c10d backend waits as long on its store (``read_timeout``, 60 s)."""
     configured_spec: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """The spec's tunables given (:data:`state.SPEC_TUNABLES`), by their field in the spec:
+    """The spec's tunables given (:data:`tunables.SPEC_TUNABLES`), by their field in the spec:
     the spec of a Rendezvous this node creates, compared with (and, but for a node's own
     deadlines, overruled by) the spec of one that exists."""
     heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
     """The budget of one renewal of the node's Lease, as c10d's ``heartbeat_timeout``."""
-    # The agent's own settings, each named by its --rdzv-conf key (state.AGENT_SETTINGS).
+    # The agent's own settings, each named by its --rdzv-conf key (tunables.AGENT_SETTINGS).
     health_check: tuple[str, ...] = ()
-    health_check_timeout: int = state.DEFAULT_HEALTH_CHECK_SECONDS
+    health_check_timeout: int = tunables.DEFAULT_HEALTH_CHECK_SECONDS
     in_place: bool = False
-    in_place_loss_timeout: int = state.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+    in_place_loss_timeout: int = tunables.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
     warm_start: bool = False
 
     @classmethod
@@ -161,7 +161,7 @@ class Settings:
             read_timeout,
             configured,
             heartbeat_timeout=heartbeat_timeout,
-            **{s.conf_key: agent_setting(params, s) for s in state.AGENT_SETTINGS},
+            **{s.conf_key: agent_setting(params, s) for s in tunables.AGENT_SETTINGS},
         )
 
 
@@ -175,7 +175,7 @@ def _positive_seconds(params: RendezvousParameters, key: str, default: int, mean
     return seconds
 
 
-def agent_setting(params: RendezvousParameters, setting: state.AgentSetting) -> Any:
+def agent_setting(params: RendezvousParameters, setting: tunables.AgentSetting) -> Any:
     """``--rdzv-conf`` ``setting``, else what an annotated Job gave its pods in the
     environment, else its default; checked.
 
@@ -187,7 +187,7 @@ def agent_setting(params: RendezvousParameters, setting: state.AgentSetting) -> 
     said, where = f"--rdzv-conf {setting.conf_key}", ""
     if raw is None and setting.env in os.environ:
         raw, said = os.environ[setting.env], setting.env
-        where = f" (from the Job's annotation {state.GROUP}/{setting.annotation})"
+        where = f" (from the Job's annotation {objects.GROUP}/{setting.annotation})"
     if raw is None:
         return setting.default
     try:
@@ -205,7 +205,7 @@ def _configured_spec(params: RendezvousParameters) -> dict[str, int]:
         ValueError: One out of its bounds, naming it and the fix.
     """
     configured: dict[str, int] = {}
-    for tunable in state.SPEC_TUNABLES:
+    for tunable in tunables.SPEC_TUNABLES:
         if tunable.conf_key is not None:
             value = params.get_as_int(tunable.conf_key)
         else:
@@ -232,7 +232,7 @@ def _configured_spec(params: RendezvousParameters) -> dict[str, int]:
     return configured
 
 
-def _out_of_bounds(tunable: state.SpecTunable, value: int) -> str | None:
+def _out_of_bounds(tunable: tunables.SpecTunable, value: int) -> str | None:
     if value < tunable.minimum:
         return (
             f"below its least value, {tunable.minimum} {tunable.unit}: give "
@@ -243,7 +243,7 @@ def _out_of_bounds(tunable: state.SpecTunable, value: int) -> str | None:
     return None
 
 
-def given_as(tunable: state.SpecTunable) -> str:
+def given_as(tunable: tunables.SpecTunable) -> str:
     """How ``--rdzv-conf`` gives ``tunable``."""
     return tunable.conf_key or _KEEP_ALIVE
 
@@ -256,7 +256,7 @@ def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, s
     """
     namespace, _, name = endpoint.strip().rpartition("/")
     namespace = namespace or default_namespace or ""
-    if state.rendezvous_name_problem(name) or state.rendezvous_name_problem(namespace):
+    if objects.rendezvous_name_problem(name) or objects.rendezvous_name_problem(namespace):
         raise ValueError(
             f"--rdzv-endpoint={endpoint!r} does not name a Rendezvous: use NAME or "
             "NAMESPACE/NAME (DNS labels: at most 63 lowercase letters, digits and '-', no "
@@ -269,18 +269,18 @@ def parse_endpoint(endpoint: str, default_namespace: str | None) -> tuple[str, s
 
 def spec_to_create(
     min_nodes: int, max_nodes: int, run_id: str, configured: Mapping[str, int]
-) -> state.RendezvousSpec:
+) -> specs.RendezvousSpec:
     """The spec of a Rendezvous this node creates: torchrun's ``--nnodes`` and
     ``--rdzv-id``, the ``configured`` fields, and the defaults for the others."""
-    tunables: dict[str, Any] = {
+    tuned: dict[str, Any] = {
         tunable.attribute: configured.get(tunable.field, tunable.default)
-        for tunable in state.SPEC_TUNABLES
+        for tunable in tunables.SPEC_TUNABLES
     }
-    return state.RendezvousSpec(min_nodes, max_nodes, run_id, **tunables)
+    return specs.RendezvousSpec(min_nodes, max_nodes, run_id, **tuned)
 
 
 def disagreements(
-    spec: state.RendezvousSpec, nnodes: tuple[int, int], configured: Mapping[str, int]
+    spec: specs.RendezvousSpec, nnodes: tuple[int, int], configured: Mapping[str, int]
 ) -> list[str]:
     """Where ``spec`` (of the Rendezvous found) and torchrun's parameters disagree, each
     said for a log line that ends "the resource wins"."""
@@ -290,7 +290,7 @@ def disagreements(
             f"admits {spec.min_nodes}:{spec.max_nodes} nodes but torchrun was given "
             f"--nnodes={nnodes[0]}:{nnodes[1]}"
         )
-    for tunable in state.SPEC_TUNABLES:
+    for tunable in tunables.SPEC_TUNABLES:
         value = getattr(spec, tunable.attribute)
         if tunable.node_local or configured.get(tunable.field, value) == value:
             continue

@@ -63,7 +63,6 @@ from k8s_rendezvous import (
     reforming,
     rest,
     round_store,
-    state,
     warm,
     watch,
 )
@@ -78,6 +77,7 @@ from k8s_rendezvous.errors import (
     NodeUnhealthyError,
     RendezvousNotFoundError,
 )
+from k8s_rendezvous.wire import codec, leases, objects, specs, statuses, views
 
 log = logging.getLogger(__name__)
 
@@ -163,16 +163,16 @@ class _JoinDeadline:
         self._node = node
         self._timeout = timeout
         self._deadline = time.monotonic() + timeout
-        self._request: state.NodeEntry | None = None
+        self._request: leases.NodeEntry | None = None
         self._max_nodes = 0
         self.spare = False
         """Whether the node waits as a spare, as of the latest status judged."""
 
-    def follow(self, request: state.NodeEntry, max_nodes: int) -> None:
+    def follow(self, request: leases.NodeEntry, max_nodes: int) -> None:
         """Judge ``request`` (the node's current one) against a round of ``max_nodes``."""
         self._request, self._max_nodes = request, max_nodes
 
-    def judge(self, view: state.NodeView) -> bool:
+    def judge(self, view: views.NodeView) -> bool:
         """Whether the join step has something to say about ``view``; each status the
         wait judges, in order, also tells whether the node is a spare."""
         assert self._request is not None, "follow() comes first"
@@ -270,7 +270,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._shut_down = False
         self._health_check = settings.health_check
         self._health_check_timeout = settings.health_check_timeout
-        self._failed_check: state.HealthCheckReport | None = None
+        self._failed_check: leases.HealthCheckReport | None = None
         """Why this node's health check failed: every Leave it writes from then says so,
         shutdown()'s too, so that a later write cannot hide it from the operator."""
         self._join_lock = threading.Lock()
@@ -468,7 +468,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             report.tail,
         )
         try:
-            self._write_intent(state.NodeIntent.LEAVE)
+            self._write_intent(leases.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not report its failed health check: %s", self._node, error)
         raise NodeUnhealthyError(
@@ -587,10 +587,10 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._attempt += 1
             request, since = self._ask(spec, owner_uid)
 
-    def _ask(self, spec: state.RendezvousSpec, owner_uid: str) -> tuple[state.NodeEntry, int]:
+    def _ask(self, spec: specs.RendezvousSpec, owner_uid: str) -> tuple[leases.NodeEntry, int]:
         """Write this node's join request of the current attempt; returns it, and the
         watcher's mark from before the write (the seal that admits it cannot be missed)."""
-        request = self._request(state.NodeIntent.JOIN)
+        request = self._request(leases.NodeIntent.JOIN)
         since = self._watcher.mark()
         self._client.write_lease(
             self._node, self._instance, spec.heartbeat_timeout_seconds, owner_uid, request
@@ -599,12 +599,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
 
     def _wait(
         self,
-        decided: Callable[[state.NodeView], bool],
+        decided: Callable[[views.NodeView], bool],
         deadline: Callable[[], float],
         since: int,
         uid: str,
-        request: state.NodeEntry,
-    ) -> state.NodeView | None:
+        request: leases.NodeEntry,
+    ) -> views.NodeView | None:
         """The watcher's wait, with the checks of a node that waits unadmitted: once, after
         :data:`_NODE_CHECK_SECONDS`, that it is a pod; then and later (see
         :data:`_REFUSAL_CHECK_MAX_SECONDS`) a read of the status, returned if it refuses
@@ -626,12 +626,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 return refusing
             interval = min(interval * 2, _REFUSAL_CHECK_MAX_SECONDS)
 
-    def _read_refusal(self, request: state.NodeEntry) -> state.NodeView | None:
+    def _read_refusal(self, request: leases.NodeEntry) -> views.NodeView | None:
         """The stored status, if it refuses ``request`` (one read; a failed one says
         nothing: the next check reads again)."""
         try:
-            view = state.NodeView.from_dict(self._client.get().get("status"), self._node)
-        except (RendezvousError, state.DecodeError) as error:
+            view = views.NodeView.from_dict(self._client.get().get("status"), self._node)
+        except (RendezvousError, codec.DecodeError) as error:
             log.debug("node %s could not read %s: %s", self._node, self._client.reference, error)
             return None
         return view if view.refusal_of(request) is not None else None
@@ -740,7 +740,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             # Its workers hang in a group the others left: stopped now, not failed later.
             return max(1, waiting)
         if self._reformer is None or (
-            waiting and status and status.state is state.RoundState.CLOSED
+            waiting and status and status.state is statuses.RoundState.CLOSED
         ):
             return waiting  # a closure in failure ends in-place re-forming too
         if self._reformer.handles_changes():
@@ -749,7 +749,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         # restart the workers, and the node join anew.
         return max(1, waiting) if self._reformer.gave_up is not None else waiting
 
-    def _waiting(self, status: state.NodeView) -> int:
+    def _waiting(self, status: views.NodeView) -> int:
         """What num_nodes_waiting() answers for ``status``, as torch's agent reads it."""
         return join.nodes_waiting(status, self._joined, self._watcher.uid)
 
@@ -762,11 +762,11 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 obj = self._client.get()
             except RendezvousNotFoundError:
                 return False  # as c10d's: nothing closed it yet
-            status = state.NodeView.from_dict(obj.get("status"), self._node)
-        return status.state is state.RoundState.CLOSED
+            status = views.NodeView.from_dict(obj.get("status"), self._node)
+        return status.state is statuses.RoundState.CLOSED
 
     def set_closed(self) -> None:
-        self._write_intent(state.NodeIntent.CLOSE)
+        self._write_intent(leases.NodeIntent.CLOSE)
         self._closed_locally = True
         self._record(f"node {self._node} closed {self._run_id}", NodeState.SUCCEEDED)
 
@@ -787,7 +787,9 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         finished = self._round_finishing()
         try:
             if self._attempt > 0 and not self._closed_locally:
-                self._write_intent(state.NodeIntent.FINISH if finished else state.NodeIntent.LEAVE)
+                self._write_intent(
+                    leases.NodeIntent.FINISH if finished else leases.NodeIntent.LEAVE
+                )
             self._record(
                 f"node {self._node} {'finished' if finished else 'left'} {self._run_id}",
                 NodeState.SUCCEEDED,
@@ -844,20 +846,20 @@ class KubernetesRendezvousHandler(RendezvousHandler):
         self._watcher.wait_for_object(time.monotonic() + _FIRST_EVENT_SECONDS)
         self._client.open_connection()
 
-    def _request(self, intent: state.NodeIntent) -> state.NodeEntry:
+    def _request(self, intent: leases.NodeIntent) -> leases.NodeEntry:
         """This node's request of its current attempt. The store port only matters to a
         Join (made after the port is offered); the others repeat the last one, if any."""
-        return state.NodeEntry(
+        return leases.NodeEntry(
             self._instance,
             max(self._attempt, 1),
             self._addr,
             self._entry_port or 1,
             intent,
             probe_port=self._probes.port,
-            health_check=self._failed_check if intent is state.NodeIntent.LEAVE else None,
+            health_check=self._failed_check if intent is leases.NodeIntent.LEAVE else None,
         )
 
-    def _write_intent(self, intent: state.NodeIntent) -> None:
+    def _write_intent(self, intent: leases.NodeIntent) -> None:
         entry = self._request(intent)
         obj = self._watcher.latest or self._read_or_create()  # c10d's set_closed() creates
         spec = self._check_spec(obj)
@@ -900,14 +902,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
     def _owner_uid(self, obj: Mapping[str, Any]) -> str:
         """The uid of the Rendezvous, which owns this node's Lease."""
         try:
-            return state.rendezvous_uid(obj)
-        except state.DecodeError as error:
+            return objects.rendezvous_uid(obj)
+        except codec.DecodeError as error:
             raise KubernetesRendezvousStateError(f"{self._client.reference}: {error}") from error
 
-    def _check_spec(self, obj: Mapping[str, Any]) -> state.RendezvousSpec:
+    def _check_spec(self, obj: Mapping[str, Any]) -> specs.RendezvousSpec:
         try:
-            spec = state.RendezvousSpec.from_dict(obj.get("spec"))
-        except state.DecodeError as error:
+            spec = specs.RendezvousSpec.from_dict(obj.get("spec"))
+        except codec.DecodeError as error:
             raise KubernetesRendezvousStateError(
                 messages.invalid_spec(self._client.reference, error)
             ) from error
@@ -923,12 +925,12 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 log.warning("%s %s; the resource wins", self._client.reference, disagreement)
         return spec
 
-    def _join_timeout(self, spec: state.RendezvousSpec) -> int:
+    def _join_timeout(self, spec: specs.RendezvousSpec) -> int:
         """This node's join deadline in seconds: its own ``--rdzv-conf join_timeout`` if
         given (a local deadline, as in torch's c10d), else the spec's."""
         return self._configured_spec.get("joinTimeoutSeconds", spec.join_timeout_seconds)
 
-    def _timed_out(self, spec: state.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
+    def _timed_out(self, spec: specs.RendezvousSpec) -> KubernetesRendezvousTimeoutError:
         self._withdraw()
         return KubernetesRendezvousTimeoutError(
             messages.timed_out(
@@ -938,13 +940,13 @@ class KubernetesRendezvousHandler(RendezvousHandler):
                 self._client.name,
                 self._join_timeout(spec),
                 spec,
-                self._watcher.status or state.NodeView(self._node),
+                self._watcher.status or views.NodeView(self._node),
             )
         )
 
     def _withdraw(self) -> None:
         """Take back this node's join request, as it stops waiting (best effort)."""
         try:
-            self._write_intent(state.NodeIntent.LEAVE)
+            self._write_intent(leases.NodeIntent.LEAVE)
         except RendezvousError as error:
             log.warning("node %s could not withdraw its join: %s", self._node, error)

@@ -16,7 +16,7 @@ reads the round at each step boundary. No torch and no Kubernetes here: both sid
 this module.
 
 Both records are frozen dataclasses with an explicit camelCase codec and a
-``schemaVersion``, as the Rendezvous' own wire format (:mod:`k8s_rendezvous.state`) is,
+``schemaVersion``, as the Rendezvous' own wire format (:mod:`k8s_rendezvous.wire`) is,
 and decode as strictly: a bad record raises :class:`HandoffError` naming the field.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec
 
 DIRECTORY_ENV: Final = "K8S_RENDEZVOUS_IN_PLACE_DIR"
 """Names the shared directory to the workers; unset, they cannot re-form in place."""
@@ -49,7 +49,7 @@ of another version as unreadable, so an agent and workers of different k8s-rende
 versions fall back to torch's restart instead of misreading each other."""
 
 
-class HandoffError(state.DecodeError):
+class HandoffError(codec.DecodeError):
     """A record is not JSON, has another schema version, or a field is missing or of the
     wrong type; the message names the field."""
 
@@ -207,7 +207,7 @@ def _read(path: Path) -> object | None:
     return data
 
 
-def _fields(data: object, what: str) -> state.Fields:
+def _fields(data: object, what: str) -> codec.Fields:
     """The record ``what`` (``round``, ``worker``), once it is an object of this version."""
     if type(data) is not dict:
         raise HandoffError(f"the {what} record is not an object: {data!r}")
@@ -217,15 +217,15 @@ def _fields(data: object, what: str) -> state.Fields:
             f"{what}.schemaVersion: {version!r} is not {SCHEMA_VERSION}; the agent and its "
             "workers run different k8s-rendezvous versions"
         )
-    return state.Fields(data, what)
+    return codec.Fields(data, what)
 
 
 @contextlib.contextmanager
 def _refused() -> Iterator[None]:
-    """The codec's :class:`k8s_rendezvous.state.DecodeError` as this module's error."""
+    """The codec's :class:`k8s_rendezvous.wire.codec.DecodeError` as this module's error."""
     try:
         yield
     except HandoffError:
         raise
-    except state.DecodeError as error:
+    except codec.DecodeError as error:
         raise HandoffError(str(error)) from None

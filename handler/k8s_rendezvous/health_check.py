@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases
 
 log = logging.getLogger(__name__)
 
-_KEPT_BYTES: Final = 4 * state.MAX_HEALTH_CHECK_TAIL
+_KEPT_BYTES: Final = 4 * leases.MAX_HEALTH_CHECK_TAIL
 """Output bytes kept while the check runs: its last ones, enough for the tail's characters
 even where each takes several bytes; the rest is read and dropped, so that a check that
 prints without end costs no memory."""
@@ -38,10 +38,10 @@ def _keep_tail(stream: io.BufferedReader, kept: bytearray) -> None:
 
 def tail_of(output: bytes) -> str:
     """What of ``output`` a report carries: its last characters, printable."""
-    return state.printable_tail(output.decode("utf-8", errors="replace"))
+    return leases.printable_tail(output.decode("utf-8", errors="replace"))
 
 
-def run(command: Sequence[str], timeout_seconds: float) -> state.HealthCheckReport | None:
+def run(command: Sequence[str], timeout_seconds: float) -> leases.HealthCheckReport | None:
     """Run the check; ``None`` if it passed (exit code 0 within ``timeout_seconds``), else
     why it failed. Its time is logged either way."""
     started = time.monotonic()
@@ -56,8 +56,8 @@ def run(command: Sequence[str], timeout_seconds: float) -> state.HealthCheckRepo
     except OSError as error:
         seconds = time.monotonic() - started
         log.warning("health check %s could not start: %s", command[0], error)
-        return state.HealthCheckReport(
-            state.HealthCheckOutcome.NOT_STARTED, seconds, tail=state.printable_tail(str(error))
+        return leases.HealthCheckReport(
+            leases.HealthCheckOutcome.NOT_STARTED, seconds, tail=leases.printable_tail(str(error))
         )
     assert isinstance(process.stdout, io.BufferedReader)
     kept = bytearray()
@@ -87,9 +87,9 @@ def run(command: Sequence[str], timeout_seconds: float) -> state.HealthCheckRepo
         log.warning(
             "health check %s ran past its bound of %.0f s and was killed", command[0], seconds
         )
-        return state.HealthCheckReport(state.HealthCheckOutcome.TIMED_OUT, seconds, tail=tail)
+        return leases.HealthCheckReport(leases.HealthCheckOutcome.TIMED_OUT, seconds, tail=tail)
     code = process.returncode
     log.info("health check %s exited %d after %.3f s", command[0], code, seconds)
     if code == 0:
         return None
-    return state.HealthCheckReport(state.HealthCheckOutcome.FAILED, seconds, code, tail)
+    return leases.HealthCheckReport(leases.HealthCheckOutcome.FAILED, seconds, code, tail)

@@ -8,7 +8,8 @@ import threading
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from k8s_rendezvous import api, state
+from k8s_rendezvous import api
+from k8s_rendezvous.wire import specs, tunables
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,12 @@ class Heartbeat:
         """Of one renewal, retries included (c10d's ``heartbeat_timeout``): a renewal
         that cannot be made in time gives way to the next, one period later."""
         self._period = 10.0
-        self._timeout = state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+        self._timeout = tunables.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
         self._owner_uid = ""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, spec: state.RendezvousSpec, owner_uid: str) -> None:
+    def start(self, spec: specs.RendezvousSpec, owner_uid: str) -> None:
         self._period = spec.heartbeat_interval_seconds
         self._timeout = spec.heartbeat_timeout_seconds
         self._owner_uid = owner_uid

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeAlias
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, records, statuses, views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Admitted:
     round: int
     rank: int
     world_size: int
-    master: state.Master
+    master: records.Master
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Closed:
     @property
     def in_failure(self) -> bool:
         """The job failed (its restart budget spent): a spare ends in failure too."""
-        return self.reason == state.CLOSED_RESTARTS_EXHAUSTED
+        return self.reason == statuses.CLOSED_RESTARTS_EXHAUSTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +85,10 @@ class Wait:
 Decision: TypeAlias = Admitted | Closed | Refused | Rejoin | Wait
 
 
-def decide(view: state.NodeView, request: state.NodeEntry) -> Decision:
+def decide(view: views.NodeView, request: leases.NodeEntry) -> Decision:
     """The join step for ``request`` (this node's join request) given ``view`` (the
     status as this node reads it): the rules of this module's docstring, in order."""
-    if view.state is state.RoundState.CLOSED:
+    if view.state is statuses.RoundState.CLOSED:
         return Closed(view.closed_reason, view.closed_message)
     if (refusal := view.refusal_of(request)) is not None:
         return Refused(refusal.reason, refusal.message)
@@ -104,19 +104,19 @@ def decide(view: state.NodeView, request: state.NodeEntry) -> Decision:
     return Wait()
 
 
-def is_spare(view: state.NodeView, request: state.NodeEntry, max_nodes: int) -> bool:
+def is_spare(view: views.NodeView, request: leases.NodeEntry, max_nodes: int) -> bool:
     """Whether ``request`` waits as a spare in ``view``: the round is sealed full
     (``max_nodes`` members) without it, so it cannot be admitted until a member is lost or
     the round goes stale. torch's c10d keeps such a node in its redundancy list, with no
     join deadline while it is there."""
     return (
-        view.state is state.RoundState.SEALED
+        view.state is statuses.RoundState.SEALED
         and view.world_size >= max_nodes
         and view.rank_of(request) is None
     )
 
 
-def is_decided(view: state.NodeView, request: state.NodeEntry) -> bool:
+def is_decided(view: views.NodeView, request: leases.NodeEntry) -> bool:
     """Whether :func:`decide` has more to say for ``view`` than :class:`Wait`."""
     return not isinstance(decide(view, request), Wait)
 
@@ -125,7 +125,7 @@ def is_decided(view: state.NodeView, request: state.NodeEntry) -> bool:
 class Joined:
     """A round this node joined, as the join step admitted it."""
 
-    status: state.NodeView
+    status: views.NodeView
     """The round as this node saw it sealed."""
     rank: int
     uid: str
@@ -137,16 +137,16 @@ class Joined:
         return self.status.round
 
 
-def is_stale(view: state.NodeView | None, round_number: int) -> bool:
+def is_stale(view: views.NodeView | None, round_number: int) -> bool:
     """Whether round ``round_number`` is no longer the sealed round ``view`` shows (the
     operator learnt a member is gone, or nodes wait to join): its store may never answer.
     No status seen yet judges nothing."""
     return view is not None and not (
-        view.round == round_number and view.state is state.RoundState.SEALED
+        view.round == round_number and view.state is statuses.RoundState.SEALED
     )
 
 
-def nodes_waiting(view: state.NodeView, joined: Joined | None, uid: str | None) -> int:
+def nodes_waiting(view: views.NodeView, joined: Joined | None, uid: str | None) -> int:
     """What ``num_nodes_waiting()`` answers for ``view`` after joining ``joined`` (``None``:
     never), while the Rendezvous held has ``uid`` (``None``: deleted, none made anew).
 
@@ -158,8 +158,12 @@ def nodes_waiting(view: state.NodeView, joined: Joined | None, uid: str | None) 
     closure (``RendezvousClosedError``) rather than wait on a peer that failed."""
     if joined is None or uid is None:
         return 0
-    if view.state is state.RoundState.CLOSED:
+    if view.state is statuses.RoundState.CLOSED:
         return view.nodes_waiting
-    if uid == joined.uid and view.round == joined.round and view.state is state.RoundState.SEALED:
+    if (
+        uid == joined.uid
+        and view.round == joined.round
+        and view.state is statuses.RoundState.SEALED
+    ):
         return view.nodes_waiting
     return max(1, view.nodes_waiting)

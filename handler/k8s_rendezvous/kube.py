@@ -21,19 +21,23 @@ from typing import Any, Final, TypeVar
 
 from kubernetes import client
 
-from k8s_rendezvous import rest, state
+from k8s_rendezvous import rest
 from k8s_rendezvous.errors import (
     ApiServerSilentError,
     KubernetesRendezvousConnectionError,
     KubernetesRendezvousStateError,
     RendezvousNotFoundError,
 )
+from k8s_rendezvous.wire import leases, objects, specs, statuses
 
 log = logging.getLogger(__name__)
 
 _POD_NAME_EXTRA: Final = "authentication.kubernetes.io/pod-name"
 """What the API server adds to the user info of a token bound to a pod: its name."""
-_TRANSIENT_STATUS: Final = frozenset({0, 429, 500, 502, 503, 504})
+_RETRIED: Final = (rest.Unavailable,)
+"""The failures retried for the whole retry budget: those that may pass later."""
+_RETRIED_BRIEFLY: Final = (rest.Unauthorized, rest.Forbidden)
+"""The failures retried for :data:`_REFUSAL_GRACE_SECONDS` only."""
 _REFUSAL_GRACE_SECONDS: Final = 5.0
 """How long 401 and 403 are retried (within the retry budget): a kube-apiserver that has
 just restarted refuses requests until its authorizer has loaded the roles. A lasting
@@ -79,9 +83,9 @@ class RendezvousClient:
         self._pod_uid: str | None = _pod_uid(self._rest.bearer_claims())
         self._lease_owners: dict[str, str] = {}
         """The owner uid each Lease this client made or moved was last written with."""
-        self._lease_entries: dict[str, state.NodeEntry] = {}
+        self._lease_entries: dict[str, leases.NodeEntry] = {}
         """The entry (the node's request) each Lease was last written with."""
-        self._group_path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}"
+        self._group_path = f"/apis/{objects.GROUP}/{objects.VERSION}/namespaces/{namespace}"
         self._leases_path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
     @property
@@ -102,7 +106,7 @@ class RendezvousClient:
         """The Rendezvous; within ``budget_seconds``, if given, each request included: a
         request on a pooled connection into a cut network would otherwise wait out the
         client's read timeout, far beyond the budget."""
-        path = f"{self._group_path}/{state.PLURAL}/{self.name}"
+        path = f"{self._group_path}/{objects.PLURAL}/{self.name}"
         if budget_seconds is None:
             return self._call("read", lambda: self._rest.request("GET", path))
         deadline = time.monotonic() + budget_seconds
@@ -135,35 +139,33 @@ class RendezvousClient:
             self._rest.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
         except rest.NotFound:
             return False
+        except rest.Forbidden:
+            return None
         except rest.RequestFailed as error:
-            if error.status == 403:
-                return None
             raise self._error(f"read pod {pod} for", error) from error
         return True
 
-    def create(self, spec: state.RendezvousSpec, creator: str) -> bool:
+    def create(self, spec: specs.RendezvousSpec, creator: str) -> bool:
         """Create the Rendezvous, made by pod ``creator`` (the operator gives it that pod's
         controller as its owner); ``True`` if made or already there, ``False`` if this
         service account may not create it."""
         body: dict[str, Any] = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {
                 "name": self.name,
-                "annotations": {state.CREATED_BY_ANNOTATION: creator},
+                "annotations": {objects.CREATED_BY_ANNOTATION: creator},
             },
             "spec": spec.to_dict(),
         }
 
         def create() -> bool:
             try:
-                self._rest.request("POST", f"{self._group_path}/{state.PLURAL}", body)
+                self._rest.request("POST", f"{self._group_path}/{objects.PLURAL}", body)
             except rest.Conflict:
                 return True
-            except rest.Refused as error:
-                if error.status == 403:
-                    return False
-                raise
+            except rest.Forbidden:
+                return False
             return True
 
         return self._call("create", create)
@@ -174,7 +176,7 @@ class RendezvousClient:
         instance: str,
         duration_seconds: int,
         owner_uid: str,
-        entry: state.NodeEntry | None = None,
+        entry: leases.NodeEntry | None = None,
         budget_seconds: float | None = None,
     ) -> None:
         """Renew this node's Lease and, if given, replace its entry (the join request),
@@ -184,7 +186,7 @@ class RendezvousClient:
         so N nodes joining at once are N independent writes instead of N retries of one
         object's optimistic update. The Rendezvous owns it, so it goes with it.
         """
-        renewal = state.NodeLease(
+        renewal = leases.NodeLease(
             self.name,
             node,
             instance,
@@ -254,7 +256,9 @@ class RendezvousClient:
         decodes it three times: loads, dumps, loads; a sealed round of 1000 members is
         about 130 kB, and every node receives it.)
         """
-        path = f"{self._group_path}/{state.PLURAL if slice_name is None else state.SLICE_PLURAL}"
+        path = (
+            f"{self._group_path}/{objects.PLURAL if slice_name is None else objects.SLICE_PLURAL}"
+        )
         query = [
             ("fieldSelector", self._selector(slice_name or self.name, round_key)),
             ("allowWatchBookmarks", "true"),
@@ -270,12 +274,7 @@ class RendezvousClient:
                     event = json.loads(line)
                     kind, obj = event.get("type"), event.get("object") or {}
                     if kind == "ERROR":  # a metav1.Status, e.g. 410 Gone: too old a version
-                        code = obj.get("code")
-                        ended = rest.failure(
-                            code if isinstance(code, int) else 500,  # answered, code or not
-                            f"{obj.get('reason')}: {obj.get('message')}",
-                        )
-                        raise self._error("watch", ended, budget=0)
+                        raise self._error("watch", rest.status_failure(obj), budget=0)
                     yield kind, obj
             except rest.RequestFailed as error:
                 raise self._error("watch", error, budget=0) from error
@@ -284,7 +283,7 @@ class RendezvousClient:
     def _selector(name: str, round_key: str | None) -> str:
         selector = f"metadata.name={name}"
         if round_key is not None:
-            selector += f",{state.ROUND_KEY_FIELD}!={round_key}"
+            selector += f",{statuses.ROUND_KEY_FIELD}!={round_key}"
         return selector
 
     def _call(
@@ -300,10 +299,8 @@ class RendezvousClient:
                 return request()
             except rest.RequestFailed as error:
                 now = time.monotonic()
-                transient = (
-                    error.status is None
-                    or error.status in _TRANSIENT_STATUS
-                    or (error.status in (401, 403) and now < refusal_deadline)
+                transient = isinstance(error, _RETRIED) or (
+                    isinstance(error, _RETRIED_BRIEFLY) and now < refusal_deadline
                 )
                 if not transient or now >= deadline:
                     raise self._error(what, error, budget) from error
@@ -324,27 +321,27 @@ class RendezvousClient:
         target = f"{what} {self.reference}"
         budget = self.retry_seconds if budget is None else budget
         status, reason = error.status, str(error)
+        if isinstance(error, rest.NotFound):
+            return RendezvousNotFoundError(
+                f"{self.reference} does not exist. Annotate the Job with "
+                "k8s-rendezvous.dev/nodes, create the Rendezvous, let the pods create it "
+                "(bind the ClusterRole k8s-rendezvous-creator), or fix --rdzv-endpoint "
+                "(form: NAME or NAMESPACE/NAME)."
+            )
+        if isinstance(error, rest.Unauthorized | rest.Forbidden):
+            return KubernetesRendezvousConnectionError(
+                f"could not {target}: the API server answered {status} ({reason}). If "
+                "the pod lacks permission, bind the ClusterRole k8s-rendezvous-worker to "
+                f"its ServiceAccount in namespace {self.namespace} with a RoleBinding; if "
+                "the admission policy refused it, the node name (POD_NAME) must be the "
+                "pod's own name."
+            )
+        if isinstance(error, rest.Refused):
+            return KubernetesRendezvousStateError(
+                f"could not {target}: the API server rejected it ({reason}). Check that "
+                "the CRD installed matches this k8s-rendezvous version."
+            )
         if status is not None:
-            if status == 404:
-                return RendezvousNotFoundError(
-                    f"{self.reference} does not exist. Annotate the Job with "
-                    "k8s-rendezvous.dev/nodes, create the Rendezvous, let the pods create it "
-                    "(bind the ClusterRole k8s-rendezvous-creator), or fix --rdzv-endpoint "
-                    "(form: NAME or NAMESPACE/NAME)."
-                )
-            if status in (401, 403):
-                return KubernetesRendezvousConnectionError(
-                    f"could not {target}: the API server answered {status} ({reason}). If "
-                    "the pod lacks permission, bind the ClusterRole k8s-rendezvous-worker to "
-                    f"its ServiceAccount in namespace {self.namespace} with a RoleBinding; if "
-                    "the admission policy refused it, the node name (POD_NAME) must be the "
-                    "pod's own name."
-                )
-            if status in (400, 422):
-                return KubernetesRendezvousStateError(
-                    f"could not {target}: the API server rejected it ({reason}). Check that "
-                    "the CRD installed matches this k8s-rendezvous version."
-                )
             within = f" within {budget:.0f} s" if budget else ""
             return KubernetesRendezvousConnectionError(
                 f"could not {target}{within}: the API server answered {status} ({reason})."

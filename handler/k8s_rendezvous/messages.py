@@ -5,7 +5,7 @@ and is part of the interface (torchrun prints it as the agent's error). Pure tex
 
 from __future__ import annotations
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, specs, views
 
 
 def another_agent(node: str, reference: str) -> str:
@@ -127,8 +127,8 @@ def timed_out(
     namespace: str,
     name: str,
     timeout: int,
-    spec: state.RendezvousSpec,
-    status: state.NodeView,
+    spec: specs.RendezvousSpec,
+    status: views.NodeView,
 ) -> str:
     members = ", ".join(status.member_nodes) or (
         f"{status.world_size}, listed in its status" if status.world_size else "none"
@@ -138,7 +138,7 @@ def timed_out(
         f"(minNodes={spec.min_nodes}, maxNodes={spec.max_nodes}); it is "
         f"{status.state.value} after round {status.round} (members: {members}). The nodes "
         f"that asked to join hold the Leases of `kubectl get leases -n {namespace} -l "
-        f"{state.NODE_LABEL}={name}`; check that the operator runs (kubectl describe rdzv "
+        f"{objects.NODE_LABEL}={name}`; check that the operator runs (kubectl describe rdzv "
         f"{name} -n {namespace}) and that enough pods are scheduled."
     )
 

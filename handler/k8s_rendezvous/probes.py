@@ -1,4 +1,4 @@
-"""Answers the operator's reachability probes (:class:`k8s_rendezvous.state.Probe`) from a
+"""Answers the operator's reachability probes (:class:`k8s_rendezvous.wire.datagrams.Probe`) from a
 background thread, for as long as the agent lives.
 
 Heartbeats are API writes, so their window is long (30 s by default): 1,000 nodes renewing
@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import datagrams
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,12 @@ class ProbeResponder:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                datagram, sender = self._socket.recvfrom(state.Probe.REQUEST_BYTES + 1)
+                datagram, sender = self._socket.recvfrom(datagrams.Probe.REQUEST_BYTES + 1)
             except OSError as error:
                 if not self._stopped.is_set():
                     log.warning("answering the operator's probes stopped: %s", error)
                 return
-            probe = state.Probe.from_request(datagram)
+            probe = datagrams.Probe.from_request(datagram)
             if probe is None:
                 continue
             self._last_probe = time.monotonic()

@@ -43,7 +43,8 @@ from typing import Any, Final, Protocol
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.elastic.agent.server.api import ElasticAgent, WorkerState
 
-from k8s_rendezvous import handoff, in_place, join, state
+from k8s_rendezvous import handoff, in_place, join
+from k8s_rendezvous.wire import views
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class TakeUp:
     """``time.monotonic()`` beyond which the node falls back to torch's restart."""
 
 
-def lost_members(before: state.NodeView, after: state.NodeView) -> tuple[str, ...]:
+def lost_members(before: views.NodeView, after: views.NodeView) -> tuple[str, ...]:
     """The members of ``before``'s round that ``after``'s round no longer has (none known
     when a round is read from a slice, which lists no members)."""
     if not before.member_nodes or not after.member_nodes:
@@ -76,7 +77,7 @@ def lost_members(before: state.NodeView, after: state.NodeView) -> tuple[str, ..
 
 
 def dropped_addresses(
-    before: state.NodeView, after: state.NodeView
+    before: views.NodeView, after: views.NodeView
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The addresses of ``before``'s round that ``after``'s round no longer has: those to
     cut off at once, and those of members leaving (``after.leaving``: their pods are being
@@ -313,7 +314,7 @@ class Reformer:
         group.master_addr = status.master.addr
         group.master_port = status.master.port
         self._store.inner = store  # the agent's store, for its exit barrier
-        before = self._joined.status if self._joined is not None else state.NodeView(self._node)
+        before = self._joined.status if self._joined is not None else views.NodeView(self._node)
         lost = lost_members(before, status)
         self._joined = joined
         if lost:

@@ -10,9 +10,11 @@ their requests through here.
 
 A request that does not succeed raises one of this module's errors, on both sides:
 :class:`RequestFailed` and its kinds by the answer's status (:class:`NotFound`,
-:class:`Conflict`, :class:`Refused`, :class:`Invalid`, :class:`Unavailable`), carrying the
-API server's own message, or :class:`Unavailable` with no status when nothing answered,
-chained from the transport's error. Neither side sees the client library's exceptions.
+:class:`Conflict`, :class:`Unauthorized`, :class:`Refused` and its :class:`Forbidden` and
+:class:`Invalid`, :class:`Unavailable`), carrying the API server's own message
+(:func:`status_message`), or :class:`Unavailable` with no status when nothing answered, chained
+from the transport's error. Neither side sees the client library's exceptions, and no
+other module matches a status number: each asks for the kind.
 """
 
 from __future__ import annotations
@@ -78,8 +80,19 @@ class Conflict(RequestFailed):
     decide again."""
 
 
+class Unauthorized(RequestFailed):
+    """The API server did not accept the credentials (401): an expired token, or an API
+    server that has just started and not yet loaded what checks them."""
+
+
 class Refused(RequestFailed):
     """The API server refused the request for good (400, 403, 422); the message says why."""
+
+
+class Forbidden(Refused):
+    """These credentials may not do this (403): a missing role binding, or an admission
+    policy; also, for a few seconds, an API server that has just started and not yet
+    loaded its roles."""
 
 
 class Invalid(Refused):
@@ -102,13 +115,36 @@ def failure(status: int | None, message: str, retry_after: float | None = None) 
         kind = NotFound
     elif status == 409:
         kind = Conflict
+    elif status == 401:
+        kind = Unauthorized
+    elif status == 403:
+        kind = Forbidden
     elif status == 422:
         kind = Invalid
-    elif status in (400, 403):
+    elif status == 400:
         kind = Refused
     elif status is None or status == 429 or status >= 500:
         kind = Unavailable
     return kind(message, status, retry_after)
+
+
+def status_failure(status: object) -> RequestFailed:
+    """The error a ``metav1.Status`` object says, as a watch's ERROR event carries one (a
+    410 Gone: the version watched from is too old). One without a code was answered all
+    the same: it is a server error's."""
+    said = status if isinstance(status, dict) else {}
+    code = said.get("code")
+    return failure(
+        code if isinstance(code, int) else 500,
+        f"{said.get('reason')}: {status_message(said, None)}",
+    )
+
+
+def status_message(status: object, fallback: str | None) -> str:
+    """The API server's own message in a ``metav1.Status`` object (the body of a refused
+    request, a watch's ERROR event), else ``fallback``."""
+    said = status.get("message") if isinstance(status, dict) else None
+    return str(said or fallback)
 
 
 def load_api_client(pool_maxsize: int | None = None) -> client.ApiClient:
@@ -244,10 +280,10 @@ class Rest:
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise _unanswered(error) from error
         if not 200 <= response.status <= 299:
-            message = _message(response.data, response.reason)
+            said = status_message(_json_or_none(response.data), response.reason)
             asked = _retry_after(response.headers.get("Retry-After"))
             response.release_conn()
-            raise failure(response.status, message, asked)
+            raise failure(response.status, said, asked)
         return response
 
 
@@ -281,15 +317,13 @@ def _answered(error: BaseException) -> bool:
     return False
 
 
-def _message(body: bytes, reason: str | None) -> str:
-    """The API server's own message of a refused request (its Status body), else the HTTP
-    reason."""
+def _json_or_none(body: bytes) -> object:
+    """A refused request's body as JSON (a Status, from the API server), ``None`` if it
+    is not (from a proxy in front of it)."""
     try:
-        status = json.loads(body or b"{}")
+        return json.loads(body or b"{}")
     except ValueError:
-        status = None
-    said = status.get("message") if isinstance(status, dict) else None
-    return str(said or reason)
+        return None
 
 
 def _retry_after(value: str | None) -> float | None:

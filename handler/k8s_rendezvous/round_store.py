@@ -21,7 +21,7 @@ import torch
 # Exported by torch.distributed at run time but missing from its type stubs.
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import records
 
 _LOOPBACK: Final = "127.0.0.1"
 _STALE_ROUND_POLL_SECONDS: Final = 0.05
@@ -97,7 +97,7 @@ def serve(listener: socket.socket, timeout: float) -> TCPStore:
 
 
 def connect(
-    master: state.Master, timeout: float, round_is_stale: Callable[[], bool]
+    master: records.Master, timeout: float, round_is_stale: Callable[[], bool]
 ) -> TCPStore | None:
     """A client of rank 0's store; ``None`` as soon as ``round_is_stale()`` while still
     connecting.

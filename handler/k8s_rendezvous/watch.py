@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from k8s_rendezvous import api, state
+from k8s_rendezvous import api
 from k8s_rendezvous.errors import KubernetesRendezvousStateError, RendezvousNotFoundError
+from k8s_rendezvous.wire import codec, objects, views
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class RoundWatcher:
         self._node = node
         self._changed = threading.Condition()
         self._object: Mapping[str, Any] | None = None
-        self._decode_error: state.DecodeError | None = None
+        self._decode_error: codec.DecodeError | None = None
         self._raw_round_key: str | None = None
         self._version = -1
         self._version_text: str | None = None
@@ -68,7 +69,7 @@ class RoundWatcher:
         """The Rendezvous held was deleted, and none of its name exists now."""
         self._slice: str | None = None
         """The RendezvousSlice watched instead of the Rendezvous, once it says it has some."""
-        self._recent: collections.deque[tuple[int, state.NodeView]] = collections.deque(maxlen=8)
+        self._recent: collections.deque[tuple[int, views.NodeView]] = collections.deque(maxlen=8)
         """The latest statuses, numbered in the order they arrived (the last is the current
         one), for wait() to judge. A few are enough: a join sees two or three round changes
         at most before it looks."""
@@ -86,7 +87,7 @@ class RoundWatcher:
         self._stopped.set()
 
     @property
-    def status(self) -> state.NodeView | None:
+    def status(self) -> views.NodeView | None:
         with self._changed:
             return self._recent[-1][1] if self._recent else None
 
@@ -105,35 +106,35 @@ class RoundWatcher:
 
     def offer(self, obj: Mapping[str, Any]) -> None:
         """Take ``obj`` if it is newer than what we hold (watch events, reads)."""
-        version = state.resource_version(obj)
+        version = objects.resource_version(obj)
         with self._changed:
             if version <= self._version:
                 return
             try:
-                uid: str | None = state.rendezvous_uid(obj)
-            except state.DecodeError:
+                uid: str | None = objects.rendezvous_uid(obj)
+            except codec.DecodeError:
                 uid = self._uid  # a slice naming no Rendezvous: the status says why
             if uid != self._uid:
                 # Made anew (or the first): its rounds start afresh, its slices too.
                 self._uid, self._gone = uid, False
-                if self._slice is not None and obj.get("kind") != state.SLICE_KIND:
+                if self._slice is not None and obj.get("kind") != objects.SLICE_KIND:
                     self._slice = None
             self._version = version
             self._object = obj
             self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
             self._raw_round_key = _raw_round_key(obj)
             try:
-                status = state.NodeView.from_dict(obj.get("status"), self._node)
+                status = views.NodeView.from_dict(obj.get("status"), self._node)
                 self._decode_error = None
                 self._offered += 1
                 self._recent.append((self._offered, status))
                 if status.slices and self._slice is None and status.slices <= _slices_allowed(obj):
-                    index = state.slice_index(self._node, status.slices)
-                    self._slice = state.slice_name(self._client.name, index)
+                    index = objects.slice_index(self._node, status.slices)
+                    self._slice = objects.slice_name(self._client.name, index)
                     # The slice is another object: its versions are not comparable with
                     # the Rendezvous' (it may have been written last before), start afresh.
                     self._version, self._version_text, self._raw_round_key = -1, None, None
-            except state.DecodeError as error:
+            except codec.DecodeError as error:
                 self._decode_error = error
             self._changed.notify_all()
 
@@ -162,11 +163,11 @@ class RoundWatcher:
 
     def wait(
         self,
-        done: Callable[[state.NodeView], bool],
+        done: Callable[[views.NodeView], bool],
         deadline: float | Callable[[], float],
         since: int | None = None,
         uid: str | None = None,
-    ) -> state.NodeView | None:
+    ) -> views.NodeView | None:
         """The first status for which ``done(status)``, or ``None`` at the monotonic
         ``deadline`` (a callable is asked again after every status: a spare's deadline
         moves with the round, and may be ``math.inf``). Statuses are judged in the order
@@ -240,7 +241,7 @@ class RoundWatcher:
     def _bookmark(self, obj: Mapping[str, Any]) -> None:
         """Nothing of ours changed up to this version: resume from it next time."""
         with self._changed:
-            if state.resource_version(obj) > self._version:
+            if objects.resource_version(obj) > self._version:
                 self._version_text = str((obj.get("metadata") or {}).get("resourceVersion"))
 
     def _lose_track(self) -> None:
@@ -270,7 +271,7 @@ def _slices_allowed(obj: Mapping[str, Any]) -> int:
     """The most slices ``obj``'s spec can need (the operator refuses a status with more,
     and so no node follows it to slices that are never made)."""
     max_nodes = (obj.get("spec") or {}).get("maxNodes")
-    return state.slices_needed(max_nodes) if type(max_nodes) is int else state.MAX_SLICES
+    return objects.slices_needed(max_nodes) if type(max_nodes) is int else objects.MAX_SLICES
 
 
 def _raw_round_key(obj: Mapping[str, Any]) -> str:

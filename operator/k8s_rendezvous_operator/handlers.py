@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import kopf
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 from k8s_rendezvous_operator import injection, jobs, kube, observe, probing, webhook
 from k8s_rendezvous_operator.reconciler import Reconciler
 
@@ -53,8 +53,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = _NoDiffBase()
     settings.posting.level = logging.INFO
     # Only pods we labelled (nodes of some rendezvous) are streamed to us, not every pod.
-    settings.watching.label_selectors["pods"] = state.NODE_LABEL
-    settings.watching.label_selectors["leases"] = state.NODE_LABEL
+    settings.watching.label_selectors["pods"] = objects.NODE_LABEL
+    settings.watching.label_selectors["leases"] = objects.NODE_LABEL
     # No cluster-wide namespace/CRD scanning: fewer permissions, nothing to gain here.
     settings.scanning.disabled = True
     settings.execution.max_workers = 8
@@ -86,7 +86,7 @@ async def stop_probing(memo: kopf.Memo, **_: Any) -> None:
         await prober.stop()
 
 
-@kopf.on.event(state.GROUP, state.VERSION, state.PLURAL)
+@kopf.on.event(objects.GROUP, objects.VERSION, objects.PLURAL)
 async def rendezvous_event(
     event: kopf.RawEvent,
     body: kopf.Body,
@@ -106,7 +106,7 @@ async def rendezvous_event(
     )
 
 
-@kopf.on.event("", "v1", "pods", labels={state.NODE_LABEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={objects.NODE_LABEL: kopf.PRESENT})
 async def pod_event(
     event: kopf.RawEvent,
     body: kopf.Body,
@@ -122,13 +122,13 @@ async def pod_event(
     reconciler.pod_seen(
         (namespace, name),
         observation,
-        labels.get(state.NODE_LABEL),
+        labels.get(objects.NODE_LABEL),
         node_name=(body.get("spec") or {}).get("nodeName"),
-        version=state.resource_version(body),
+        version=objects.resource_version(body),
     )
 
 
-@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={state.NODE_LABEL: kopf.PRESENT})
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={objects.NODE_LABEL: kopf.PRESENT})
 async def lease_event(
     event: kopf.RawEvent,
     body: kopf.Body,

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from k8s_rendezvous import BACKEND_NAME, state
+from k8s_rendezvous import BACKEND_NAME
+from k8s_rendezvous.wire import objects, specs
 
 
 def torchrun_environment(
-    rendezvous: str, spec: state.RendezvousSpec, agent_env: Sequence[tuple[str, str]] = ()
+    rendezvous: str, spec: specs.RendezvousSpec, agent_env: Sequence[tuple[str, str]] = ()
 ) -> list[dict[str, Any]]:
     """The env block, also what to write by hand in clusters without the webhook, with what
     the Job's annotations give its pods' agents (``agent_env``, name and value)."""
@@ -67,7 +68,7 @@ def keep_off(pod: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
 def inject(
     pod: Mapping[str, Any],
     rendezvous: str,
-    spec: state.RendezvousSpec,
+    spec: specs.RendezvousSpec,
     excluded_nodes: Sequence[str] = (),
     agent_env: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def inject(
     pod_spec: dict[str, Any] = {"containers": containers}
     if excluded_nodes:
         pod_spec["affinity"] = keep_off(pod, excluded_nodes)
-    return {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}, "spec": pod_spec}
+    return {"metadata": {"labels": {objects.NODE_LABEL: rendezvous}}, "spec": pod_spec}
 
 
 def configured_for_rendezvous(pod: Mapping[str, Any]) -> bool:

@@ -13,21 +13,21 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, specs, tunables
 
-PREFIX: Final = f"{state.GROUP}/"
+PREFIX: Final = f"{objects.GROUP}/"
 NODES: Final = f"{PREFIX}nodes"
-TUNABLES: Final = {f"{PREFIX}{t.annotation}": t for t in state.SPEC_TUNABLES}
+TUNABLES: Final = {f"{PREFIX}{t.annotation}": t for t in tunables.SPEC_TUNABLES}
 """The annotation of each tunable of the spec."""
 SPARES: Final = f"{PREFIX}spares"
 RUN_ID: Final = f"{PREFIX}run-id"
 RANK_ORDER: Final = f"{PREFIX}rank-order"
-AGENT_SETTINGS: Final = {f"{PREFIX}{s.annotation}": s for s in state.AGENT_SETTINGS}
+AGENT_SETTINGS: Final = {f"{PREFIX}{s.annotation}": s for s in tunables.AGENT_SETTINGS}
 """Annotations that are the pods' agents' to read, not the Rendezvous': each is given to
 the Job's pods as its variable (``--rdzv-conf`` wins over it)."""
 
 
-def _accepted(tunable: state.SpecTunable) -> str:
+def _accepted(tunable: tunables.SpecTunable) -> str:
     if tunable.in_seconds:
         example = f'"{tunable.default}" or "{tunable.default}s"'
     else:
@@ -93,7 +93,7 @@ class AnnotationError:
 
 def parse(
     annotations: Mapping[str, str], *, job_name: str, parallelism: int | None
-) -> state.RendezvousSpec | tuple[AnnotationError, ...] | None:
+) -> specs.RendezvousSpec | tuple[AnnotationError, ...] | None:
     """The Rendezvous spec a Job asks for, its errors, or ``None`` if it did not opt in."""
     ours = {key: value for key, value in annotations.items() if key.startswith(PREFIX)}
     if not ours:
@@ -125,7 +125,7 @@ def parse(
         else:
             bounds = (low, high)
 
-    def number(key: str, tunable: state.SpecTunable) -> int | None:
+    def number(key: str, tunable: tunables.SpecTunable) -> int | None:
         raw = ours.get(key)
         if raw is None:
             return tunable.default
@@ -151,11 +151,11 @@ def parse(
             errors.append(AnnotationError(key, raw, problem))
         return raw
 
-    tunables: dict[str, Any] = {t.attribute: number(key, t) for key, t in TUNABLES.items()}
+    tuned: dict[str, Any] = {t.attribute: number(key, t) for key, t in TUNABLES.items()}
     beyond = 0 if bounds is None or parallelism is None else parallelism - bounds[1]
     if SPARES not in ours and beyond > 0:
         # A Job's pods beyond MAX wait as spares: they are its declaration.
-        tunables["spares"] = beyond
+        tuned["spares"] = beyond
     run_id = text(RUN_ID, lambda v: bool(_RUN_ID.match(v)), "not a run id")
     rank_order = text(
         RANK_ORDER,
@@ -168,16 +168,16 @@ def parse(
                 setting.parse(raw)
             except ValueError as error:
                 errors.append(AnnotationError(key, raw, str(error)))
-    if problem := state.rendezvous_name_problem(job_name):
+    if problem := objects.rendezvous_name_problem(job_name):
         errors.append(
             AnnotationError(NODES, raw_nodes or "", f"the Job's name {problem}: rename the Job")
         )
     if errors or bounds is None:
         return tuple(errors)
-    return state.RendezvousSpec(
+    return specs.RendezvousSpec(
         min_nodes=bounds[0],
         max_nodes=bounds[1],
         run_id=run_id or job_name,
         rank_order_node_label=rank_order,
-        **tunables,
+        **tuned,
     )

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import specs, tunables
 from k8s_rendezvous_operator import (
     events,
     injection,
@@ -42,7 +42,7 @@ class PodRendezvous:
 
     name: str
     """Of the Job's Rendezvous."""
-    spec: state.RendezvousSpec
+    spec: specs.RendezvousSpec
     agent_env: tuple[tuple[str, str], ...]
     """What the Job's annotations tell its pods' agents (``job_annotations.AGENT_SETTINGS``)."""
 
@@ -248,7 +248,7 @@ class Jobs:
         self,
         key: Key,
         job: Mapping[str, Any],
-        spec: state.RendezvousSpec,
+        spec: specs.RendezvousSpec,
         again: bool = False,
     ) -> None:
         """Make the Job's Rendezvous, or keep it in step with the annotations; a pod-made
@@ -279,7 +279,7 @@ class Jobs:
         await self._follow_annotations(key, job, spec, existing)
 
     async def _create_rendezvous(
-        self, key: Key, job: Mapping[str, Any], spec: state.RendezvousSpec, again: bool
+        self, key: Key, job: Mapping[str, Any], spec: specs.RendezvousSpec, again: bool
     ) -> bool:
         """Create the Job's Rendezvous; ``False`` if the name is held."""
         namespace, name = key
@@ -311,14 +311,14 @@ class Jobs:
         self,
         key: Key,
         job: Mapping[str, Any],
-        spec: state.RendezvousSpec,
+        spec: specs.RendezvousSpec,
         existing: Mapping[str, Any],
     ) -> None:
         namespace, name = key
         wanted = {k: v for k, v in spec.to_dict().items() if k != "runId"}
         current = existing.get("spec") or {}
         # An optional field whose annotation was removed is removed from the spec too.
-        optional = ("rankOrder", *(t.field for t in state.SPEC_TUNABLES if t.default is None))
+        optional = ("rankOrder", *(t.field for t in tunables.SPEC_TUNABLES if t.default is None))
         removed = {k: None for k in optional if k in current and k not in wanted}
         if removed or any(current.get(k) != v for k, v in wanted.items()):
             await asyncio.to_thread(
@@ -363,7 +363,7 @@ class Jobs:
         self,
         key: Key,
         job: Mapping[str, Any],
-        spec: state.RendezvousSpec,
+        spec: specs.RendezvousSpec,
         existing: Mapping[str, Any],
     ) -> None:
         """Delete the pod-made Rendezvous ``existing`` that holds the Job's name, say so on

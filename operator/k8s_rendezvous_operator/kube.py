@@ -15,7 +15,8 @@ from urllib.parse import quote
 
 from kubernetes import client
 
-from k8s_rendezvous import rest, state
+from k8s_rendezvous import rest
+from k8s_rendezvous.wire import objects, specs
 from k8s_rendezvous_operator import metrics, workloads
 
 ApiClient = client.ApiClient
@@ -28,7 +29,9 @@ module fails with one of these, so callers (and the error metric's label) name w
 happened, not the library."""
 NotFound = rest.NotFound
 Conflict = rest.Conflict
+Unauthorized = rest.Unauthorized
 Refused = rest.Refused
+Forbidden = rest.Forbidden
 Invalid = rest.Invalid
 Unavailable = rest.Unavailable
 
@@ -71,7 +74,7 @@ def job_owner(name: str, uid: str) -> dict[str, Any]:
     """The ownerReference of what the operator makes for an annotated Job. Not blocking
     the Job's deletion: that would need update on jobs/finalizers, and nothing made for a
     Job must outlive it anyway."""
-    return state.owner_reference("batch/v1", "Job", name, uid)
+    return objects.owner_reference("batch/v1", "Job", name, uid)
 
 
 def load_api_client() -> client.ApiClient:
@@ -103,7 +106,7 @@ class ReconcilerApi(Protocol):
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]: ...
 
     def create_rendezvous(
-        self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
+        self, namespace: str, name: str, spec: specs.RendezvousSpec, owner: dict[str, Any]
     ) -> dict[str, Any] | None: ...
 
     def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None: ...
@@ -142,11 +145,11 @@ class OperatorApi:
 
     @staticmethod
     def _path(namespace: str, plural: str, name: str = "") -> str:
-        path = f"/apis/{state.GROUP}/{state.VERSION}/namespaces/{namespace}/{plural}"
+        path = f"/apis/{objects.GROUP}/{objects.VERSION}/namespaces/{namespace}/{plural}"
         return f"{path}/{_segment(name)}" if name else path
 
     def get_rendezvous(self, namespace: str, name: str) -> dict[str, Any]:
-        return self._request("GET", self._path(namespace, state.PLURAL, name))
+        return self._request("GET", self._path(namespace, objects.PLURAL, name))
 
     def write_status(
         self, namespace: str, name: str, resource_version: str, fields: dict[str, Any]
@@ -157,7 +160,7 @@ class OperatorApi:
         body = {"metadata": {"resourceVersion": resource_version}, "status": fields}
         return self._request(
             "PATCH",
-            self._path(namespace, state.PLURAL, name) + "/status",
+            self._path(namespace, objects.PLURAL, name) + "/status",
             body,
             content_type=rest.MERGE_PATCH,
         )
@@ -173,26 +176,26 @@ class OperatorApi:
         status): a merge patch (``None`` removes a field), or a create the first time. The
         Rendezvous owns it, so it goes with it."""
         metadata = rendezvous["metadata"]
-        name = state.slice_name(metadata["name"], index)
+        name = objects.slice_name(metadata["name"], index)
         try:
             self._request(
                 "PATCH",
-                self._path(namespace, state.SLICE_PLURAL, name),
+                self._path(namespace, objects.SLICE_PLURAL, name),
                 dict(content),
                 content_type=rest.MERGE_PATCH,
             )
             return
         except NotFound:
             pass
-        owner = state.owner_reference(
-            state.API_VERSION, state.KIND, metadata["name"], metadata["uid"]
+        owner = objects.owner_reference(
+            objects.API_VERSION, objects.KIND, metadata["name"], metadata["uid"]
         )
         body = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.SLICE_KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.SLICE_KIND,
             "metadata": {
                 "name": name,
-                "labels": {state.NODE_LABEL: metadata["name"]},
+                "labels": {objects.NODE_LABEL: metadata["name"]},
                 "ownerReferences": [owner],
             },
             **{
@@ -200,11 +203,11 @@ class OperatorApi:
                 for part, fields in content.items()
             },
         }
-        self._request("POST", self._path(namespace, state.SLICE_PLURAL), body)
+        self._request("POST", self._path(namespace, objects.SLICE_PLURAL), body)
 
     def list_node_leases(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
         """Every node's Lease, in ``namespaces`` (all if empty), as plain JSON."""
-        query = [("labelSelector", state.NODE_LABEL)]
+        query = [("labelSelector", objects.NODE_LABEL)]
         paths = [f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases" for ns in namespaces]
         return [
             lease
@@ -215,7 +218,7 @@ class OperatorApi:
     def unlabelled_job_pods(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
         """The pods of the Job of ``job_uid`` that carry no rendezvous label (neither the
         webhook nor the operator has seen them as nodes), as plain JSON with their kind."""
-        selector = f"batch.kubernetes.io/controller-uid={job_uid},!{state.NODE_LABEL}"
+        selector = f"batch.kubernetes.io/controller-uid={job_uid},!{objects.NODE_LABEL}"
         found = self._request(
             "GET", f"/api/v1/namespaces/{namespace}/pods", query=[("labelSelector", selector)]
         )
@@ -224,7 +227,7 @@ class OperatorApi:
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]:
         """Label a node's pod so the operator's server-side filtered pod watch sees it;
         returns the pod as labelled."""
-        body = {"metadata": {"labels": {state.NODE_LABEL: rendezvous}}}
+        body = {"metadata": {"labels": {objects.NODE_LABEL: rendezvous}}}
         return self._request(
             "PATCH",
             f"/api/v1/namespaces/{namespace}/pods/{_segment(pod)}",
@@ -233,13 +236,13 @@ class OperatorApi:
         )
 
     def create_rendezvous(
-        self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
+        self, namespace: str, name: str, spec: specs.RendezvousSpec, owner: dict[str, Any]
     ) -> dict[str, Any] | None:
         """Create the Rendezvous owned by ``owner`` (an ownerReference); ``None`` if it
         exists already. No finalizer: garbage collection removes it with its owner."""
         body = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {
                 "name": name,
                 "namespace": namespace,
@@ -249,14 +252,14 @@ class OperatorApi:
             "spec": spec.to_dict(),
         }
         try:
-            return self._request("POST", self._path(namespace, state.PLURAL), body)
+            return self._request("POST", self._path(namespace, objects.PLURAL), body)
         except Conflict:
             return None
 
     def patch_rendezvous_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
         self._request(
             "PATCH",
-            self._path(namespace, state.PLURAL, name),
+            self._path(namespace, objects.PLURAL, name),
             {"spec": spec},
             content_type=rest.MERGE_PATCH,
         )
@@ -266,7 +269,7 @@ class OperatorApi:
         made anew under the name meanwhile is never deleted in its place (a Conflict)."""
         self._request(
             "DELETE",
-            self._path(namespace, state.PLURAL, name),
+            self._path(namespace, objects.PLURAL, name),
             {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}},
         )
 
@@ -376,7 +379,7 @@ class OperatorApi:
         (the uid is a precondition: not one made anew since); the Rendezvous as it is now."""
         return self._request(
             "PATCH",
-            self._path(namespace, state.PLURAL, name),
+            self._path(namespace, objects.PLURAL, name),
             {"metadata": {"uid": uid, "ownerReferences": [owner]}},
             content_type=rest.MERGE_PATCH,
         )

@@ -42,8 +42,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from k8s_rendezvous import state
 from k8s_rendezvous.rest import own_namespace
+from k8s_rendezvous.wire import codec
 from k8s_rendezvous_operator import health, kube, metrics
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Record:
 
 
 def _micro_time() -> str:
-    return state.format_time(datetime.datetime.now(datetime.timezone.utc))
+    return codec.format_time(datetime.datetime.now(datetime.timezone.utc))
 
 
 @dataclasses.dataclass(frozen=True)

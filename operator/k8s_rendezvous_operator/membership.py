@@ -29,15 +29,10 @@ import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
-from k8s_rendezvous import state
-from k8s_rendezvous_operator import workloads
+from k8s_rendezvous.wire import leases, objects, records, specs, statuses
+from k8s_rendezvous_operator import reasons, workloads
 
-REFUSED_NO_RULE = "NoWorkload"
-REFUSED_OTHER_WORKLOAD = "OtherWorkload"
-REFUSED_SELECTOR = "SelectorMismatch"
-REFUSED_ADDRESS = "AddressNotThePods"
-REFUSED_REASONS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD, REFUSED_SELECTOR, REFUSED_ADDRESS)
-_NOT_ITS_WORKLOADS = (REFUSED_NO_RULE, REFUSED_OTHER_WORKLOAD)
+_NOT_ITS_WORKLOADS = (reasons.REFUSED_NO_RULE, reasons.REFUSED_OTHER_WORKLOAD)
 """The refusals a claim of the name (:func:`claimed_by`) turns into holding back."""
 
 
@@ -69,7 +64,7 @@ class Workload:
     name: str
     owner_uid: str | None
     owner: str | None
-    selector: state.LabelSelector | None
+    selector: specs.LabelSelector | None
     owner_name: str | None = None
     """The name of its controller owner (:attr:`owner` is ``Kind/name``)."""
     pod_made: bool = False
@@ -106,19 +101,19 @@ def identify_pod(body: Mapping[str, Any]) -> PodIdentity:
     return PodIdentity(
         uid=str(metadata.get("uid") or ""),
         controller=workloads.controller(metadata),
-        labels=tuple(sorted((k, v) for k, v in labels.items() if k != state.NODE_LABEL)),
+        labels=tuple(sorted((k, v) for k, v in labels.items() if k != objects.NODE_LABEL)),
         addresses=addresses,
     )
 
 
-def creator_to_adopt(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> str | None:
+def creator_to_adopt(rendezvous: Mapping[str, Any], spec: specs.RendezvousSpec) -> str | None:
     """The pod whose controller is to own ``rendezvous``: the pod that made it, if it has
     no controller owner yet and no ``spec.podSelector`` says whose pods it admits."""
     metadata = rendezvous.get("metadata") or {}
     if workloads.controller(metadata) is not None or spec.pod_selector is not None:
         return None
-    creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
-    return creator if state.is_object_name(creator) else None
+    creator = (metadata.get("annotations") or {}).get(objects.CREATED_BY_ANNOTATION)
+    return creator if objects.is_object_name(creator) else None
 
 
 def to_climb(workload: Workload, identity: PodIdentity) -> workloads.Reference | None:
@@ -134,17 +129,17 @@ def to_climb(workload: Workload, identity: PodIdentity) -> workloads.Reference |
     return reference if workloads.may_stand_for_another(reference) else None
 
 
-def workload_of(rendezvous: Mapping[str, Any], spec: state.RendezvousSpec) -> Workload:
+def workload_of(rendezvous: Mapping[str, Any], spec: specs.RendezvousSpec) -> Workload:
     metadata = rendezvous.get("metadata") or {}
     owner = workloads.controller(metadata)
-    creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
+    creator = (metadata.get("annotations") or {}).get(objects.CREATED_BY_ANNOTATION)
     return Workload(
         name=str(metadata.get("name") or ""),
         owner_uid=owner.uid if owner else None,
         owner=str(owner) if owner else None,
         selector=spec.pod_selector,
         owner_name=owner.name if owner else None,
-        pod_made=state.is_object_name(creator),
+        pod_made=objects.is_object_name(creator),
     )
 
 
@@ -167,46 +162,37 @@ def claimed_by(workload: Workload, identity: PodIdentity) -> workloads.Reference
 
 
 def refusal(
-    workload: Workload, pod: str, identity: PodIdentity, entry: state.NodeEntry
+    workload: Workload, pod: str, identity: PodIdentity, entry: leases.NodeEntry
 ) -> Refusal | None:
     """Why ``pod``'s request may not count in ``workload``'s rendezvous, or ``None``."""
-    where = f"Rendezvous {workload.name}"
     if workload.owner_uid is None and workload.selector is None:
-        return Refusal(
-            REFUSED_NO_RULE,
-            f"{where} has no controller owner and no spec.podSelector, so no pod can be "
-            f"checked as one of its workload's and pod {pod} is not admitted. Set "
-            "spec.podSelector to the labels of the job's pods.",
-        )
+        return Refusal(reasons.REFUSED_NO_RULE, reasons.refused_no_rule(workload.name, pod))
     if workload.owner_uid is not None and workload.owner_uid not in (
         identity.controller_uid,
         *identity.ancestors,
     ):
         return Refusal(
-            REFUSED_OTHER_WORKLOAD,
-            f"pod {pod} is controlled by {identity.controller or 'nothing'}, not by "
-            f"{workload.owner}, which owns {where}: only that workload's pods may join it.",
+            reasons.REFUSED_OTHER_WORKLOAD,
+            reasons.refused_other_workload(
+                workload.name, pod, str(identity.controller or "nothing"), workload.owner
+            ),
         )
     if workload.selector is not None and not workload.selector.matches(dict(identity.labels)):
         return Refusal(
-            REFUSED_SELECTOR,
-            f"pod {pod}'s labels do not match spec.podSelector of {where} "
-            f"({workload.selector}): only the pods it selects may join it.",
+            reasons.REFUSED_SELECTOR,
+            reasons.refused_selector(workload.name, pod, str(workload.selector)),
         )
     if canonical_address(entry.addr) not in identity.addresses:
-        ips = ", ".join(sorted(identity.addresses))
         return Refusal(
-            REFUSED_ADDRESS,
-            f"pod {pod} offers address {entry.addr!r}, which is not one of its pod's IPs "
-            f"({ips}): other nodes would connect there. Leave --local-addr unset, or set it "
-            "to one of the pod's IPs.",
+            reasons.REFUSED_ADDRESS,
+            reasons.refused_address(pod, entry.addr, sorted(identity.addresses)),
         )
     return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    counted: dict[str, state.NodeEntry]
+    counted: dict[str, leases.NodeEntry]
     """The requests the round decisions see."""
     refused: dict[str, Refusal]
     """Pods whose request is never counted, and why."""
@@ -214,20 +200,20 @@ class Admission:
     """Pods held back, neither counted nor refused, as their workload, named after the
     pod-made Rendezvous, claims its name (:func:`claimed_by`)."""
 
-    def published(self, requests: Mapping[str, state.NodeEntry]) -> tuple[state.Refusal, ...]:
+    def published(self, requests: Mapping[str, leases.NodeEntry]) -> tuple[records.Refusal, ...]:
         """The refusals the status names for the refused nodes to read, by pod name and at
-        most :data:`~k8s_rendezvous.state.MAX_REFUSED` of them."""
+        most :data:`~k8s_rendezvous.wire.statuses.MAX_REFUSED` of them."""
         return tuple(
-            state.Refusal(
+            records.Refusal(
                 pod, requests[pod].instance, requests[pod].attempt, refusal.reason, refusal.message
             )
-            for pod, refusal in sorted(self.refused.items())[: state.MAX_REFUSED]
+            for pod, refusal in sorted(self.refused.items())[: statuses.MAX_REFUSED]
         )
 
 
 def admit(
     workload: Workload,
-    requests: Mapping[str, state.NodeEntry],
+    requests: Mapping[str, leases.NodeEntry],
     identities: Mapping[str, PodIdentity | None],
     admitted_before: frozenset[str],
     writers: Mapping[str, str] | None = None,
@@ -248,7 +234,7 @@ def admit(
     held back as well, in :attr:`Admission.claims`: the name is given back to its
     workload, which it would otherwise be refused from for good.
     """
-    counted: dict[str, state.NodeEntry] = {}
+    counted: dict[str, leases.NodeEntry] = {}
     refused: dict[str, Refusal] = {}
     claims: dict[str, workloads.Reference] = {}
     for pod, entry in requests.items():

@@ -22,7 +22,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 
 class Holder(enum.Enum):
@@ -56,12 +56,12 @@ class Holding:
 
 def holding(rendezvous: Mapping[str, Any]) -> Holding:
     metadata = rendezvous.get("metadata") or {}
-    creator = (metadata.get("annotations") or {}).get(state.CREATED_BY_ANNOTATION)
+    creator = (metadata.get("annotations") or {}).get(objects.CREATED_BY_ANNOTATION)
     owners = [o for o in metadata.get("ownerReferences") or [] if isinstance(o, Mapping)]
     owner = next((o for o in owners if o.get("controller")), owners[0] if owners else None)
     return Holding(
         uid=str(metadata.get("uid") or ""),
-        creator=creator if state.is_object_name(creator) else None,
+        creator=creator if objects.is_object_name(creator) else None,
         owner=owner,
         selects=(rendezvous.get("spec") or {}).get("podSelector") is not None,
     )

@@ -1,5 +1,5 @@
 """What Pod and Job bodies say, in the terms of the round decisions (pure); a Lease reads
-itself (:class:`k8s_rendezvous.state.NodeLease`)."""
+itself (:class:`k8s_rendezvous.wire.leases.NodeLease`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import datetime
 from collections.abc import Mapping
 from typing import Any, Final
 
-from k8s_rendezvous import state
-from k8s_rendezvous_operator import job_annotations, membership, rounds
+from k8s_rendezvous.wire import codec, objects, records, specs, statuses
+from k8s_rendezvous_operator import job_annotations, membership, reasons, rounds
 
 
 def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.PodObservation:
@@ -26,13 +26,13 @@ def observe_pod(body: Mapping[str, Any], *, deleted: bool = False) -> rounds.Pod
     identity = membership.identify_pod(body)
     gone = None
     if deleted:
-        gone = rounds.LOST_POD_DELETED
+        gone = reasons.LOST_POD_DELETED
     elif (body.get("metadata") or {}).get("deletionTimestamp"):
-        gone = rounds.LOST_POD_TERMINATING
+        gone = reasons.LOST_POD_TERMINATING
     elif status.get("phase") == "Failed":
-        gone = rounds.LOST_POD_FAILED
+        gone = reasons.LOST_POD_FAILED
     elif status.get("phase") == "Succeeded":
-        gone = rounds.LOST_POD_SUCCEEDED
+        gone = reasons.LOST_POD_SUCCEEDED
     node_name = (body.get("spec") or {}).get("nodeName")
     return rounds.PodObservation(
         gone,
@@ -59,22 +59,22 @@ def excluded_kube_nodes(
     observed = pods or {}
     try:
         excluded = tuple(
-            state.ExcludedNode.from_dict(item, f"status.excludedNodes[{index}]")
+            records.ExcludedNode.from_dict(item, f"status.excludedNodes[{index}]")
             for index, item in enumerate(
                 ((rendezvous.get("status") or {}).get("excludedNodes") or [])[
-                    -state.MAX_EXCLUDED_NODES :
+                    -statuses.MAX_EXCLUDED_NODES :
                 ]
             )
         )
         annotations = (rendezvous.get("metadata") or {}).get("annotations") or {}
-        raw = annotations.get(state.CLEAR_EXCLUDED_NODES_ANNOTATION)
-        cleared_at = None if raw is None else state.parse_time(raw, "annotation")
+        raw = annotations.get(objects.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        cleared_at = None if raw is None else codec.parse_time(raw, "annotation")
         members = [
             member.get("node")
             for member in (rendezvous.get("status") or {}).get("members") or []
             if isinstance(member, Mapping)
         ]
-    except state.DecodeError:
+    except codec.DecodeError:
         return ()
     recorded = [entry.node for entry in rounds.still_excluded(excluded, now, cleared_at)]
     failing = [
@@ -147,7 +147,7 @@ class JobObservation:
     """What an annotated Job asks for and where it stands."""
 
     uid: str
-    spec: state.RendezvousSpec | None
+    spec: specs.RendezvousSpec | None
     """``None`` when the annotations have errors (see ``errors``)."""
     errors: tuple[job_annotations.AnnotationError, ...]
     parallelism: int | None
@@ -179,14 +179,14 @@ def observe_job(body: Mapping[str, Any]) -> JobObservation | None:
         if condition.get("status") != "True":
             continue
         if condition.get("type") == "Complete":
-            finished = (rounds.CLOSED_JOB_COMPLETE, f"Job {metadata.get('name')} completed")
+            finished = (reasons.CLOSED_JOB_COMPLETE, f"Job {metadata.get('name')} completed")
         elif condition.get("type") == "Failed":
             why = condition.get("reason") or "Failed"
-            finished = (rounds.CLOSED_JOB_FAILED, f"Job {metadata.get('name')} failed: {why}")
+            finished = (reasons.CLOSED_JOB_FAILED, f"Job {metadata.get('name')} failed: {why}")
     pod_spec = (spec.get("template") or {}).get("spec") or {}
     return JobObservation(
         uid=metadata.get("uid", ""),
-        spec=parsed if isinstance(parsed, state.RendezvousSpec) else None,
+        spec=parsed if isinstance(parsed, specs.RendezvousSpec) else None,
         errors=parsed if isinstance(parsed, tuple) else (),
         parallelism=parallelism if isinstance(parallelism, int) else None,
         service_account=pod_spec.get("serviceAccountName") or "default",

@@ -1,6 +1,6 @@
-"""Probes every member's agent once per interval over UDP (:class:`k8s_rendezvous.state.Probe`)
-and hands the verdict of :func:`.reachability.unreachable` to the reconciler after each
-round of probes.
+"""Probes every member's agent once per interval over UDP
+(:class:`k8s_rendezvous.wire.datagrams.Probe`) and hands the verdict of
+:func:`.reachability.unreachable` to the reconciler after each round of probes.
 
 Each probe's nonce is a secret of its own, new each round, so an answer names its target
 whatever address it comes from (a pod answers from the address its kernel picks), and
@@ -9,7 +9,7 @@ target's index after it: a pod that got its own probe then knew every other memb
 (the same secret, the next indexes) and could keep members of any rendezvous, in any
 namespace, from being judged unreachable.
 
-The wire format (:class:`k8s_rendezvous.state.Probe`, version 1) is unchanged: an agent
+The wire format (:class:`k8s_rendezvous.wire.datagrams.Probe`, version 1) is unchanged: an agent
 echoes the nonce whatever it holds, so agents of every handler version answer these.
 """
 
@@ -23,7 +23,7 @@ import secrets
 import socket
 from collections.abc import Callable, Iterable
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import datagrams
 from k8s_rendezvous_operator import metrics
 from k8s_rendezvous_operator.reachability import Target, unreachable
 
@@ -108,7 +108,7 @@ class Prober:
                 await asyncio.sleep(0)
             if (sock := self._socket(target.addr)) is None:
                 continue
-            probe = state.Probe(secrets.token_bytes(state.PROBE_NONCE_BYTES))
+            probe = datagrams.Probe(secrets.token_bytes(datagrams.PROBE_NONCE_BYTES))
             sent[probe.nonce] = target
             self._unanswered[target] += 1
             with contextlib.suppress(OSError):  # a full buffer: silence this once
@@ -151,5 +151,5 @@ class Prober:
                 return
             except OSError:  # an ICMP error queued for an earlier probe: read on
                 continue
-            if (probe := state.Probe.from_reply(data)) is not None:
+            if (probe := datagrams.Probe.from_reply(data)) is not None:
                 self._answered(probe.nonce)

@@ -8,38 +8,138 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import RendezvousSpec
+from k8s_rendezvous.wire import leases, objects, statuses
+from k8s_rendezvous.wire.specs import RendezvousSpec
 
 # On a Rendezvous: its rounds.
 ROUND_SEALED: Final = "RoundSealed"
+"""A round was sealed (also ``Ready``'s reason while it stands)."""
 MEMBER_LOST: Final = "MemberLost"
+"""A member left the sealed round; the message gives its ``LOST_*`` reason."""
 WAITER_EXPIRED: Final = "WaiterExpired"
+"""A node asking to join is not counted: its agent stopped renewing its Lease."""
 CLOSED: Final = "Closed"
+"""The rendezvous closed; the message gives its ``CLOSED_*`` reason."""
 # On a Rendezvous: what it is not told, or refuses.
 NODE_REFUSED: Final = "NodeRefused"
+"""A node's request is refused; the message says why (a ``REFUSED_*`` reason)."""
 INVALID_ENTRY: Final = "InvalidEntry"
+"""A node's Lease holds a request this operator cannot read."""
 INVALID_RENDEZVOUS: Final = "InvalidRendezvous"
+"""The Rendezvous does not decode, or the API server refuses its next status."""
 NODE_WITHOUT_POD: Final = "NodeWithoutPod"
+"""A node asks to join under the name of a pod that does not exist."""
 NO_OWNER: Final = "NoOwner"
+"""A pod-made Rendezvous could not be given its creator's workload as its owner."""
 HEALTH_CHECK_FAILED: Final = "HealthCheckFailed"
 """Also on the pod: its health check failed before a join, so it joins no round."""
+CLEAR_EXCLUDED_NODES_UNREADABLE: Final = "ClearExcludedNodesUnreadable"
+"""The clear annotation of a Rendezvous is not a time: the excluded nodes stay."""
 # On an annotated Job (and a pod of it).
 RENDEZVOUS_CREATED: Final = "RendezvousCreated"
+"""The operator made the Job's Rendezvous."""
 RENDEZVOUS_RECREATED: Final = "RendezvousRecreated"
+"""The Job's own Rendezvous was deleted while it runs, and made anew."""
 RENDEZVOUS_NOT_OWNED: Final = "RendezvousNotOwned"
+"""A Rendezvous of the Job's name is not the Job's, and is left as it is."""
 RENDEZVOUS_REPLACED: Final = "RendezvousReplaced"
 """Also on the workload (or the pod) whose pod-made Rendezvous was replaced; and, for a
 pod-made Rendezvous named after another workload, on both workloads."""
 INVALID_ANNOTATION: Final = "InvalidAnnotation"
+"""The Job's ``k8s-rendezvous.dev/`` annotations have errors: no Rendezvous is made."""
 RUN_ID_IMMUTABLE: Final = "RunIdImmutable"
+"""The Job's annotations ask for another runId than its Rendezvous keeps."""
 SERVICE_ACCOUNT_NOT_FOUND: Final = "ServiceAccountNotFound"
+"""The Job's ServiceAccount does not exist: the worker role is not bound yet."""
 POD_NOT_INJECTED: Final = "PodNotInjected"
+"""A pod of the Job was made without the env that points torchrun here."""
 POD_LOSSES_END_JOB: Final = "PodLossesEndJob"
 """The Job counts pods lost to disruptions (drains, preemptions, lost nodes) as failures."""
 
-# Causes of a round, in ``status.history`` (a member lost: that loss's reason, from
-# :mod:`.rounds`).
+# Why a member left a round: MemberLost's message, the cause of the next round in
+# ``status.history``, an ``excludedNodes`` entry's reason, the members-lost metric's label.
+LOST_POD_DELETED: Final = "PodDeleted"
+"""Its pod was deleted (a drain, an eviction, a scale-down: planned)."""
+LOST_POD_TERMINATING: Final = "PodTerminating"
+"""Its pod is being deleted: gone at once, not at the end of its grace period."""
+LOST_POD_FAILED: Final = "PodFailed"
+"""Its pod failed."""
+LOST_POD_SUCCEEDED: Final = "PodSucceeded"
+"""Its pod succeeded: its work is done (the rendezvous closes, ``NodeFinished``)."""
+LOST_POD_NOT_FOUND: Final = "PodNotFound"
+"""Its pod does not exist (a restarted operator looked, and found none)."""
+LOST_CONTAINER_RESTARTED: Final = "ContainerRestarted"
+"""Its pod's containers restarted since it was admitted."""
+LOST_AGENT_RESTARTED: Final = "AgentRestarted"
+"""Another agent instance writes its Lease: torchrun restarted inside the container."""
+LOST_LEFT: Final = "Left"
+"""Its agent left (``shutdown()`` of a failed agent)."""
+LOST_ENTRY_REMOVED: Final = "EntryRemoved"
+"""Its Lease, or the request in it, is gone (deleted by hand, or collected)."""
+LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
+"""Its agent did not renew its Lease within ``heartbeatTimeoutSeconds``."""
+LOST_UNREACHABLE: Final = "AgentUnreachable"
+"""Its agent answered none of the operator's probes for the probe window."""
+LOST_HEALTH_CHECK_FAILED: Final = HEALTH_CHECK_FAILED
+"""Its agent left because its health check failed before its next join."""
+LOST_REASONS: Final = (
+    LOST_POD_DELETED,
+    LOST_POD_TERMINATING,
+    LOST_POD_FAILED,
+    LOST_POD_SUCCEEDED,
+    LOST_POD_NOT_FOUND,
+    LOST_CONTAINER_RESTARTED,
+    LOST_AGENT_RESTARTED,
+    LOST_LEFT,
+    LOST_ENTRY_REMOVED,
+    LOST_HEARTBEAT_EXPIRED,
+    LOST_UNREACHABLE,
+    LOST_HEALTH_CHECK_FAILED,
+)
+
+# Why a rendezvous closed: ``status.closedReason``, the ``Closed`` condition's reason, the
+# closures metric's label.
+CLOSED_BY_NODE: Final = "ClosedByNode"
+"""A node called ``set_closed()``."""
+CLOSED_ALL_LEFT: Final = "AllNodesLeft"
+"""Every member of the last round left, and none waits."""
+CLOSED_NODE_FINISHED: Final = "NodeFinished"
+"""A member finished (its workers succeeded): the round's work is ending."""
+CLOSED_JOB_COMPLETE: Final = "JobComplete"
+"""The annotated Job completed."""
+CLOSED_JOB_FAILED: Final = "JobFailed"
+"""The annotated Job failed."""
+CLOSED_RESTARTS_EXHAUSTED: Final = statuses.CLOSED_RESTARTS_EXHAUSTED
+"""A failure found the job's restart budget (``spec.maxRestarts``) spent. The pod side
+reads it too (a spare ends in failure then), so the wire format holds its value."""
+CLOSED_REASONS: Final = (
+    CLOSED_BY_NODE,
+    CLOSED_ALL_LEFT,
+    CLOSED_NODE_FINISHED,
+    CLOSED_JOB_COMPLETE,
+    CLOSED_JOB_FAILED,
+    CLOSED_RESTARTS_EXHAUSTED,
+)
+
+# Why a node's request is refused: ``status.refused``, the reason the node ends with
+# (``NodeRefusedError``), the refusals metric's label.
+REFUSED_NO_RULE: Final = "NoWorkload"
+"""The Rendezvous has no controller owner and no ``spec.podSelector``."""
+REFUSED_OTHER_WORKLOAD: Final = "OtherWorkload"
+"""The pod is not of the workload that owns the Rendezvous."""
+REFUSED_SELECTOR: Final = "SelectorMismatch"
+"""The pod's labels do not match ``spec.podSelector``."""
+REFUSED_ADDRESS: Final = "AddressNotThePods"
+"""The address the node offers is not one of its pod's IPs."""
+REFUSED_REASONS: Final = (
+    REFUSED_NO_RULE,
+    REFUSED_OTHER_WORKLOAD,
+    REFUSED_SELECTOR,
+    REFUSED_ADDRESS,
+)
+
+# Causes of a round, in ``status.history`` (a member lost: that loss's reason, a
+# ``LOST_*``).
 CAUSE_FIRST_ROUND: Final = "FirstRound"
 CAUSE_NODES_JOINED: Final = "NodesJoined"
 CAUSE_MEMBER_REJOINED: Final = "MemberRejoined"
@@ -148,7 +248,7 @@ report is cut to fit instead, so that its output's last lines (where a test says
 are what is shown."""
 
 
-def health_check_failed(pod: str, node: str | None, report: state.HealthCheckReport) -> str:
+def health_check_failed(pod: str, node: str | None, report: leases.HealthCheckReport) -> str:
     """A pod's failed health check, on the Kubernetes node the Pod object names (never
     where the pod says it runs); its output's tail, printable and cut to fit the Event."""
     where = f"on node {node}" if node else "on a node not known (its Pod is gone or unscheduled)"
@@ -156,7 +256,7 @@ def health_check_failed(pod: str, node: str | None, report: state.HealthCheckRep
         f"pod {pod} {where} joins no round: its health check {report.summary()}; its agent "
         "ends so that its workload replaces it. Output ends: "
     )
-    tail = state.printable_tail(report.tail, max(0, MAX_EVENT_MESSAGE - len(head)))
+    tail = leases.printable_tail(report.tail, max(0, MAX_EVENT_MESSAGE - len(head)))
     return head + (tail or "(none)")
 
 
@@ -186,6 +286,39 @@ def closed(reason: str | None, message: str | None) -> str:
 
 
 # Warnings on a Rendezvous: what it is not told, or refuses.
+
+
+# Why a node's request is refused (NodeRefused's message, and the refused node's error).
+
+
+def refused_no_rule(rendezvous: str, pod: str) -> str:
+    return (
+        f"Rendezvous {rendezvous} has no controller owner and no spec.podSelector, so no pod "
+        f"can be checked as one of its workload's and pod {pod} is not admitted. Set "
+        "spec.podSelector to the labels of the job's pods."
+    )
+
+
+def refused_other_workload(rendezvous: str, pod: str, controller: str, owner: str | None) -> str:
+    return (
+        f"pod {pod} is controlled by {controller}, not by {owner}, which owns Rendezvous "
+        f"{rendezvous}: only that workload's pods may join it."
+    )
+
+
+def refused_selector(rendezvous: str, pod: str, selector: str) -> str:
+    return (
+        f"pod {pod}'s labels do not match spec.podSelector of Rendezvous {rendezvous} "
+        f"({selector}): only the pods it selects may join it."
+    )
+
+
+def refused_address(pod: str, addr: str, ips: Sequence[str]) -> str:
+    return (
+        f"pod {pod} offers address {addr!r}, which is not one of its pod's IPs "
+        f"({', '.join(ips)}): other nodes would connect there. Leave --local-addr unset, or "
+        "set it to one of the pod's IPs."
+    )
 
 
 def invalid_entry(pod: str, problem: str) -> str:
@@ -255,7 +388,7 @@ def rendezvous_not_owned(rendezvous: str, namespace: str, owner: str | None, sel
         held = "it has no owner"
     return (
         f"Rendezvous {rendezvous} exists and is not this Job's: a user or another "
-        f"controller made it, not a pod (it has no {state.CREATED_BY_ANNOTATION} "
+        f"controller made it, not a pod (it has no {objects.CREATED_BY_ANNOTATION} "
         f"annotation), and {held}. The operator leaves it as it is, so this Job's pods get "
         "no env and join nothing; it makes this Job's Rendezvous as soon as the name is "
         f"free. Delete it if it is not in use (kubectl -n {namespace} delete rendezvous "
@@ -389,14 +522,10 @@ def pod_losses_end_job(job: str, losses: int, per_index: bool, restart_policy_ne
     )
 
 
-CLEAR_EXCLUDED_NODES_UNREADABLE: Final = "ClearExcludedNodesUnreadable"
-"""The clear annotation of a Rendezvous is not a time: the excluded nodes stay."""
-
-
 def clear_excluded_nodes_unreadable(problem: str) -> str:
     return (
         f"{problem}; the Kubernetes nodes in status.excludedNodes are kept out until it is "
         "fixed. Write the time to clear up to, e.g. "
-        f"kubectl annotate rdzv NAME --overwrite {state.CLEAR_EXCLUDED_NODES_ANNOTATION}="
+        f"kubectl annotate rdzv NAME --overwrite {objects.CLEAR_EXCLUDED_NODES_ANNOTATION}="
         '"$(date -u +%Y-%m-%dT%H:%M:%SZ)"'
     )

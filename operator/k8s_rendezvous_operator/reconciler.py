@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec, leases, objects, records, specs, statuses
 from k8s_rendezvous_operator import (
     events,
     failed_checks,
@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 # from an earlier sample, so a series first scraped at 1 would hide the first loss or
 # closure of its reason from every rate() (the dashboard's "Members lost by cause",
 # "closed, budget spent" and "Nodes refused by reason").
-for _reason in rounds.LOST_REASONS:
+for _reason in reasons.LOST_REASONS:
     metrics.MEMBERS_LOST.labels(_reason)
-for _reason in rounds.CLOSED_REASONS:
+for _reason in reasons.CLOSED_REASONS:
     metrics.CLOSED.labels(_reason)
-for _reason in membership.REFUSED_REASONS:
+for _reason in reasons.REFUSED_REASONS:
     metrics.NODES_REFUSED.labels(_reason)
 
 PLANNED = frozenset(
@@ -87,7 +87,7 @@ class RendezvousMemory:
 
     body: dict[str, Any] | None = None
     """The newest body seen (``None``: only its nodes' Leases are known yet)."""
-    entries: dict[str, state.NodeEntry] = dataclasses.field(default_factory=dict)
+    entries: dict[str, leases.NodeEntry] = dataclasses.field(default_factory=dict)
     """Each node's request, as its Lease says."""
     forming_since: datetime.datetime | None = None
     """When its forming round began, as last decided (not written on its own: rule 10)."""
@@ -99,7 +99,7 @@ class RendezvousMemory:
     """Made by a pod: the uid it was given its creator's owner for."""
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     """The pods whose requests are refused, with the reason reported."""
-    expired: dict[str, state.NodeEntry] = dataclasses.field(default_factory=dict)
+    expired: dict[str, leases.NodeEntry] = dataclasses.field(default_factory=dict)
     """The waiters not counted for want of heartbeats (rule 12), with the request
     reported: each request is reported once."""
     waiting: int = 0
@@ -122,7 +122,7 @@ def _uid(body: Mapping[str, Any]) -> object:
 
 
 def _probe_targets(
-    key: Key, status: state.RendezvousStatus, requests: Mapping[str, state.NodeEntry]
+    key: Key, status: statuses.RendezvousStatus, requests: Mapping[str, leases.NodeEntry]
 ) -> tuple[reachability.Target, ...]:
     """The members of a sealed round (a stale round's are re-joining, or lost), and the
     nodes waiting, in any state: a spare cut off with the member it would replace must be
@@ -130,7 +130,7 @@ def _probe_targets(
     members = [
         (member.node, entry, False)
         for member in status.members
-        if status.state is state.RoundState.SEALED
+        if status.state is statuses.RoundState.SEALED
         and (entry := requests.get(member.node))
         and member.admits(entry)
     ]
@@ -299,7 +299,7 @@ class Reconciler:
         that cannot be read is reported as its node's, :meth:`lease_seen`), and any
         failure to handle it is logged as this Lease's alone."""
         try:
-            if (lease := state.NodeLease.from_body(body)) is not None:
+            if (lease := leases.NodeLease.from_body(body)) is not None:
                 self.lease_seen(namespace, lease, body, deleted=deleted)
         except Exception:  # a bug, not the pod's input: this Lease's, not every Lease's
             log.exception(
@@ -311,7 +311,7 @@ class Reconciler:
     def lease_seen(
         self,
         namespace: str,
-        lease: state.NodeLease,
+        lease: leases.NodeLease,
         body: Mapping[str, Any],
         deleted: bool,
     ) -> None:
@@ -381,7 +381,7 @@ class Reconciler:
         self._post([self.known_body(key) or body], warning=True, reason=reason, message=message)
 
     async def _report_failed_check(
-        self, key: Key, pod: str, report: state.HealthCheckReport
+        self, key: Key, pod: str, report: leases.HealthCheckReport
     ) -> None:
         """A HealthCheckFailed Warning on the Rendezvous, its Job and the pod, naming the
         Kubernetes node the Pod object says it runs on (the pod's word is not taken for
@@ -422,8 +422,8 @@ class Reconciler:
         self,
         key: Key,
         body: Mapping[str, Any],
-        spec: state.RendezvousSpec,
-        requests: Mapping[str, state.NodeEntry],
+        spec: specs.RendezvousSpec,
+        requests: Mapping[str, leases.NodeEntry],
         expired: tuple[str, ...],
     ) -> None:
         """Say once per request that it is not counted for want of heartbeats."""
@@ -453,7 +453,7 @@ class Reconciler:
 
     def _remember(self, key: Key, body: Mapping[str, Any]) -> None:
         memory = self._memory(key)
-        if memory.body is None or state.resource_version(body) > state.resource_version(
+        if memory.body is None or objects.resource_version(body) > objects.resource_version(
             memory.body
         ):
             memory.body = dict(body)
@@ -547,11 +547,11 @@ class Reconciler:
         what the decision awaited changed)."""
         namespace = key[0]
         try:
-            spec = state.RendezvousSpec.from_dict(body.get("spec"))
-            current = state.RendezvousStatus.from_dict(body.get("status"))
+            spec = specs.RendezvousSpec.from_dict(body.get("spec"))
+            current = statuses.RendezvousStatus.from_dict(body.get("status"))
             if problem := rounds.slices_problem(spec, current):
-                raise state.DecodeError(problem)
-        except state.DecodeError as error:
+                raise codec.DecodeError(problem)
+        except codec.DecodeError as error:
             if memory.unreadable != str(error):
                 memory.unreadable = str(error)
                 await self._refuse(key, body, reasons.unreadable(error))
@@ -616,12 +616,12 @@ class Reconciler:
         """The user's clear annotation; one that is not a time clears nothing and is
         reported, as a typo there must not stop the rendezvous."""
         annotations = (body.get("metadata") or {}).get("annotations") or {}
-        raw = annotations.get(state.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        raw = annotations.get(objects.CLEAR_EXCLUDED_NODES_ANNOTATION)
         if raw is None:
             return None
         try:
-            return state.parse_time(raw, state.CLEAR_EXCLUDED_NODES_ANNOTATION)
-        except state.DecodeError as error:
+            return codec.parse_time(raw, objects.CLEAR_EXCLUDED_NODES_ANNOTATION)
+        except codec.DecodeError as error:
             self._warn(
                 key,
                 body,
@@ -634,12 +634,12 @@ class Reconciler:
         self,
         key: Key,
         body: Mapping[str, Any],
-        spec: state.RendezvousSpec,
-        current: state.RendezvousStatus,
+        spec: specs.RendezvousSpec,
+        current: statuses.RendezvousStatus,
     ) -> tuple[
-        dict[str, state.NodeEntry],
+        dict[str, leases.NodeEntry],
         dict[str, rounds.PodObservation],
-        tuple[state.Refusal, ...],
+        tuple[records.Refusal, ...],
         dict[str, workloads.Reference],
     ]:
         """The requests that count (of pods of the workload), what is known of their pods,
@@ -735,8 +735,8 @@ class Reconciler:
         self,
         key: Key,
         memory: RendezvousMemory,
-        spec: state.RendezvousSpec,
-        status: state.RendezvousStatus,
+        spec: specs.RendezvousSpec,
+        status: statuses.RendezvousStatus,
         requesters: Iterable[str],
     ) -> None:
         """Bring the RendezvousSlices in step with the status just decided (after it, so
@@ -805,7 +805,7 @@ class Reconciler:
         if status.restarts > previous.restarts:
             metrics.RESTARTS.inc(status.restarts - previous.restarts)
         # A closed rendezvous' nodesWaiting tells its members to end, not that nodes wait.
-        memory.waiting = 0 if status.state is state.RoundState.CLOSED else status.nodes_waiting
+        memory.waiting = 0 if status.state is statuses.RoundState.CLOSED else status.nodes_waiting
         memory.spares_short = rounds.spares_short(status)
         self._set_gauges()
 
@@ -819,7 +819,7 @@ class Reconciler:
         if decision.sealed and status.history and status.history[-1].cause not in PLANNED:
             recovery = status.history[-1].forming_milliseconds / 1000
             metrics.RECOVERY.observe(recovery)
-        sealed = status.state is state.RoundState.SEALED
+        sealed = status.state is statuses.RoundState.SEALED
         self._series.set(
             key,
             status.world_size if sealed else 0,
@@ -901,7 +901,7 @@ class Reconciler:
             )
 
     def _label_pods(
-        self, namespace: str, rendezvous: str, requests: Mapping[str, state.NodeEntry]
+        self, namespace: str, rendezvous: str, requests: Mapping[str, leases.NodeEntry]
     ) -> None:
         for node in requests:
             pod = self._pod((namespace, node))
@@ -1049,10 +1049,10 @@ class Reconciler:
                 observe.observe_pod(body),
                 rendezvous,
                 node_name=(body.get("spec") or {}).get("nodeName"),
-                version=state.resource_version(body),
+                version=objects.resource_version(body),
             )
         except kube.NotFound:
-            self.pod_seen(pod, rounds.PodObservation(rounds.LOST_POD_NOT_FOUND), rendezvous)
+            self.pod_seen(pod, rounds.PodObservation(reasons.LOST_POD_NOT_FOUND), rendezvous)
             key = (pod[0], rendezvous)
             # A Lease a pod wrote (its uid annotation says which) outlives that pod: the pod
             # is gone, nothing is misconfigured, and a restarted operator would otherwise
@@ -1061,7 +1061,7 @@ class Reconciler:
             memory = self._pods.get(pod)
             never_a_pod = memory is None or memory.writer is None
             if never_a_pod and (known := self.known_body(key)) is not None:
-                lease = state.lease_name(rendezvous, pod[1])
+                lease = objects.lease_name(rendezvous, pod[1])
                 message = reasons.node_without_pod(pod[1], pod[0], lease)
                 self._warn(key, known, reasons.NODE_WITHOUT_POD, message, pod=pod[1])
         except Exception:

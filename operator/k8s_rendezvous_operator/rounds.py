@@ -72,26 +72,24 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import (
-    EXCLUDED_NODE_TTL,
-    MAX_EXCLUDED_NODES,
-    MAX_HISTORY,
+from k8s_rendezvous.wire.leases import NodeEntry, NodeIntent
+from k8s_rendezvous.wire.objects import SLICE_MEMBERS, slice_count, slices_needed
+from k8s_rendezvous.wire.records import (
     MAX_REFUSAL_MESSAGE,
-    SLICE_MEMBERS,
     Condition,
     ExcludedNode,
     Master,
     Member,
-    NodeEntry,
-    NodeIntent,
     Refusal,
-    RendezvousSpec,
-    RendezvousStatus,
     RoundRecord,
+)
+from k8s_rendezvous.wire.specs import RendezvousSpec
+from k8s_rendezvous.wire.statuses import (
+    EXCLUDED_NODE_TTL,
+    MAX_EXCLUDED_NODES,
+    MAX_HISTORY,
+    RendezvousStatus,
     RoundState,
-    slice_count,
-    slices_needed,
 )
 from k8s_rendezvous_operator import reasons
 from k8s_rendezvous_operator.membership import PodIdentity
@@ -104,60 +102,18 @@ CONDITION_SPARES_READY: Final = "SparesReady"
 """Set while ``spec.spares`` is: whether as many spares wait as the workload declared, as
 counted at the latest seal and while that round stays current; removed once closed."""
 
-# Reasons a member leaves a round; they appear in Events and in `kubectl describe`.
-LOST_POD_DELETED: Final = "PodDeleted"
-LOST_POD_TERMINATING: Final = "PodTerminating"
-LOST_POD_FAILED: Final = "PodFailed"
-LOST_POD_SUCCEEDED: Final = "PodSucceeded"
-LOST_POD_NOT_FOUND: Final = "PodNotFound"
-LOST_CONTAINER_RESTARTED: Final = "ContainerRestarted"
-LOST_AGENT_RESTARTED: Final = "AgentRestarted"
-LOST_LEFT: Final = "Left"
-LOST_ENTRY_REMOVED: Final = "EntryRemoved"
-LOST_HEARTBEAT_EXPIRED: Final = "HeartbeatExpired"
-LOST_UNREACHABLE: Final = "AgentUnreachable"
-LOST_HEALTH_CHECK_FAILED: Final = reasons.HEALTH_CHECK_FAILED
-LOST_REASONS: Final = (
-    LOST_POD_DELETED,
-    LOST_POD_TERMINATING,
-    LOST_POD_FAILED,
-    LOST_POD_SUCCEEDED,
-    LOST_POD_NOT_FOUND,
-    LOST_CONTAINER_RESTARTED,
-    LOST_AGENT_RESTARTED,
-    LOST_LEFT,
-    LOST_ENTRY_REMOVED,
-    LOST_HEARTBEAT_EXPIRED,
-    LOST_UNREACHABLE,
-    LOST_HEALTH_CHECK_FAILED,
-)
-
-CLOSED_BY_NODE: Final = "ClosedByNode"
-CLOSED_ALL_LEFT: Final = "AllNodesLeft"
-CLOSED_NODE_FINISHED: Final = "NodeFinished"
-CLOSED_JOB_COMPLETE: Final = "JobComplete"
-CLOSED_JOB_FAILED: Final = "JobFailed"
-CLOSED_RESTARTS_EXHAUSTED: Final = state.CLOSED_RESTARTS_EXHAUSTED
-CLOSED_REASONS: Final = (
-    CLOSED_BY_NODE,
-    CLOSED_ALL_LEFT,
-    CLOSED_NODE_FINISHED,
-    CLOSED_JOB_COMPLETE,
-    CLOSED_JOB_FAILED,
-    CLOSED_RESTARTS_EXHAUSTED,
-)
-CLOSED_IN_FAILURE: Final = frozenset({CLOSED_JOB_FAILED, CLOSED_RESTARTS_EXHAUSTED})
+CLOSED_IN_FAILURE: Final = frozenset({reasons.CLOSED_JOB_FAILED, reasons.CLOSED_RESTARTS_EXHAUSTED})
 """Closures that end the job in failure: their Events are Warnings."""
 
 FAILURES: Final = frozenset(
     {
-        LOST_POD_FAILED,
-        LOST_CONTAINER_RESTARTED,
-        LOST_AGENT_RESTARTED,
-        LOST_LEFT,
-        LOST_HEARTBEAT_EXPIRED,
-        LOST_UNREACHABLE,
-        LOST_HEALTH_CHECK_FAILED,
+        reasons.LOST_POD_FAILED,
+        reasons.LOST_CONTAINER_RESTARTED,
+        reasons.LOST_AGENT_RESTARTED,
+        reasons.LOST_LEFT,
+        reasons.LOST_HEARTBEAT_EXPIRED,
+        reasons.LOST_UNREACHABLE,
+        reasons.LOST_HEALTH_CHECK_FAILED,
         reasons.CAUSE_MEMBER_REJOINED,
     }
 )
@@ -168,11 +124,11 @@ agent restarting failed workers, as torch's agent counts it against ``--max-rest
 
 KEEPS_NODE_OUT: Final = frozenset(
     {
-        LOST_POD_FAILED,
-        LOST_CONTAINER_RESTARTED,
-        LOST_HEARTBEAT_EXPIRED,
-        LOST_UNREACHABLE,
-        LOST_HEALTH_CHECK_FAILED,
+        reasons.LOST_POD_FAILED,
+        reasons.LOST_CONTAINER_RESTARTED,
+        reasons.LOST_HEARTBEAT_EXPIRED,
+        reasons.LOST_UNREACHABLE,
+        reasons.LOST_HEALTH_CHECK_FAILED,
     }
 )
 """Losses that say the member's Kubernetes node may be bad, so the workload's next pods
@@ -186,7 +142,7 @@ class PodObservation:
     """What Kubernetes says about the pod behind a node entry."""
 
     gone_reason: str | None = None
-    """``None`` while the pod lives; else why it is gone (one of the ``LOST_POD_*``)."""
+    """``None`` while the pod lives; else why it is gone (one of the ``reasons.LOST_POD_*``)."""
     restarts: int = 0
     """Sum of its containers' restart counts."""
     topology: str | None = None
@@ -402,21 +358,21 @@ def _loss_reason(ctx: Context, member: Member) -> str | None:
     pod = ctx.pods.get(member.node)
     expires_at = ctx.expiries.get(member.node)
     if entry is None:
-        return LOST_ENTRY_REMOVED
+        return reasons.LOST_ENTRY_REMOVED
     if pod is not None and pod.gone_reason is not None:
         return pod.gone_reason
     if pod is not None and pod.restarts > member.pod_restarts:
-        return LOST_CONTAINER_RESTARTED
+        return reasons.LOST_CONTAINER_RESTARTED
     if entry.instance != member.instance:
-        return LOST_AGENT_RESTARTED
+        return reasons.LOST_AGENT_RESTARTED
     if entry.intent is NodeIntent.LEAVE:
-        return LOST_LEFT if entry.health_check is None else LOST_HEALTH_CHECK_FAILED
+        return reasons.LOST_LEFT if entry.health_check is None else reasons.LOST_HEALTH_CHECK_FAILED
     if not member.admits(entry):
         return None
     if ctx.liveness is not None and (member.node, member.instance) in ctx.liveness.unreachable:
-        return LOST_UNREACHABLE
+        return reasons.LOST_UNREACHABLE
     if expires_at is not None and ctx.now >= expires_at:
-        return LOST_HEARTBEAT_EXPIRED
+        return reasons.LOST_HEARTBEAT_EXPIRED
     return None
 
 
@@ -453,17 +409,17 @@ def closes_when_work_ends(ctx: Context, status: RendezvousStatus) -> RendezvousS
         None,
     )
     if closer is not None:
-        return _closed(status, CLOSED_BY_NODE, reasons.closed_by_node(closer))
+        return _closed(status, reasons.CLOSED_BY_NODE, reasons.closed_by_node(closer))
     for member in status.members:
         entry = ctx.requests.get(member.node)
         if (
             entry is not None
             and entry.intent is NodeIntent.FINISH
             and entry.instance == member.instance  # this member's agent, not a later one
-        ) or ctx.pod(member.node).gone_reason == LOST_POD_SUCCEEDED:
+        ) or ctx.pod(member.node).gone_reason == reasons.LOST_POD_SUCCEEDED:
             return _closed(
                 status,
-                CLOSED_NODE_FINISHED,
+                reasons.CLOSED_NODE_FINISHED,
                 reasons.closed_node_finished(member.node, status.round),
             )
     return status
@@ -486,7 +442,7 @@ def closes_when_everyone_left(ctx: Context, status: RendezvousStatus) -> Rendezv
             for member in status.members
         )
     ):
-        closed = _closed(status, CLOSED_ALL_LEFT, reasons.closed_all_left(status.round))
+        closed = _closed(status, reasons.CLOSED_ALL_LEFT, reasons.closed_all_left(status.round))
         return dataclasses.replace(closed, losses=ctx.losses)
     return status
 
@@ -522,7 +478,7 @@ def goes_stale_on_change(ctx: Context, status: RendezvousStatus) -> RendezvousSt
     if spends_restart(ctx, cause[0]):
         if spec.max_restarts is not None and restarts >= spec.max_restarts:
             message = reasons.closed_restarts_exhausted(spec.max_restarts, status.round, cause[1])
-            closed = _closed(status, CLOSED_RESTARTS_EXHAUSTED, message)
+            closed = _closed(status, reasons.CLOSED_RESTARTS_EXHAUSTED, message)
             return dataclasses.replace(
                 closed,
                 status=dataclasses.replace(closed.status, nodes_waiting=waiting),
@@ -665,7 +621,9 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
         forming_cause=None,
         forming_cause_message=None,
         history=(*status.history, record)[-MAX_HISTORY:],
-        leaving=tuple(loss.node for loss in ctx.losses if loss.reason == LOST_POD_TERMINATING),
+        leaving=tuple(
+            loss.node for loss in ctx.losses if loss.reason == reasons.LOST_POD_TERMINATING
+        ),
     )
     wake_at = None
     if ctx.liveness is not None:

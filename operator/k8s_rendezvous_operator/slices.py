@@ -15,16 +15,16 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, specs, statuses
 
-Publication = tuple[state.RendezvousSpec, state.RendezvousStatus, frozenset[int]]
+Publication = tuple[specs.RendezvousSpec, statuses.RendezvousStatus, frozenset[int]]
 """What the slices are made from: the spec, the status without what no slice carries, and
 which slices are written. Equal publications make equal slices, so one compare skips the
 per-slice diff."""
 
 
 def needed(
-    status: state.RendezvousStatus, requesters: Iterable[str], written: Iterable[int]
+    status: statuses.RendezvousStatus, requesters: Iterable[str], written: Iterable[int]
 ) -> frozenset[int]:
     """The slices to write: each that carries a pod which asked to join (``requesters``)
     or that the status names, and each ``written`` before, kept in step while the
@@ -32,11 +32,11 @@ def needed(
     if not status.slices:
         return frozenset()
     nodes = {*requesters, *status.named_nodes()}
-    return frozenset({state.slice_index(node, status.slices) for node in nodes} | set(written))
+    return frozenset({objects.slice_index(node, status.slices) for node in nodes} | set(written))
 
 
 def publication(
-    spec: state.RendezvousSpec, status: state.RendezvousStatus, indexes: frozenset[int]
+    spec: specs.RendezvousSpec, status: statuses.RendezvousStatus, indexes: frozenset[int]
 ) -> Publication:
     return (
         spec,
@@ -52,7 +52,7 @@ def publication(
 
 
 def contents(
-    spec: state.RendezvousSpec, status: state.RendezvousStatus, indexes: Iterable[int]
+    spec: specs.RendezvousSpec, status: statuses.RendezvousStatus, indexes: Iterable[int]
 ) -> dict[int, dict[str, Any]]:
     """The spec and status of each slice of ``indexes``. A merge patch of the spec removes
     a rank order dropped since (``None``)."""
@@ -66,8 +66,8 @@ def contents(
 
 
 def changed(
-    spec: state.RendezvousSpec,
-    status: state.RendezvousStatus,
+    spec: specs.RendezvousSpec,
+    status: statuses.RendezvousStatus,
     indexes: Iterable[int],
     written: Mapping[int, Mapping[str, Any]],
 ) -> dict[int, dict[str, Any]]:

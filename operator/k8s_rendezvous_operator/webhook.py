@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec
 from k8s_rendezvous_operator import kube
 
 log = logging.getLogger(__name__)
@@ -231,9 +231,9 @@ def decode_review(body: bytes, max_bytes: int = Limits.max_body_bytes) -> Any:
     """A request's body as JSON, within the webhook's bounds.
 
     Raises:
-        k8s_rendezvous.state.DecodeError: Not JSON, or beyond a bound (a ``ValueError``).
+        k8s_rendezvous.wire.codec.DecodeError: Not JSON, or beyond a bound (a ``ValueError``).
     """
-    return state.decode_json(
+    return codec.decode_json(
         body, "AdmissionReview", max_length=max_bytes, max_depth=MAX_REVIEW_DEPTH
     )
 

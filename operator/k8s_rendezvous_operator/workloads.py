@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 MAX_DEPTH: Final = 4
 """Steps climbed at most above a pod's controller (a LeaderWorkerSet's worker climbs 3)."""
@@ -91,7 +91,7 @@ class Reference:
 
     def owner_reference(self) -> dict[str, Any]:
         """As the owner of a Rendezvous: the controller, not blocking deletion."""
-        return state.owner_reference(self.api_version, self.kind, self.name, self.uid)
+        return objects.owner_reference(self.api_version, self.kind, self.name, self.uid)
 
 
 def controller(metadata: Mapping[str, Any]) -> Reference | None:

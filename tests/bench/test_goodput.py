@@ -14,7 +14,7 @@ import pytest
 
 from bench import fault_schedule, faults, goodput_report
 from bench import goodput_measures as measures
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec, records
 
 STEP = measures.STEP_SECONDS
 
@@ -160,7 +160,7 @@ def test_the_leader_is_the_lease_holder_until_its_hold_expires() -> None:
         "spec": {
             "holderIdentity": "operator-7d9f-abcde_1f2e3d",
             "leaseDurationSeconds": 10,
-            "renewTime": state.format_time(renewed),
+            "renewTime": codec.format_time(renewed),
         }
     }
     at = renewed.timestamp()
@@ -291,7 +291,7 @@ def pod(ip: str, restarts: int = 0, **metadata: Any) -> dict[str, Any]:
 def test_a_member_is_gone_with_its_pod_its_incarnation_or_its_agent() -> None:
     """A StatefulSet's pod made anew keeps its name but not its IP, and a container it
     restarts keeps both: the member that joined from either is gone all the same."""
-    member = state.Member("train-1", "instance", 0, "10.0.0.7", pod_restarts=1)
+    member = records.Member("train-1", "instance", 0, "10.0.0.7", pod_restarts=1)
     assert not measures.member_gone(member, pod("10.0.0.7", restarts=1))
     assert measures.member_gone(member, None)
     assert measures.member_gone(member, pod("10.0.0.9", restarts=0)), "made anew"

@@ -19,12 +19,12 @@ from devkit import namespaces
 from devkit.chart import Release
 from devkit.cluster.controlplane import ControlPlane
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, objects
 
 pytestmark = pytest.mark.usefixtures("chart_release")
 
 MERGE = "application/merge-patch+json"
-ENTRY = state.NodeEntry("i-1", 1, "10.0.0.7", 29500)
+ENTRY = leases.NodeEntry("i-1", 1, "10.0.0.7", 29500)
 NO_SUCH_UID = "00000000-0000-4000-8000-000000000000"
 """The uid of no Rendezvous: a Lease owned by it is collected, once past admission."""
 
@@ -48,11 +48,11 @@ class PodClient:
     ) -> dict[str, Any]:
         """Labelled for ``rendezvous``; a pod's is owned by it (of uid ``owner_uid``), as
         the handler makes it, unless ``owners`` says otherwise."""
-        labels = {state.NODE_LABEL: rendezvous} if rendezvous else {}
+        labels = {objects.NODE_LABEL: rendezvous} if rendezvous else {}
         if owners is None and rendezvous and self.uid:
             owners = [
-                state.owner_reference(
-                    state.API_VERSION, state.KIND, rendezvous, owner_uid, controller=False
+                objects.owner_reference(
+                    objects.API_VERSION, objects.KIND, rendezvous, owner_uid, controller=False
                 )
             ]
         body = {
@@ -62,9 +62,9 @@ class PodClient:
                 "name": name,
                 "labels": labels,
                 "annotations": {
-                    state.ENTRY_ANNOTATION: ENTRY.to_annotation(),
+                    objects.ENTRY_ANNOTATION: ENTRY.to_annotation(),
                     # As the handler marks every write, with the pod-bound token's pod uid.
-                    **({state.POD_UID_ANNOTATION: self.uid} if self.uid else {}),
+                    **({objects.POD_UID_ANNOTATION: self.uid} if self.uid else {}),
                 },
                 **({"ownerReferences": owners} if owners else {}),
             },
@@ -90,8 +90,8 @@ def denied(call: Callable[[], object]) -> str:
 
 def leave(node: str) -> dict[str, Any]:
     """A patch that would withdraw ``node``'s join request."""
-    entry = state.NodeEntry(ENTRY.instance, 1, ENTRY.addr, 1, state.NodeIntent.LEAVE)
-    return {"metadata": {"annotations": {state.ENTRY_ANNOTATION: entry.to_annotation()}}}
+    entry = leases.NodeEntry(ENTRY.instance, 1, ENTRY.addr, 1, leases.NodeIntent.LEAVE)
+    return {"metadata": {"annotations": {objects.ENTRY_ANNOTATION: entry.to_annotation()}}}
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_a_pod_marks_its_lease_only_with_its_own_uid(
     pod_a.create_lease(own, "pod-a", rendezvous.name, rendezvous.body()["metadata"]["uid"])
 
     def mark(uid: str) -> dict[str, Any]:
-        return {"metadata": {"annotations": {state.POD_UID_ANNOTATION: uid}}}
+        return {"metadata": {"annotations": {objects.POD_UID_ANNOTATION: uid}}}
 
     assert pod_a.patch_lease(own, mark(pod_a.uid))
     message = denied(lambda: pod_a.patch_lease(own, mark("the-uid-of-a-pod-before")))
@@ -170,7 +170,7 @@ def test_a_pod_marks_its_lease_only_with_its_own_uid(
         " for the pod that wrote it"
     ) in message
     # Nor unmark it: the mark is what tells the operator which pod of that name wrote it.
-    unmarked = {"metadata": {"annotations": {state.POD_UID_ANNOTATION: None}}}
+    unmarked = {"metadata": {"annotations": {objects.POD_UID_ANNOTATION: None}}}
     message = denied(lambda: pod_a.patch_lease(own, unmarked))
     assert f"must mark its rendezvous Lease with its own uid ({pod_a.uid}), not" in message
     assert "k8s-rendezvous.dev/pod-uid: (none)" in message
@@ -195,7 +195,7 @@ def test_a_pod_cannot_speak_for_another_node(pod_a: PodClient, rendezvous: Rende
     assert expected in denied(lambda: pod_a.patch_lease(other, leave("pod-b")))
     # Dropping the label does not take the Lease out of the policy's sight.
     assert expected in denied(
-        lambda: pod_a.patch_lease(other, {"metadata": {"labels": {state.NODE_LABEL: None}}})
+        lambda: pod_a.patch_lease(other, {"metadata": {"labels": {objects.NODE_LABEL: None}}})
     )
     assert expected in denied(
         lambda: pod_a.patch_lease(other, {"spec": {"holderIdentity": "pod-a"}})
@@ -228,7 +228,7 @@ def test_a_pod_cannot_move_its_lease_to_another_rendezvous(
     own = f"{rendezvous.name}.pod-a"
     pod_a.create_lease(own, "pod-a", rendezvous.name, rendezvous.body()["metadata"]["uid"])
     message = denied(
-        lambda: pod_a.patch_lease(own, {"metadata": {"labels": {state.NODE_LABEL: "other"}}})
+        lambda: pod_a.patch_lease(own, {"metadata": {"labels": {objects.NODE_LABEL: "other"}}})
     )
     assert f"named after itself, other.pod-a (<rendezvous>.<pod>), not {own}" in message
 
@@ -240,16 +240,16 @@ def test_a_pods_lease_has_its_rendezvous_as_its_one_owner(
     own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
     expected = (
         f"pod pod-a must make Rendezvous {rendezvous.name} the one owner of its Lease {own} "
-        f"(an ownerReference of apiVersion {state.API_VERSION} with its uid), so that the "
+        f"(an ownerReference of apiVersion {objects.API_VERSION} with its uid), so that the "
         "Lease goes with it"
     )
     assert expected in denied(lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[]))
-    theirs = state.owner_reference(state.API_VERSION, state.KIND, rendezvous.name, uid)
+    theirs = objects.owner_reference(objects.API_VERSION, objects.KIND, rendezvous.name, uid)
     lasting = {"apiVersion": "v1", "kind": "ServiceAccount", "name": "default", "uid": uid}
     assert expected in denied(
         lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[theirs, lasting])
     )
-    another = state.owner_reference(state.API_VERSION, state.KIND, "other", uid)
+    another = objects.owner_reference(objects.API_VERSION, objects.KIND, "other", uid)
     assert expected in denied(
         lambda: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[another])
     )
@@ -267,15 +267,15 @@ def test_a_pods_lease_is_owned_only_by_a_version_the_api_server_serves(
     collector, which cannot look such an owner up, kept it for good (14 minutes and
     counting), as the pod may not delete it either."""
     own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
-    expected = f"(an ownerReference of apiVersion {state.API_VERSION} with its uid)"
-    for api_version in (f"{state.GROUP}/v1", f"{state.GROUP}/v1beta1"):
-        unserved = state.owner_reference(api_version, state.KIND, rendezvous.name, uid)
+    expected = f"(an ownerReference of apiVersion {objects.API_VERSION} with its uid)"
+    for api_version in (f"{objects.GROUP}/v1", f"{objects.GROUP}/v1beta1"):
+        unserved = objects.owner_reference(api_version, objects.KIND, rendezvous.name, uid)
         message = denied(
             lambda owner=unserved: pod_a.create_lease(own, "pod-a", rendezvous.name, owners=[owner])
         )
         assert expected in message, message
     pod_a.create_lease(own, "pod-a", rendezvous.name, uid)
-    moved = state.owner_reference(f"{state.GROUP}/v1", state.KIND, rendezvous.name, uid)
+    moved = objects.owner_reference(f"{objects.GROUP}/v1", objects.KIND, rendezvous.name, uid)
     assert expected in denied(
         lambda: pod_a.patch_lease(own, {"metadata": {"ownerReferences": [moved]}})
     )
@@ -288,7 +288,7 @@ def test_a_pod_puts_no_finalizer_on_its_lease_nor_on_a_rendezvous_it_makes(
     deleted it, and a pod-made Rendezvous after the operator deleted it to give its name
     to an annotated Job or to the workload it is named after: held for good."""
     own, uid = f"{rendezvous.name}.pod-a", rendezvous.body()["metadata"]["uid"]
-    owner = state.owner_reference(state.API_VERSION, state.KIND, rendezvous.name, uid)
+    owner = objects.owner_reference(objects.API_VERSION, objects.KIND, rendezvous.name, uid)
     held = {"metadata": {"finalizers": ["example.com/hold"]}}
     message = denied(
         lambda: pod_a.custom.create_namespaced_custom_object(
@@ -301,8 +301,8 @@ def test_a_pod_puts_no_finalizer_on_its_lease_nor_on_a_rendezvous_it_makes(
                 "kind": "Lease",
                 "metadata": {
                     "name": own,
-                    "labels": {state.NODE_LABEL: rendezvous.name},
-                    "annotations": {state.POD_UID_ANNOTATION: pod_a.uid},
+                    "labels": {objects.NODE_LABEL: rendezvous.name},
+                    "annotations": {objects.POD_UID_ANNOTATION: pod_a.uid},
                     "ownerReferences": [owner],
                     "finalizers": held["metadata"]["finalizers"],
                 },
@@ -316,18 +316,18 @@ def test_a_pod_puts_no_finalizer_on_its_lease_nor_on_a_rendezvous_it_makes(
 
     namespaces.bind_creator_role(admin_api, pod_a.namespace)
     body = {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {
             "name": "held",
-            "annotations": {state.CREATED_BY_ANNOTATION: "pod-a"},
+            "annotations": {objects.CREATED_BY_ANNOTATION: "pod-a"},
             **held["metadata"],
         },
         "spec": {"minNodes": 1, "maxNodes": 1, "runId": "held"},
     }
     message = denied(
         lambda: pod_a.custom.create_namespaced_custom_object(
-            state.GROUP, state.VERSION, pod_a.namespace, state.PLURAL, body
+            objects.GROUP, objects.VERSION, pod_a.namespace, objects.PLURAL, body
         )
     )
     assert "pod pod-a may put no finalizer on Rendezvous held" in message, message
@@ -341,10 +341,10 @@ def test_a_pods_lease_for_a_rendezvous_that_does_not_exist_is_collected(
     them."""
     made_up = pod_a.create_lease("made-up.pod-a", "pod-a", "made-up")
     not_that_one = pod_a.create_lease(f"{rendezvous.name}.pod-a", "pod-a", rendezvous.name)
-    leases = PodClient(admin_api, rendezvous.namespace).custom
+    coordination = PodClient(admin_api, rendezvous.namespace).custom
 
     def collected() -> bool:
-        listed = leases.list_namespaced_custom_object(
+        listed = coordination.list_namespaced_custom_object(
             "coordination.k8s.io", "v1", rendezvous.namespace, "leases"
         )
         remaining = {item["metadata"]["name"] for item in listed["items"]}
@@ -367,12 +367,12 @@ def test_the_long_form_of_a_lease_name_is_the_pods_own_only(
     client = PodClient(
         control_plane.client_for_token(token), workers_namespace, pod["metadata"]["uid"]
     )
-    own = state.lease_name("train", long_pod)
+    own = objects.lease_name("train", long_pod)
     assert own != f"train.{long_pod}", "shortened"
     assert client.create_lease(own, long_pod, "train")["metadata"]["name"] == own
     # pod-a cannot take that name, even holding it itself.
     message = denied(
-        lambda: pod_a.create_lease(state.lease_name("train", "q" * 250), "pod-a", "train")
+        lambda: pod_a.create_lease(objects.lease_name("train", "q" * 250), "pod-a", "train")
     )
     assert "named after itself, train.pod-a" in message
 
@@ -401,10 +401,10 @@ def test_the_worker_role_writes_no_lease_outside_the_rendezvous_scheme(
 def test_the_status_is_not_the_pods_to_write(pod_a: PodClient, rendezvous: Rendezvous) -> None:
     message = denied(
         lambda: pod_a.custom.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             rendezvous.namespace,
-            state.PLURAL,
+            objects.PLURAL,
             rendezvous.name,
             {"status": {"nodes": {"pod-a": ENTRY.to_dict()}}},
             _content_type=MERGE,
@@ -423,10 +423,10 @@ def test_a_pod_makes_a_rendezvous_only_in_its_own_name_and_names_no_owner(
 
     def create(name: str, creator: str, **extra: Any) -> object:
         spec = {"minNodes": 1, "maxNodes": 2, "runId": name, **extra.pop("spec", {})}
-        metadata = {"name": name, "annotations": {state.CREATED_BY_ANNOTATION: creator}, **extra}
-        body = {"apiVersion": state.API_VERSION, "kind": state.KIND, "metadata": metadata}
+        metadata = {"name": name, "annotations": {objects.CREATED_BY_ANNOTATION: creator}, **extra}
+        body = {"apiVersion": objects.API_VERSION, "kind": objects.KIND, "metadata": metadata}
         return pod_a.custom.create_namespaced_custom_object(
-            state.GROUP, state.VERSION, pod_a.namespace, state.PLURAL, {**body, "spec": spec}
+            objects.GROUP, objects.VERSION, pod_a.namespace, objects.PLURAL, {**body, "spec": spec}
         )
 
     message = denied(lambda: create("as-b", "pod-b"))

@@ -17,7 +17,7 @@ from devkit import chart
 from devkit.chart import ChartOperator, Release
 from devkit.cluster.controlplane import ControlPlane, read_object
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 pytestmark = pytest.mark.usefixtures("chart_release", "served_here")
 
@@ -78,7 +78,7 @@ def test_a_pod_replaced_while_no_operator_serves_still_gets_torchruns_environmen
     custom = kubernetes.client.CustomObjectsApi(admin_api)
     wait_for(
         lambda: custom.list_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL
         )["items"],
         30,
         "the Job's Rendezvous made",
@@ -92,7 +92,7 @@ def test_a_pod_replaced_while_no_operator_serves_still_gets_torchruns_environmen
     assert env["PET_NNODES"]["value"] == "1:3"
     assert env["PET_RDZV_ID"]["value"] == "exp-9"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert replacement["metadata"]["labels"][state.NODE_LABEL] == "no-operator"
+    assert replacement["metadata"]["labels"][objects.NODE_LABEL] == "no-operator"
 
 
 def test_a_rendezvous_its_job_does_not_own_gives_the_jobs_pods_nothing(
@@ -101,13 +101,13 @@ def test_a_rendezvous_its_job_does_not_own_gives_the_jobs_pods_nothing(
     """A Rendezvous named after a Job, labelled as the operator's, but not controlled by
     that Job: the Job's pods get nothing from it (no operator runs here at all)."""
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {
                 "name": "plain",
                 "labels": {"app.kubernetes.io/managed-by": "k8s-rendezvous-operator"},
@@ -118,4 +118,4 @@ def test_a_rendezvous_its_job_does_not_own_gives_the_jobs_pods_nothing(
     make_job(admin_api, workers_namespace, "plain", 1, {})
     (pod,) = running_pods(admin_api, workers_namespace, "plain", 1)
     assert env_of(pod) == {}
-    assert state.NODE_LABEL not in pod["metadata"]["labels"]
+    assert objects.NODE_LABEL not in pod["metadata"]["labels"]

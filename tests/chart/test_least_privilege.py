@@ -32,7 +32,7 @@ from devkit.chart import (
 )
 from devkit.cluster.controlplane import ControlPlane, read_object
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, statuses
 
 pytestmark = pytest.mark.usefixtures("chart_release")
 
@@ -256,7 +256,7 @@ def test_nodes_join_and_a_round_seals(
     nodes = make_nodes(rdzv, 3)
     assert sorted(join_all(nodes)) == [(0, 3), (1, 3), (2, 3)]
     status = rdzv.status()
-    assert (status.state, status.round) == (state.RoundState.SEALED, 1)
+    assert (status.state, status.round) == (statuses.RoundState.SEALED, 1)
     # kopf posts Events from a queue of its own, after the status write the nodes saw.
     wait_for(
         lambda: any(reason == "RoundSealed" for _, reason, _ in rdzv.events()),
@@ -341,7 +341,7 @@ def test_an_annotated_job_gets_its_rendezvous_kept_in_step_and_its_role_bound(
     def spec() -> dict[str, object] | None:
         try:
             body = custom.get_namespaced_custom_object(
-                state.GROUP, state.VERSION, workers_namespace, state.PLURAL, "train"
+                objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, "train"
             )
         except ApiException as error:
             if error.status == 404:
@@ -406,13 +406,13 @@ def test_annotated_job_permissions_suffice_and_bind_only_the_worker_role(
     team = make_namespace()
     kubernetes.client.BatchV1Api(api).list_job_for_all_namespaces(limit=1)
     kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         team,
-        state.PLURAL,
+        objects.PLURAL,
         {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {"name": "job-train"},
             "spec": {"minNodes": 1, "maxNodes": 1, "runId": "job-train"},
         },
@@ -497,10 +497,10 @@ def test_the_webhook_gives_only_annotated_job_pods_torchruns_environment(
     assert env["PET_NNODES"]["value"] == "1:2"
     assert env["PET_RDZV_ID"]["value"] == "exp-7"
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    assert injected["metadata"]["labels"][state.NODE_LABEL] == "zero-flag"
+    assert injected["metadata"]["labels"][objects.NODE_LABEL] == "zero-flag"
     plain = job_pod(admin_api, workers_namespace, "plain")
     assert not plain["spec"]["containers"][0].get("env"), "a pod of an unannotated Job"
-    assert state.NODE_LABEL not in plain["metadata"]["labels"]
+    assert objects.NODE_LABEL not in plain["metadata"]["labels"]
 
     # The configuration as the operator registered it: served on 127.0.0.1 with
     # failurePolicy Ignore, the chart's timeout, the job-name objectSelector, and the
@@ -558,9 +558,9 @@ def test_the_operators_identity_changes_only_the_rendezvous_label_of_a_pod(
     (pod,) = fixtures.create_pods(admin_api, workers_namespace, ["victim-0"])
     core = kubernetes.client.CoreV1Api(operator_api(chart_operator, control_plane))
     labelled = core.patch_namespaced_pod(
-        "victim-0", workers_namespace, {"metadata": {"labels": {state.NODE_LABEL: "r"}}}
+        "victim-0", workers_namespace, {"metadata": {"labels": {objects.NODE_LABEL: "r"}}}
     )
-    assert labelled.metadata.labels[state.NODE_LABEL] == "r"
+    assert labelled.metadata.labels[objects.NODE_LABEL] == "r"
     image = {"spec": {"containers": [{"name": "agent", "image": "example.invalid/evil"}]}}
     message = refused_by_policy(
         lambda: core.patch_namespaced_pod("victim-0", workers_namespace, image)
@@ -645,25 +645,25 @@ def test_the_operators_identity_deletes_only_a_rendezvous_a_pod_made(
 
     def create(name: str, annotations: dict[str, str]) -> None:
         body = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {"name": name, "annotations": annotations},
             "spec": {"minNodes": 1, "maxNodes": 1, "runId": name},
         }
         admin.create_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, body
         )
 
     def delete(name: str) -> object:
         return operator.delete_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, name
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, name
         )
 
     create("users", {})
     message = refused_by_policy(lambda: delete("users"))
     assert "may delete only a Rendezvous a pod made (annotation" in message
     assert "k8s-rendezvous.dev/created-by-pod), not users" in message
-    create("pod-made", {state.CREATED_BY_ANNOTATION: "some-pod"})
+    create("pod-made", {objects.CREATED_BY_ANNOTATION: "some-pod"})
     assert delete("pod-made")
 
 
@@ -677,13 +677,13 @@ def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_within_i
     its policy (operator_log: nothing refused)."""
     custom = kubernetes.client.CustomObjectsApi(admin_api)
     squatter = {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
-        "metadata": {"name": "squatted", "annotations": {state.CREATED_BY_ANNOTATION: "gone"}},
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
+        "metadata": {"name": "squatted", "annotations": {objects.CREATED_BY_ANNOTATION: "gone"}},
         "spec": {"minNodes": 1, "maxNodes": 1, "runId": "squatted"},
     }
     made = custom.create_namespaced_custom_object(
-        state.GROUP, state.VERSION, workers_namespace, state.PLURAL, squatter
+        objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, squatter
     )
     job = kubernetes.client.BatchV1Api(admin_api).create_namespaced_job(
         workers_namespace,
@@ -705,7 +705,7 @@ def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_within_i
     def owned_by_job() -> dict[str, Any] | None:
         try:
             body = custom.get_namespaced_custom_object(
-                state.GROUP, state.VERSION, workers_namespace, state.PLURAL, "squatted"
+                objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, "squatted"
             )
         except ApiException as error:
             if error.status == 404:
@@ -820,4 +820,4 @@ def test_the_notes_rendezvous_admits_the_pods_they_name_and_a_round_seals(
     rdzv = Rendezvous(admin_api, workers_namespace, flags["rdzv-endpoint"])
     nodes = attach_nodes(rdzv, pods, min_nodes=low, max_nodes=high)
     assert sorted(join_all(nodes)) == [(0, 2), (1, 2)]
-    assert rdzv.status().state is state.RoundState.SEALED
+    assert rdzv.status().state is statuses.RoundState.SEALED

@@ -13,7 +13,8 @@ from tests.support.fixtures import Rendezvous, create_pods
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from devkit.cluster.controlplane import ControlPlane
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
+from k8s_rendezvous.wire import leases, objects
 
 MERGE = "application/merge-patch+json"
 ENTRY = {"instance": "i-1", "attempt": 1, "addr": "10.0.0.7", "storePort": 29500, "intent": "Join"}
@@ -21,13 +22,13 @@ ENTRY = {"instance": "i-1", "attempt": 1, "addr": "10.0.0.7", "storePort": 29500
 
 def create_rendezvous(admin_api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
     body = {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"minNodes": 1, "maxNodes": 2, "runId": name},
     }
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP, state.VERSION, namespace, state.PLURAL, body
+        objects.GROUP, objects.VERSION, namespace, objects.PLURAL, body
     )
 
 
@@ -61,28 +62,28 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     kind, item = next(client.watch_unless(None, None, timeout_seconds=10))
     assert (kind, item["metadata"]["name"]) == ("ADDED", home.name)
     uid = home.body()["metadata"]["uid"]
-    client.write_lease("worker-0", "i-1", 30, uid, state.NodeEntry("i-1", 1, "10.0.0.7", 29500))
+    client.write_lease("worker-0", "i-1", 30, uid, leases.NodeEntry("i-1", 1, "10.0.0.7", 29500))
     client.write_lease("worker-0", "i-1", 30, uid)  # a heartbeat: the patch path
     lease = kubernetes.client.CustomObjectsApi(admin_api).get_namespaced_custom_object(
         "coordination.k8s.io", "v1", workers_namespace, "leases", f"{home.name}.worker-0"
     )
-    assert lease["metadata"]["annotations"][state.POD_UID_ANNOTATION] == pod["metadata"]["uid"]
+    assert lease["metadata"]["annotations"][objects.POD_UID_ANNOTATION] == pod["metadata"]["uid"]
 
     # Namespace B: the same token, no binding there.
     user = f"system:serviceaccount:{workers_namespace}:default"
     message = forbidden(
         lambda: custom.get_namespaced_custom_object(
-            state.GROUP, state.VERSION, elsewhere, state.PLURAL, "train"
+            objects.GROUP, objects.VERSION, elsewhere, objects.PLURAL, "train"
         )
     )
     assert f'User "{user}" cannot get resource "rendezvous"' in message
     assert f'in the namespace "{elsewhere}"' in message
     forbidden(
         lambda: custom.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             elsewhere,
-            state.PLURAL,
+            objects.PLURAL,
             "train",
             {"status": {"nodes": {"worker-0": ENTRY}}},
             _content_type=MERGE,
@@ -90,7 +91,7 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     )
     forbidden(
         lambda: custom.list_namespaced_custom_object(
-            state.GROUP, state.VERSION, elsewhere, state.PLURAL
+            objects.GROUP, objects.VERSION, elsewhere, objects.PLURAL
         )
     )
     # The pod side's watch says so in its own error, naming the role to bind.
@@ -99,7 +100,7 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
         next(stranger.watch_unless(None, None, timeout_seconds=10))
     assert 'cannot watch resource "rendezvous"' in str(refused.value)
     assert "bind the ClusterRole k8s-rendezvous-worker" in str(refused.value)
-    sliced = state.slice_name("train", 0)
+    sliced = objects.slice_name("train", 0)
     with pytest.raises(RendezvousConnectionError, match="rendezvousslices"):
         next(stranger.watch_unless(None, None, timeout_seconds=10, slice_name=sliced))
     forbidden(
@@ -115,20 +116,20 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     # (the operator alone does); no status, spec edits or deletes of the Rendezvous.
     assert (
         custom.list_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.SLICE_PLURAL
+            objects.GROUP, objects.VERSION, workers_namespace, objects.SLICE_PLURAL
         )["items"]
         == []
     )
     forbidden(
         lambda: custom.create_namespaced_custom_object(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             workers_namespace,
-            state.SLICE_PLURAL,
+            objects.SLICE_PLURAL,
             {
-                "apiVersion": state.API_VERSION,
-                "kind": state.SLICE_KIND,
-                "metadata": {"name": state.slice_name(home.name, 0)},
+                "apiVersion": objects.API_VERSION,
+                "kind": objects.SLICE_KIND,
+                "metadata": {"name": objects.slice_name(home.name, 0)},
                 "spec": {},
                 "status": {},
             },
@@ -136,10 +137,10 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     )
     forbidden(
         lambda: custom.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             workers_namespace,
-            state.PLURAL,
+            objects.PLURAL,
             home.name,
             {"status": {"nodes": {"worker-0": ENTRY}}},
             _content_type=MERGE,
@@ -147,10 +148,10 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     )
     forbidden(
         lambda: custom.patch_namespaced_custom_object(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             workers_namespace,
-            state.PLURAL,
+            objects.PLURAL,
             home.name,
             {"spec": {"maxNodes": 1}},
             _content_type=MERGE,
@@ -158,6 +159,6 @@ def test_pod_token_works_in_its_namespace_and_is_refused_in_another(
     )
     forbidden(
         lambda: custom.delete_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, home.name
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, home.name
         )
     )

@@ -38,7 +38,7 @@ from tests.support.fixtures import Rendezvous
 from devkit.cluster.controlplane import dig, read_object
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, statuses
 
 pytestmark = [pytest.mark.usefixtures("operator_process"), pytest.mark.webhook]
 
@@ -237,7 +237,7 @@ def test_an_elastic_job_grows_when_kueue_admits_its_slice_and_gated_pods_never_c
     started = time.time()
     cluster.wait_admitted(job_uid, 2)
     first = wait_world(kubelet.wait_running(2), 2, after=started, timeout=FORM_TIMEOUT, min_step=1)
-    sealed = rendezvous.wait(lambda s: s.state is state.RoundState.SEALED, "the world sealed")
+    sealed = rendezvous.wait(lambda s: s.state is statuses.RoundState.SEALED, "the world sealed")
 
     # More than the quota leaves: a new slice, pending; its pods gated, never run.
     cluster.scale(4)
@@ -254,7 +254,7 @@ def test_an_elastic_job_grows_when_kueue_admits_its_slice_and_gated_pods_never_c
     wait_steps(nodes, 25)  # the world trains on, unaware of the gated pods
     now = rendezvous.status()
     assert (now.state, now.round, now.world_size, now.nodes_waiting) == (
-        state.RoundState.SEALED,
+        statuses.RoundState.SEALED,
         sealed.round,
         2,
         0,
@@ -267,7 +267,9 @@ def test_an_elastic_job_grows_when_kueue_admits_its_slice_and_gated_pods_never_c
         admin_api, queueing.GROUP, queueing.VERSION, cluster.namespace, "workloads"
     )
     pods = timeline.pods(admin_api, cluster.namespace, f"batch.kubernetes.io/job-name={JOB}")
-    worlds = timeline.custom(admin_api, state.GROUP, state.VERSION, cluster.namespace, state.PLURAL)
+    worlds = timeline.custom(
+        admin_api, objects.GROUP, objects.VERSION, cluster.namespace, objects.PLURAL
+    )
     try:
         freed = time.time()
         cluster.delete("other-tenant")
@@ -342,7 +344,7 @@ def test_an_elastic_job_shrinks_with_its_workload_and_a_preempted_job_reforms_on
         evicted = queueing.condition(cluster.workloads(job_uid)[-1], "Evicted")
         assert evicted is not None and evicted["reason"] == "Preempted"
         open_ = rendezvous.wait(
-            lambda s: s.state is state.RoundState.REFORMING, "the members lost, not closed", 60
+            lambda s: s.state is statuses.RoundState.REFORMING, "the members lost, not closed", 60
         )
         assert open_.closed_reason is None
         wait_for(
@@ -353,7 +355,7 @@ def test_an_elastic_job_shrinks_with_its_workload_and_a_preempted_job_reforms_on
             60,
             "the urgent Job runs in the quota",
         )
-        assert rendezvous.status().state is state.RoundState.REFORMING
+        assert rendezvous.status().state is statuses.RoundState.REFORMING
 
         # The urgent Job done, Kueue admits the Job again; new pods, the same Rendezvous.
         resumed = time.time()

@@ -25,7 +25,7 @@ from tests.support.jobs import make_job, wait_webhook_registered
 
 from devkit.cluster.controlplane import ControlPlane, read_object
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 pytestmark = [pytest.mark.usefixtures("operator_process"), pytest.mark.webhook]
 
@@ -189,7 +189,7 @@ def test_a_spare_pod_outwaits_its_join_timeout_and_steps_in_without_failing_the_
 
         def spares_ready() -> tuple[int, str | None]:
             body = rendezvous.get_namespaced_custom_object(
-                state.GROUP, state.VERSION, workers_namespace, state.PLURAL, job
+                objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, job
             )
             conditions = (body.get("status") or {}).get("conditions") or []
             ready = [c["status"] for c in conditions if c["type"] == "SparesReady"]

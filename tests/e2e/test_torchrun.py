@@ -31,7 +31,7 @@ from tests.support.fixtures import Rendezvous
 
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, objects, statuses
 
 MakeRendezvous = Callable[..., Rendezvous]
 
@@ -184,8 +184,8 @@ def test_failing_newcomer_does_not_close_the_rendezvous(
     assert failed is not None
     assert "failing on purpose" in broken.log()
     status = rdzv.status()
-    assert status.state is not state.RoundState.CLOSED, status
-    assert rdzv.requests()[broken.name].intent is state.NodeIntent.LEAVE, "shutdown() only leaves"
+    assert status.state is not statuses.RoundState.CLOSED, status
+    assert rdzv.requests()[broken.name].intent is leases.NodeIntent.LEAVE, "shutdown() only leaves"
 
     after = wait_world(nodes, 4, after=failed, timeout=FORM_TIMEOUT)
     timing("newcomer failed -> first step of the others' new world", after.first_step_at - failed)
@@ -212,8 +212,8 @@ def test_a_node_done_first_leaves_the_rank0_node_to_finish_its_final_work(
     (other,) = [node for node in nodes if node is not rank0]
     assert other.wait_exit(FORM_TIMEOUT) == 0, describe(nodes)
     assert "Waiting 1.0 seconds for other agents" in other.log(), other.log_tail()
-    assert rdzv.requests()[other.name].intent is state.NodeIntent.FINISH
-    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed", timeout=30)
+    assert rdzv.requests()[other.name].intent is leases.NodeIntent.FINISH
+    closed = rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed", timeout=30)
     assert closed.closed_reason == "NodeFinished", closed
     assert rank0.running(), "the rank-0 node is still at its final work"
     assert rank0.wait_exit(FORM_TIMEOUT) == 0, describe(nodes)
@@ -232,20 +232,20 @@ def test_closed_rendezvous_turns_joiners_away_and_lets_running_nodes_finish(
     workers = {step.pid for step in world.steps}
 
     closer = nodes[1]
-    lease = state.lease_name(rdzv.name, closer.name)
-    leases = kubernetes.client.CoordinationV1Api(admin_api)
-    annotations = leases.read_namespaced_lease(lease, rdzv.namespace).metadata.annotations
-    joined = state.NodeEntry.from_annotation(annotations[state.ENTRY_ANNOTATION], lease)
-    close = dataclasses.replace(joined, intent=state.NodeIntent.CLOSE).to_annotation()
+    lease = objects.lease_name(rdzv.name, closer.name)
+    coordination = kubernetes.client.CoordinationV1Api(admin_api)
+    annotations = coordination.read_namespaced_lease(lease, rdzv.namespace).metadata.annotations
+    joined = leases.NodeEntry.from_annotation(annotations[objects.ENTRY_ANNOTATION], lease)
+    close = dataclasses.replace(joined, intent=leases.NodeIntent.CLOSE).to_annotation()
     with closer.api_client() as api:  # what set_closed() writes, with the pod's own token
         kubernetes.client.CoordinationV1Api(api).patch_namespaced_lease(
             lease,
             rdzv.namespace,
-            {"metadata": {"annotations": {state.ENTRY_ANNOTATION: close}}},
+            {"metadata": {"annotations": {objects.ENTRY_ANNOTATION: close}}},
             _content_type="application/merge-patch+json",
         )
     closed_at = time.time()
-    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed", timeout=30)
+    closed = rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed", timeout=30)
     timing("intent Close written -> rendezvous Closed", time.time() - closed_at)
     assert closed.closed_reason == "ClosedByNode"
 
@@ -276,7 +276,7 @@ def test_operator_killed_while_nodes_join_then_restarted(
         lambda: len(rdzv.requests()) == 3, FORM_TIMEOUT, "all joined while the operator is down"
     )
     waiting = rdzv.status()
-    assert (waiting.round, waiting.state) == (0, state.RoundState.FORMING)
+    assert (waiting.round, waiting.state) == (0, statuses.RoundState.FORMING)
     assert all(node.running() and not node.progress() for node in nodes)
 
     restarted = time.time()

@@ -31,8 +31,8 @@ from devkit.chart import OPERATOR, Helm, find
 from devkit.operator import OperatorProcess
 from devkit.prometheus import Prometheus, binary, has_data
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
 from k8s_rendezvous.errors import NodeRefusedError
+from k8s_rendezvous.wire import objects
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -61,9 +61,9 @@ def write_unreadable_requests(
             rendezvous.namespace,
             {
                 "metadata": {
-                    "name": state.lease_name(rendezvous.name, node),
-                    "labels": {state.NODE_LABEL: rendezvous.name},
-                    "annotations": {state.ENTRY_ANNOTATION: '{"instance": 7}'},
+                    "name": objects.lease_name(rendezvous.name, node),
+                    "labels": {objects.NODE_LABEL: rendezvous.name},
+                    "annotations": {objects.ENTRY_ANNOTATION: '{"instance": 7}'},
                 },
                 "spec": {"holderIdentity": node},
             },

@@ -19,8 +19,8 @@ from tests.support.fixtures import Node, Rendezvous, join_all, wait_told_to_rejo
 from tests.support.jobs import job_events, make_job, running_pods
 
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
 from k8s_rendezvous.errors import KubernetesRendezvousClosedError
+from k8s_rendezvous.wire import leases, objects
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -38,31 +38,31 @@ def _uid(rdzv: Rendezvous) -> str | None:
 
 def _delete(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> None:
     kubernetes.client.CustomObjectsApi(api).delete_namespaced_custom_object(
-        state.GROUP, state.VERSION, rdzv.namespace, state.PLURAL, rdzv.name
+        objects.GROUP, objects.VERSION, rdzv.namespace, objects.PLURAL, rdzv.name
     )
 
 
 def _delete_lease(api: kubernetes.client.ApiClient, rdzv: Rendezvous, node: str) -> None:
     kubernetes.client.CoordinationV1Api(api).delete_namespaced_lease(
-        state.lease_name(rdzv.name, node), rdzv.namespace
+        objects.lease_name(rdzv.name, node), rdzv.namespace
     )
 
 
 def _lease_entry(api: kubernetes.client.ApiClient, rdzv: Rendezvous, node: str) -> str | None:
     try:
         lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(
-            state.lease_name(rdzv.name, node), rdzv.namespace
+            objects.lease_name(rdzv.name, node), rdzv.namespace
         )
     except kubernetes.client.exceptions.ApiException as error:
         if error.status == 404:
             return None
         raise
-    return (lease.metadata.annotations or {}).get(state.ENTRY_ANNOTATION)
+    return (lease.metadata.annotations or {}).get(objects.ENTRY_ANNOTATION)
 
 
 def _lease_owners(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> dict[str, set[str]]:
     found = kubernetes.client.CoordinationV1Api(api).list_namespaced_lease(
-        rdzv.namespace, label_selector=f"{state.NODE_LABEL}={rdzv.name}"
+        rdzv.namespace, label_selector=f"{objects.NODE_LABEL}={rdzv.name}"
     )
     return {
         lease.spec.holder_identity: {owner.uid for owner in lease.metadata.owner_references or []}
@@ -140,7 +140,7 @@ def test_a_waiting_nodes_lease_deleted_under_it_is_made_anew_with_its_request(
     wait_for(
         lambda: (
             (entry := _lease_entry(admin_api, rdzv, nodes[0].pod)) is not None
-            and state.NodeEntry.from_annotation(entry, "lease") == asked[nodes[0].pod]
+            and leases.NodeEntry.from_annotation(entry, "lease") == asked[nodes[0].pod]
         ),
         30,
         "the waiting node's Lease made anew by its heartbeat, with its request",

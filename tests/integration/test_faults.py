@@ -29,7 +29,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
+from k8s_rendezvous.wire import objects, statuses
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -153,7 +154,7 @@ def test_operator_killed_during_joins_and_seals_and_after_a_seal(
         "the restarted operator drops the pod deleted while it was down",
     )
     status = rdzv.status()
-    assert status.state is state.RoundState.REFORMING and status.round == 3
+    assert status.state is statuses.RoundState.REFORMING and status.round == 3
 
 
 def test_node_clock_does_not_change_decisions(
@@ -178,7 +179,9 @@ def test_node_clock_does_not_change_decisions(
     nodes = make_nodes(rdzv, 2)
     join_all(nodes)
     leases = kubernetes.client.CoordinationV1Api(admin_api)
-    lease = leases.read_namespaced_lease(state.lease_name(rdzv.name, nodes[0].pod), rdzv.namespace)
+    lease = leases.read_namespaced_lease(
+        objects.lease_name(rdzv.name, nodes[0].pod), rdzv.namespace
+    )
     behind = datetime.datetime.now(datetime.timezone.utc) - lease.spec.renew_time
     assert behind > datetime.timedelta(hours=2), "the renewals really carry the skewed time"
     nodes[1].handler.heartbeat.stop()

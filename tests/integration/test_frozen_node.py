@@ -26,7 +26,7 @@ from tests.support.node_process import NodeProcess
 
 from devkit import invariants
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import statuses
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -103,7 +103,7 @@ def test_a_frozen_node_is_dropped_and_its_return_does_not_corrupt_the_new_round(
             30,
             "the thawed node sees its round is no longer current",
         )
-        assert rdzv.status().round == 2 and rdzv.status().state is state.RoundState.SEALED, (
+        assert rdzv.status().round == 2 and rdzv.status().state is statuses.RoundState.SEALED, (
             "being back changes nothing until it asks to join"
         )
         # ...and re-rendezvouses: a later round, a fresh rank after the survivors.

@@ -19,8 +19,8 @@ from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous
 
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
 from k8s_rendezvous.errors import NodeUnhealthyError
+from k8s_rendezvous.wire import leases, statuses
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -64,7 +64,7 @@ def test_a_node_whose_check_fails_joins_nothing_and_the_round_is_undisturbed(
         rdzv, 2, min_nodes=2, max_nodes=3, health_check=(sys.executable, "-c", "pass")
     )
     fixtures.join_all(healthy)
-    sealed = rdzv.wait(lambda s: s.state is state.RoundState.SEALED, "round 1 sealed")
+    sealed = rdzv.wait(lambda s: s.state is statuses.RoundState.SEALED, "round 1 sealed")
     [unhealthy] = make_nodes(rdzv, 1, min_nodes=2, max_nodes=3, health_check=FAILING_CHECK)
 
     with pytest.raises(NodeUnhealthyError, match=r"exited with code 3.*port error"):
@@ -72,7 +72,7 @@ def test_a_node_whose_check_fails_joins_nothing_and_the_round_is_undisturbed(
 
     # It said why in its own Lease, and never asked to join.
     entry = rdzv.requests()[unhealthy.pod]
-    assert entry.intent is state.NodeIntent.LEAVE
+    assert entry.intent is leases.NodeIntent.LEAVE
     assert entry.health_check is not None
     assert entry.health_check.exit_code == 3
     assert entry.health_check.tail.endswith("port error\n")
@@ -84,7 +84,7 @@ def test_a_node_whose_check_fails_joins_nothing_and_the_round_is_undisturbed(
     # The round of the others is as it was: not re-formed, no restart spent, no spare.
     status = rdzv.status()
     assert status.round == sealed.round
-    assert status.state is state.RoundState.SEALED
+    assert status.state is statuses.RoundState.SEALED
     assert [m.node for m in status.members] == [m.node for m in sealed.members]
     assert unhealthy.pod not in {m.node for m in status.members}
     assert (status.restarts, status.spares, status.nodes_waiting) == (0, 0, 0)

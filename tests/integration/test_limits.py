@@ -20,15 +20,15 @@ from tests.support.fixtures import Node, Rendezvous, create_pods
 
 from devkit.manifests import WORKLOAD_SELECTOR
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, records
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
 
 def body(name: str, **spec: Any) -> dict[str, Any]:
     return {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {"name": name},
         "spec": {
             "minNodes": 2,
@@ -54,10 +54,10 @@ def test_a_63_character_rendezvous_seals_with_a_253_character_pod_and_keeps_its_
     name = long_name(63, "rdzv")
     rdzv = recorded(name)
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         body(name, heartbeatTimeoutSeconds=3),
     )
     longest = long_name(253, "a")  # sorts first: rank 0
@@ -69,14 +69,14 @@ def test_a_63_character_rendezvous_seals_with_a_253_character_pod_and_keeps_its_
     assert [m.node for m in sealed.members] == [longest, "short"]
     assert sealed.master is not None and sealed.master.addr == nodes[0].addr
 
-    lease_name = state.lease_name(name, longest)
+    lease_name = objects.lease_name(name, longest)
     assert len(lease_name) == 253 and lease_name != f"{name}.{longest}", "shortened"
     leases = kubernetes.client.CoordinationV1Api(admin_api)
     lease = leases.read_namespaced_lease(lease_name, workers_namespace)
     assert lease.spec.holder_identity == longest
-    assert lease.metadata.labels == {state.NODE_LABEL: name}
+    assert lease.metadata.labels == {objects.NODE_LABEL: name}
     pod = kubernetes.client.CoreV1Api(admin_api).read_namespaced_pod(longest, workers_namespace)
-    assert pod.metadata.labels[state.NODE_LABEL] == name, "labelled for the operator's watch"
+    assert pod.metadata.labels[objects.NODE_LABEL] == name, "labelled for the operator's watch"
 
     # The operator finds the member's heartbeat under the shortened name: renewed past the
     # timeout, the round stands.
@@ -98,7 +98,11 @@ def test_a_64_character_rendezvous_name_is_refused_with_the_rules_message(
 ) -> None:
     with pytest.raises(ApiException) as error:
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body(long_name(64, "r"))
+            objects.GROUP,
+            objects.VERSION,
+            workers_namespace,
+            objects.PLURAL,
+            body(long_name(64, "r")),
         )
     assert error.value.status == 422
     assert "a Rendezvous name has at most 63 characters (it is used as a label value)" in str(
@@ -113,7 +117,7 @@ def test_a_rendezvous_name_with_a_dot_is_refused_with_the_rules_message(
     ``train.w-0`` of rendezvous ``team`` writes."""
     with pytest.raises(ApiException) as error:
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body("team.train")
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, body("team.train")
         )
     assert error.value.status == 422
     message = json.loads(error.value.body)["message"]
@@ -127,7 +131,11 @@ def test_a_run_id_that_is_not_printable_ascii_is_refused_with_the_accepted_form(
 ) -> None:
     with pytest.raises(ApiException) as error:
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body("r", runId=run_id)
+            objects.GROUP,
+            objects.VERSION,
+            workers_namespace,
+            objects.PLURAL,
+            body("r", runId=run_id),
         )
     assert error.value.status == 422
     assert "runId must be printable ASCII without spaces (torchrun --rdzv-id" in str(
@@ -209,14 +217,14 @@ def test_a_status_whose_next_round_the_api_server_refuses_is_reported_once_not_r
     the round back.)"""
     name = "last-round"
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         body(name, minNodes=1, maxNodes=1),
     )
     rdzv = Rendezvous(admin_api, workers_namespace, name)
-    rdzv.patch_status({"state": "Forming", "round": state.MAX_ROUND, "schemaVersion": 1})
+    rdzv.patch_status({"state": "Forming", "round": records.MAX_ROUND, "schemaVersion": 1})
     (node,) = make_nodes(rdzv, 1, read_timeout=5)
     joining = node.join_in_background()
     ready = rdzv.wait(
@@ -247,10 +255,10 @@ def test_more_slices_than_the_nodes_need_are_refused_not_made(
     none of them and decides no round, says what to set instead, once; fixed, it seals."""
     name = "many-slices"
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         body(name, minNodes=1, maxNodes=2),
     )
     rdzv = Rendezvous(admin_api, workers_namespace, name)
@@ -269,7 +277,7 @@ def test_more_slices_than_the_nodes_need_are_refused_not_made(
     rdzv.patch_status({"slices": 0})
     assert joining.wait(60).world_size == 1
     slices = kubernetes.client.CustomObjectsApi(admin_api).list_namespaced_custom_object(
-        state.GROUP, state.VERSION, workers_namespace, "rendezvousslices"
+        objects.GROUP, objects.VERSION, workers_namespace, "rendezvousslices"
     )
     assert slices["items"] == []
     assert len([r for _, r, _ in rdzv.events() if r == "InvalidRendezvous"]) == 1

@@ -48,8 +48,9 @@ from torch.distributed.elastic.utils import store as store_util
 from devkit.cluster.controlplane import ControlPlane, set_pod_phase
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import leases, statuses
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -138,7 +139,7 @@ def test_the_spare_takes_the_lost_members_rank_and_the_survivors_keep_theirs(
     assert changes == 1, "one rank changed hands: the spare's"
 
 
-def spares_ready(status: state.RendezvousStatus) -> tuple[str, str, str] | None:
+def spares_ready(status: statuses.RendezvousStatus) -> tuple[str, str, str] | None:
     found = [c for c in status.conditions if c.type == "SparesReady"]
     return None if not found else (found[0].status, found[0].reason, found[0].message)
 
@@ -247,10 +248,10 @@ def test_a_spare_no_longer_spare_gets_the_whole_join_timeout_afresh_then_times_o
     # make minNodes. It is no longer a spare, so its deadline runs again, from now.
     for member in members:
         delete_pod(admin_api, rdzv.namespace, member.pod)
-    rdzv.wait(lambda s: s.state is not state.RoundState.SEALED, "the round re-forms")
+    rdzv.wait(lambda s: s.state is not statuses.RoundState.SEALED, "the round re-forms")
     with pytest.raises(RendezvousTimeoutError, match=f"within {JOIN_TIMEOUT} s"):
         waiting.wait(30)
-    assert rdzv.requests()[spare.pod].intent is state.NodeIntent.LEAVE, "withdrawn"
+    assert rdzv.requests()[spare.pod].intent is leases.NodeIntent.LEAVE, "withdrawn"
 
 
 def test_a_spare_ends_gracefully_when_the_rendezvous_closes(
@@ -280,7 +281,7 @@ def test_a_waiter_whose_agent_died_is_reported_once_and_never_sealed_into_a_roun
         assert waiter.answer(60)["ready"] == waiter.pid
         waiter.send("next")
         # Its request makes the round re-form; the member, training, has not rejoined yet.
-        rdzv.wait(lambda s: s.state is state.RoundState.REFORMING, "the newcomer is seen")
+        rdzv.wait(lambda s: s.state is statuses.RoundState.REFORMING, "the newcomer is seen")
         waiter.kill()  # SIGKILL by PID: the agent is gone, the pod runs on
 
     def expired() -> list[str]:
@@ -308,16 +309,16 @@ def test_after_set_closed_or_shutdown_next_rendezvous_raises_closed_and_writes_n
     assert leaving.handler.shutdown()
     with pytest.raises(RendezvousClosedError, match="shutdown"):
         leaving.handler.next_rendezvous()
-    assert rdzv.requests()[leaving.pod].intent is state.NodeIntent.LEAVE, "nothing rewritten"
+    assert rdzv.requests()[leaving.pod].intent is leases.NodeIntent.LEAVE, "nothing rewritten"
     # Closed before the operator saw it: no join may overwrite the Close.
     operator_process.kill()
     closing.handler.set_closed()
     with pytest.raises(RendezvousClosedError, match="set_closed"):
         closing.handler.next_rendezvous()
-    assert rdzv.requests()[closing.pod].intent is state.NodeIntent.CLOSE
+    assert rdzv.requests()[closing.pod].intent is leases.NodeIntent.CLOSE
     assert closing.handler.is_closed()
     operator_process.start()
-    rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed once the operator is back")
+    rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed once the operator is back")
 
 
 def test_is_closed_before_the_rendezvous_exists_is_false_as_with_c10d(
@@ -366,8 +367,8 @@ def test_a_node_finishes_when_its_round_entered_torchs_exit_barrier_whoever_call
     info, _ = join_all([done, other])
     store_util.barrier(info.store, world_size=1, key_prefix="torchelastic/agent/terminal_state")
     assert done.handler.shutdown()
-    assert rdzv.requests()[done.pod].intent is state.NodeIntent.FINISH
-    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed")
+    assert rdzv.requests()[done.pod].intent is leases.NodeIntent.FINISH
+    closed = rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed")
     assert closed.closed_reason == "NodeFinished"
     assert other.handler.num_nodes_waiting() == 0, "the other finishes undisturbed"
 
@@ -380,9 +381,9 @@ def test_a_node_whose_round_never_reached_the_exit_barrier_leaves(
     failed, survivor = make_nodes(rdzv, 2)
     join_all([failed, survivor])
     assert failed.handler.shutdown()
-    assert rdzv.requests()[failed.pod].intent is state.NodeIntent.LEAVE
+    assert rdzv.requests()[failed.pod].intent is leases.NodeIntent.LEAVE
     wait_for(lambda: survivor.handler.num_nodes_waiting() > 0, 10, "the survivor re-forms")
-    assert rdzv.status().state is not state.RoundState.CLOSED
+    assert rdzv.status().state is not statuses.RoundState.CLOSED
 
 
 def test_the_jobs_restart_budget_is_spent_by_any_nodes_failure_and_ends_every_agent(
@@ -403,7 +404,7 @@ def test_the_jobs_restart_budget_is_spent_by_any_nodes_failure_and_ends_every_ag
 
     # Then first's: another agent, the same job's budget, now spent.
     failing = first.join_in_background()
-    closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed, budget spent")
+    closed = rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed, budget spent")
     assert (closed.closed_reason, closed.restarts) == ("RestartsExhausted", 1)
     with pytest.raises(RendezvousClosedError):
         failing.wait(30)

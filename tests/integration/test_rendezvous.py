@@ -33,8 +33,9 @@ from torch.distributed.elastic.rendezvous import (
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import leases, objects, statuses, tunables
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -59,14 +60,14 @@ def test_crd_rejects_min_above_max_with_the_rules_message(
     admin_api: kubernetes.client.ApiClient, workers_namespace: str
 ) -> None:
     body = {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {"name": "bad"},
         "spec": {"minNodes": 3, "maxNodes": 2, "runId": "r"},
     }
     with pytest.raises(ApiException) as error:
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, body
         )
     assert error.value.status == 422
     assert "minNodes must be less than or equal to maxNodes" in str(error.value.body)
@@ -93,7 +94,7 @@ def test_three_nodes_seal_one_round_with_dense_ranks_and_rank0_as_master(
         (rank0.addr, rank0.handler.served_store.port)  # type: ignore[union-attr]
     }
     status = rdzv.status()
-    assert (status.state, status.round, status.world_size) == (state.RoundState.SEALED, 1, 3)
+    assert (status.state, status.round, status.world_size) == (statuses.RoundState.SEALED, 1, 3)
     table = control_plane.kubectl("get", "rdzv", rdzv.name, "-n", rdzv.namespace).stdout
     assert "Sealed" in table and f"{rank0.addr}:" in table
     wait_for(  # kopf posts Events from a queue of its own, after the status write
@@ -237,9 +238,9 @@ def test_rank0_gone_between_seal_and_store_sends_the_others_on_to_the_next_round
         kube.RendezvousClient(gone.api, rdzv.namespace, rdzv.name, retry_seconds=10).write_lease(
             gone.pod,
             "gone-instance",
-            state.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+            tunables.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
             rdzv.body()["metadata"]["uid"],
-            state.NodeEntry("gone-instance", 1, gone.addr, port),
+            leases.NodeEntry("gone-instance", 1, gone.addr, port),
         )
         joining = survivor.join_in_background()
         wait_for(
@@ -287,7 +288,8 @@ def test_nodes_beyond_max_wait_without_disturbing_the_round(
     waiting = spare.join_in_background()
     rdzv.wait_requests(lambda r: spare.pod in r, "spare joined")
     status = rdzv.wait(
-        lambda s: s.state is state.RoundState.SEALED and s.nodes_waiting == 0, "round stays sealed"
+        lambda s: s.state is statuses.RoundState.SEALED and s.nodes_waiting == 0,
+        "round stays sealed",
     )
     assert status.round == 1
     assert all(n.handler.num_nodes_waiting() == 0 for n in nodes)
@@ -305,10 +307,10 @@ def test_set_closed_closes_for_everyone_and_shutdown_of_one_does_not(
     join_all(nodes)
     assert nodes[2].handler.shutdown()
     wait_for(lambda: nodes[0].handler.num_nodes_waiting() > 0, 10, "loss noticed", interval=0.02)
-    assert rdzv.status().state is not state.RoundState.CLOSED
+    assert rdzv.status().state is not statuses.RoundState.CLOSED
     join_all(nodes[:2])
     nodes[0].handler.set_closed()
-    rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed")
+    rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed")
     assert wait_for(lambda: nodes[1].handler.is_closed(), 10, "closure seen")
     assert nodes[1].handler.num_nodes_waiting() == 0, "workers may finish"
     with pytest.raises(RendezvousClosedError, match="ClosedByNode"):
@@ -323,7 +325,7 @@ def test_all_members_leaving_closes_the_rendezvous(
     join_all(nodes)
     for node in nodes:
         assert node.handler.shutdown()
-    status = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed after all left")
+    status = rdzv.wait(lambda s: s.state is statuses.RoundState.CLOSED, "closed after all left")
     assert status.closed_reason == "AllNodesLeft"
 
 
@@ -339,8 +341,8 @@ def test_join_timeout_names_what_is_missing_and_withdraws(
         message
     )
     assert "(minNodes=2, maxNodes=2); it is Forming after round 0 (members: none)" in message
-    assert f"kubectl get leases -n {rdzv.namespace} -l {state.NODE_LABEL}={rdzv.name}" in message
-    assert rdzv.requests()[node.pod].intent is state.NodeIntent.LEAVE
+    assert f"kubectl get leases -n {rdzv.namespace} -l {objects.NODE_LABEL}={rdzv.name}" in message
+    assert rdzv.requests()[node.pod].intent is leases.NodeIntent.LEAVE
 
 
 def test_operator_restarted_in_the_middle_of_a_join_loses_nothing(
@@ -392,17 +394,17 @@ def test_heartbeats_renew_a_lease_and_never_write_the_rendezvous(
     nodes = make_nodes(rdzv, 2)
     join_all(nodes)
     version = rdzv.body()["metadata"]["resourceVersion"]
-    leases = kubernetes.client.CoordinationV1Api(admin_api)
-    name = state.lease_name(rdzv.name, nodes[0].pod)
+    coordination = kubernetes.client.CoordinationV1Api(admin_api)
+    name = objects.lease_name(rdzv.name, nodes[0].pod)
     renewals: set[object] = set()
 
     def renewed_three_times() -> bool:
-        renewals.add(leases.read_namespaced_lease(name, rdzv.namespace).spec.renew_time)
+        renewals.add(coordination.read_namespaced_lease(name, rdzv.namespace).spec.renew_time)
         return len(renewals) >= 3
 
     wait_for(renewed_three_times, 15, f"Lease {name} renewed", interval=0.2)
     assert rdzv.body()["metadata"]["resourceVersion"] == version
-    assert rdzv.status().state is state.RoundState.SEALED
+    assert rdzv.status().state is statuses.RoundState.SEALED
 
 
 def test_hung_agent_is_dropped_when_its_heartbeat_expires(
@@ -438,10 +440,10 @@ def test_status_edited_into_nonsense_is_refused_with_a_condition_and_then_recove
         30,
         "the InvalidRendezvous Event posted",
     )
-    rdzv.patch_status({"schemaVersion": state.SCHEMA_VERSION})
+    rdzv.patch_status({"schemaVersion": statuses.SCHEMA_VERSION})
     nodes[1].handler.shutdown()  # any change: the operator decides again
     rdzv.wait(
-        lambda s: s.state is not state.RoundState.SEALED or s.world_size == 1,
+        lambda s: s.state is not statuses.RoundState.SEALED or s.world_size == 1,
         "operator decides again once the status is readable",
     )
     assert join_all(nodes[:1])[0][1] == 1
@@ -455,9 +457,9 @@ def test_an_unreadable_request_is_reported_and_not_counted(
     join_all(nodes)
     broken = nodes[1]
     kubernetes.client.CoordinationV1Api(admin_api).patch_namespaced_lease(
-        state.lease_name(rdzv.name, broken.pod),
+        objects.lease_name(rdzv.name, broken.pod),
         rdzv.namespace,
-        {"metadata": {"annotations": {state.ENTRY_ANNOTATION: '{"instance": 7}'}}},
+        {"metadata": {"annotations": {objects.ENTRY_ANNOTATION: '{"instance": 7}'}}},
         _content_type="application/merge-patch+json",
     )
 
@@ -469,7 +471,7 @@ def test_an_unreadable_request_is_reported_and_not_counted(
 
     message = wait_for(reported, 20, "InvalidEntry event")
     assert f"pod {broken.pod} wrote a request this operator cannot read" in message
-    assert f"{state.ENTRY_ANNOTATION}.instance: expected a string, got 7" in message
+    assert f"{objects.ENTRY_ANNOTATION}.instance: expected a string, got 7" in message
     fixtures.wait_told_to_rejoin(nodes[:1], "its member is dropped, the survivor told")
     assert [world for _, world, *_ in join_all(nodes[:1])] == [1]
 

@@ -18,7 +18,8 @@ import kubernetes.client
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from k8s_rendezvous import kube, state, watch
+from k8s_rendezvous import kube, watch
+from k8s_rendezvous.wire import objects, records, statuses, views
 
 MERGE = "application/merge-patch+json"
 NAME = "train"
@@ -51,14 +52,14 @@ class RecordingClient(kube.RendezvousClient):
 
 
 def round_status(
-    round_state: state.RoundState, round_number: int, node: str = "worker-0", generation: int = 1
+    round_state: statuses.RoundState, round_number: int, node: str = "worker-0", generation: int = 1
 ) -> dict[str, Any]:
-    member = state.Member(node=node, instance="i-1", attempt=round_number, addr="10.0.0.7")
-    return state.RendezvousStatus(
+    member = records.Member(node=node, instance="i-1", attempt=round_number, addr="10.0.0.7")
+    return statuses.RendezvousStatus(
         state=round_state,
         round=round_number,
         members=(member,),
-        master=state.Master("10.0.0.7", 29500),
+        master=records.Master("10.0.0.7", 29500),
         observed_generation=generation,
     ).operator_fields()
 
@@ -68,13 +69,13 @@ def test_a_stream_armed_with_an_older_round_key_goes_on_through_later_rounds(
 ) -> None:
     custom = kubernetes.client.CustomObjectsApi(admin_api)
     custom.create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {"name": NAME},
             "spec": {"minNodes": 1, "maxNodes": 2, "runId": NAME},
         },
@@ -82,24 +83,24 @@ def test_a_stream_armed_with_an_older_round_key_goes_on_through_later_rounds(
 
     def write(fields: dict[str, Any]) -> str:
         written = custom.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             workers_namespace,
-            state.PLURAL,
+            objects.PLURAL,
             NAME,
             {"status": fields},
             _content_type=MERGE,
         )
         return str(written["metadata"]["resourceVersion"])
 
-    sealed, reforming = state.RoundState.SEALED, state.RoundState.REFORMING
+    sealed, reforming = statuses.RoundState.SEALED, statuses.RoundState.REFORMING
     write(round_status(sealed, 1))
     client = RecordingClient(admin_api, workers_namespace)
     watcher = watch.RoundWatcher(client, "worker-0")
     watcher.start()
     try:
 
-        def holds(key: str, node: str = "worker-0") -> state.NodeView:
+        def holds(key: str, node: str = "worker-0") -> views.NodeView:
             status = watcher.wait(
                 lambda s: s.round_key == key and s.member_nodes[0] == node,
                 time.monotonic() + 20,

@@ -15,7 +15,7 @@ from tests.support import fixtures
 from tests.support.fixtures import Node, Rendezvous, delete_pod
 
 from devkit.cluster.controlplane import ControlPlane
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, statuses
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -25,29 +25,29 @@ MakeNodes = Callable[..., list[Node]]
 
 def slices_of(api: kubernetes.client.ApiClient, rdzv: Rendezvous) -> list[dict[str, Any]]:
     found = kubernetes.client.CustomObjectsApi(api).list_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         rdzv.namespace,
-        state.SLICE_PLURAL,
-        label_selector=f"{state.NODE_LABEL}={rdzv.name}",
+        objects.SLICE_PLURAL,
+        label_selector=f"{objects.NODE_LABEL}={rdzv.name}",
     )
     return sorted(found["items"], key=lambda item: item["metadata"]["name"])
 
 
 def assert_published(
-    api: kubernetes.client.ApiClient, rdzv: Rendezvous, status: state.RendezvousStatus
+    api: kubernetes.client.ApiClient, rdzv: Rendezvous, status: statuses.RendezvousStatus
 ) -> None:
     """The slices of the members' pods, and no other, hold the status' round, each member
     once, in the slice of its pod."""
     uid = rdzv.body()["metadata"]["uid"]
     pieces = {piece["status"]["slice"]: piece for piece in slices_of(api, rdzv)}
     assert set(pieces) == {
-        state.slice_index(member.node, status.slices) for member in status.members
+        objects.slice_index(member.node, status.slices) for member in status.members
     }
     ranks: dict[str, int] = {}
     for index, piece in pieces.items():
-        assert piece["metadata"]["name"] == state.slice_name(rdzv.name, index)
-        assert state.rendezvous_uid(piece) == uid, "the Rendezvous owns its slices"
+        assert piece["metadata"]["name"] == objects.slice_name(rdzv.name, index)
+        assert objects.rendezvous_uid(piece) == uid, "the Rendezvous owns its slices"
         stored = piece["status"]
         assert (stored["roundKey"], stored["worldSize"], stored["slice"]) == (
             status.round_key,
@@ -55,7 +55,7 @@ def assert_published(
             index,
         )
         for member in stored["members"]:
-            assert state.slice_index(member["node"], status.slices) == index
+            assert objects.slice_index(member["node"], status.slices) == index
             ranks[member["node"]] = member["rank"]
     assert ranks == {member.node: rank for rank, member in enumerate(status.members)}
 
@@ -72,7 +72,7 @@ def test_a_large_rendezvous_seals_through_each_nodes_own_slice(
     assert sorted(info.rank for info in infos) == list(range(12))
     assert {info.world_size for info in infos} == {12}
     status = rdzv.status()
-    assert (status.state, status.round, status.slices) == (state.RoundState.SEALED, 1, 3)
+    assert (status.state, status.round, status.slices) == (statuses.RoundState.SEALED, 1, 3)
     returned = {node.pod: info.rank for node, info in zip(nodes, infos, strict=True)}
     assert returned == {member.node: rank for rank, member in enumerate(status.members)}
     assert_published(admin_api, rdzv, status)
@@ -119,7 +119,7 @@ def test_a_rendezvous_admitting_a_hundred_thousand_nodes_makes_only_its_joiners_
     """Any pod that may make a Rendezvous sets its maxNodes: 1,000 slices written for it
     with nobody joining would be the operator's cost of one create."""
     rdzv = make_rendezvous(2, 100_000, lastCallTimeoutSeconds=0)
-    rdzv.wait(lambda s: s.slices == state.MAX_SLICES, "the slice count is written")
+    rdzv.wait(lambda s: s.slices == objects.MAX_SLICES, "the slice count is written")
     assert slices_of(admin_api, rdzv) == [], "no pod asked to join: no slice"
     nodes = make_nodes(rdzv, 2)
     infos = fixtures.join_all(nodes)
@@ -127,7 +127,7 @@ def test_a_rendezvous_admitting_a_hundred_thousand_nodes_makes_only_its_joiners_
     status = rdzv.status()
     assert_published(admin_api, rdzv, status)
     assert len(slices_of(admin_api, rdzv)) <= 2
-    fixtures.wait_watching_own_slice(nodes, rdzv.name, state.MAX_SLICES)
+    fixtures.wait_watching_own_slice(nodes, rdzv.name, objects.MAX_SLICES)
 
 
 def test_a_rendezvous_of_at_most_a_hundred_nodes_has_no_slices(
@@ -142,4 +142,4 @@ def test_a_rendezvous_of_at_most_a_hundred_nodes_has_no_slices(
     assert slices_of(admin_api, rdzv) == []
     for node in nodes:
         latest = node.handler.watcher.latest
-        assert latest is not None and latest["kind"] == state.KIND
+        assert latest is not None and latest["kind"] == objects.KIND

@@ -39,8 +39,9 @@ from devkit import namespaces, training
 from devkit.cluster.controlplane import ControlPlane, read_object, set_pod_phase
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import objects, statuses, tunables
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -351,7 +352,7 @@ def test_finished_job_closes_the_rendezvous_and_deletion_removes_it(
     join_all([node])
     set_pod_phase(admin_api, workers_namespace, node.pod, phase)
     status = rdzv.wait(
-        lambda s: s.state is state.RoundState.CLOSED, "closed with the Job", timeout=60
+        lambda s: s.state is statuses.RoundState.CLOSED, "closed with the Job", timeout=60
     )
     assert status.closed_reason == reason
     kubernetes.client.BatchV1Api(admin_api).delete_namespaced_job(
@@ -386,15 +387,15 @@ def test_webhook_injects_torchrun_env_into_annotated_job_pods_only(
     assert env["PET_NNODES"]["value"] == "1:4"
     assert env["PET_RDZV_ID"]["value"] == "exp-3"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert env[state.HEALTH_CHECK_ENV]["value"] == "nccl-check --size '1 G'"
+    assert env[tunables.HEALTH_CHECK_ENV]["value"] == "nccl-check --size '1 G'"
     assert env["K8S_RENDEZVOUS_IN_PLACE"]["value"] == "true"
     assert env["K8S_RENDEZVOUS_WARM_START"]["value"] == "1"
-    assert state.HEALTH_CHECK_TIMEOUT_ENV not in env, "only what the Job's annotations say"
+    assert tunables.HEALTH_CHECK_TIMEOUT_ENV not in env, "only what the Job's annotations say"
     assert "K8S_RENDEZVOUS_IN_PLACE_LOSS_TIMEOUT" not in env
-    assert injected["metadata"]["labels"][state.NODE_LABEL] == "zero-flag"
+    assert injected["metadata"]["labels"][objects.NODE_LABEL] == "zero-flag"
     plain = running_pods(admin_api, workers_namespace, "plain", 1)[0]
     assert not plain["spec"]["containers"][0].get("env")
-    assert state.NODE_LABEL not in plain["metadata"]["labels"]
+    assert objects.NODE_LABEL not in plain["metadata"]["labels"]
 
 
 @pytest.mark.webhook
@@ -532,7 +533,9 @@ def test_set_closed_before_the_rendezvous_exists_makes_it_closed_as_with_c10d(
         closing.handler.set_closed()
         assert closing.handler.is_closed()
         rdzv = Rendezvous(admin_api, workers_namespace, "early")
-        closed = rdzv.wait(lambda s: s.state is state.RoundState.CLOSED, "closed by the operator")
+        closed = rdzv.wait(
+            lambda s: s.state is statuses.RoundState.CLOSED, "closed by the operator"
+        )
         assert closed.closed_reason is not None
         with pytest.raises(RendezvousClosedError):
             late.handler.next_rendezvous()
@@ -562,7 +565,7 @@ def test_a_rendezvous_made_by_a_bare_pod_gets_no_owner_and_says_why(
         "there is no workload to check its nodes against, so it admits nobody."
     )
     body = rdzv.body()
-    assert body["metadata"]["annotations"][state.CREATED_BY_ANNOTATION] == "loner"
+    assert body["metadata"]["annotations"][objects.CREATED_BY_ANNOTATION] == "loner"
     assert not body["metadata"].get("ownerReferences")
 
 
@@ -713,11 +716,11 @@ def test_a_failed_members_node_is_recorded_and_the_jobs_next_pods_are_kept_off_i
     # not kept off anything.
     cleared_at = status.excluded_nodes[0].failed_at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         "keepout",
-        {"metadata": {"annotations": {state.CLEAR_EXCLUDED_NODES_ANNOTATION: cleared_at}}},
+        {"metadata": {"annotations": {objects.CLEAR_EXCLUDED_NODES_ANNOTATION: cleared_at}}},
     )
     rdzv.wait(lambda s: not s.excluded_nodes, "the list cleared by the annotation")

@@ -18,7 +18,7 @@ from pathlib import Path
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, objects
 
 TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
@@ -45,13 +45,13 @@ def main(victim: str) -> None:
     custom = kubernetes.client.CustomObjectsApi()
     namespace, me = os.environ["POD_NAMESPACE"], os.environ["POD_NAME"]
     rendezvous = os.environ["PET_RDZV_ENDPOINT"]
-    entry = state.NodeEntry("hostile", 1, os.environ["POD_IP"], 29500)
-    owner = state.owner_reference(
-        state.API_VERSION,
-        state.KIND,
+    entry = leases.NodeEntry("hostile", 1, os.environ["POD_IP"], 29500)
+    owner = objects.owner_reference(
+        objects.API_VERSION,
+        objects.KIND,
         rendezvous,
         custom.get_namespaced_custom_object(
-            state.GROUP, state.VERSION, namespace, state.PLURAL, rendezvous
+            objects.GROUP, objects.VERSION, namespace, objects.PLURAL, rendezvous
         )["metadata"]["uid"],
         controller=False,
     )
@@ -62,10 +62,10 @@ def main(victim: str) -> None:
             "kind": "Lease",
             "metadata": {
                 "name": name,
-                "labels": {state.NODE_LABEL: rendezvous} if labelled else {},
+                "labels": {objects.NODE_LABEL: rendezvous} if labelled else {},
                 "annotations": {
-                    state.ENTRY_ANNOTATION: entry.to_annotation(),
-                    state.POD_UID_ANNOTATION: pod_uid_of_token(),
+                    objects.ENTRY_ANNOTATION: entry.to_annotation(),
+                    objects.POD_UID_ANNOTATION: pod_uid_of_token(),
                 },
                 "ownerReferences": [owner],
             },
@@ -75,16 +75,16 @@ def main(victim: str) -> None:
             "coordination.k8s.io", "v1", namespace, "leases", body
         )
 
-    attempt("own-lease", lease(state.lease_name(rendezvous, me)))
-    attempt("victim-lease", lease(state.lease_name(rendezvous, victim)))
+    attempt("own-lease", lease(objects.lease_name(rendezvous, me)))
+    attempt("victim-lease", lease(objects.lease_name(rendezvous, victim)))
     attempt("other-controller-lock", lease("some-controller-lock", labelled=False))
     attempt(
         "rendezvous-status",
         lambda: custom.patch_namespaced_custom_object_status(
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             namespace,
-            state.PLURAL,
+            objects.PLURAL,
             rendezvous,
             {"status": {"round": 99}},
             _content_type="application/merge-patch+json",

@@ -45,7 +45,6 @@ from devkit.cluster import images
 from devkit.cluster.controlplane import dig
 from devkit.training import TrainingJob, agent_pid, local_command, on_real_nodes
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,7 +72,7 @@ def controlled_namespace(
 def rendezvous(api: kubernetes.client.ApiClient, namespace: str) -> dict[str, Any]:
     objects = kubernetes.client.CustomObjectsApi(api)
     return objects.get_namespaced_custom_object(  # type: ignore[no-any-return]
-        state.GROUP, state.VERSION, namespace, state.PLURAL, NAME
+        objects.GROUP, objects.VERSION, namespace, objects.PLURAL, NAME
     )
 
 

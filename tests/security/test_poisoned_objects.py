@@ -21,7 +21,7 @@ from devkit import manifests
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, objects, statuses
 
 MakeRendezvous = Callable[..., Rendezvous]
 
@@ -60,7 +60,7 @@ def wait_each_refused(poisoned: list[Rendezvous], writers: list[Attacker]) -> No
         )
         assert poison.problem in message, message
     for rdzv in poisoned:
-        assert rdzv.status().state is state.RoundState.FORMING, "no poison counted"
+        assert rdzv.status().state is statuses.RoundState.FORMING, "no poison counted"
 
 
 def invalid_entry(rdzv: Rendezvous, pod: str) -> str | None:
@@ -76,20 +76,20 @@ def elsewhere(
     well-formed request, raw)."""
     rdzv = Rendezvous(admin_api, namespace, "elsewhere")
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         namespace,
-        state.PLURAL,
+        objects.PLURAL,
         manifests.rendezvous(namespace, rdzv.name, 1, 1),
     )
     (pod,) = create_pods(admin_api, namespace, ["joiner"])
     return rdzv, Attacker(control_plane, namespace, pod)
 
 
-def sealed_with(rdzv: Rendezvous, node: str) -> state.RendezvousStatus:
+def sealed_with(rdzv: Rendezvous, node: str) -> statuses.RendezvousStatus:
     return rdzv.wait(
         lambda status: (
-            status.state is state.RoundState.SEALED
+            status.state is statuses.RoundState.SEALED
             and [member.node for member in status.members] == [node]
         ),
         f"sealed with {node}",
@@ -113,7 +113,7 @@ def test_an_operator_starting_among_poisoned_leases_gives_every_other_rendezvous
     (pod,) = create_pods(admin_api, workers_namespace, ["honest"])
     (honest,) = attach_nodes(here, [pod])
     there, joiner = elsewhere(control_plane, admin_api, other_namespace)
-    joiner.request(there.name, state.NodeIntent.JOIN)
+    joiner.request(there.name, leases.NodeIntent.JOIN)
 
     operator.start()
     (info,) = join_all([honest], timeout=30)
@@ -154,5 +154,5 @@ def test_leases_poisoned_while_the_operator_runs_drop_only_their_writers(
     wait_each_refused(poisoned, writers)
 
     there, joiner = elsewhere(control_plane, admin_api, other_namespace)
-    joiner.request(there.name, state.NodeIntent.JOIN)
+    joiner.request(there.name, leases.NodeIntent.JOIN)
     sealed_with(there, joiner.name)

@@ -17,7 +17,7 @@ from devkit import manifests
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import datagrams, leases, objects
 
 PROBE_INTERVAL, PROBE_WINDOW = 0.5, 1.5
 """Short, so that a silent member is judged within seconds (the default window is 3 s)."""
@@ -45,14 +45,14 @@ class Forger:
                 datagram, operator = self.socket.recvfrom(128)
             except TimeoutError:
                 continue
-            probe = state.Probe.from_request(datagram)
+            probe = datagrams.Probe.from_request(datagram)
             if probe is None:
                 continue
             self.probes += 1
             self.socket.sendto(probe.reply(), operator)
             for index in range(64):
                 forged = probe.nonce[:-8] + index.to_bytes(8, "big")
-                self.socket.sendto(state.Probe(forged).reply(), operator)
+                self.socket.sendto(datagrams.Probe(forged).reply(), operator)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -79,17 +79,17 @@ def test_a_pod_that_gets_its_own_probe_cannot_answer_for_a_member_of_another_nam
     join_all([answering, silent])
 
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         other_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         manifests.rendezvous(other_namespace, "own", 1, 1),
     )
     (pod,) = create_pods(admin_api, other_namespace, ["forger"])
     attacker = Attacker(control_plane, other_namespace, pod)
     forger = Forger(attacker.ip)
     try:
-        attacker.request("own", state.NodeIntent.JOIN, probe_port=forger.port)
+        attacker.request("own", leases.NodeIntent.JOIN, probe_port=forger.port)
         wait_for(lambda: forger.probes >= 2, 30, "the forger, a member, is probed")
         # The silent member's agent stops answering, its heartbeats go on: a cut UDP path.
         silent.handler._probes.stop()

@@ -25,8 +25,8 @@ from devkit import namespaces
 from devkit.cluster.controlplane import ControlPlane
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
 from k8s_rendezvous.errors import NodeRefusedError
+from k8s_rendezvous.wire import leases, objects, statuses
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -84,7 +84,7 @@ def test_a_pod_of_another_job_is_never_counted_or_ranked(
     two_jobs: tuple[Rendezvous, list[Node], Attacker],
 ) -> None:
     rdzv, victims, attacker = two_jobs
-    attacker.request(rdzv.name, state.NodeIntent.JOIN)  # its real pod IP: only its Job differs
+    attacker.request(rdzv.name, leases.NodeIntent.JOIN)  # its real pod IP: only its Job differs
     message = wait_refused(rdzv, f"pod {attacker.name}")
     assert (
         f"pod {attacker.name} is controlled by Job/attacker, not by Job/victim, which owns "
@@ -127,13 +127,13 @@ def test_a_pod_of_another_job_cannot_close_its_rendezvous(
     two_jobs: tuple[Rendezvous, list[Node], Attacker],
 ) -> None:
     rdzv, victims, attacker = two_jobs
-    attacker.request(rdzv.name, state.NodeIntent.CLOSE)
+    attacker.request(rdzv.name, leases.NodeIntent.CLOSE)
     wait_refused(rdzv, f"pod {attacker.name} is controlled by Job/attacker")
     # The operator saw the Close before these joins (one watch, in order): had it counted,
     # the round would be closed instead.
     infos = join_all(victims)
     assert sorted(info.rank for info in infos) == [0, 1]
-    assert rdzv.status().state is state.RoundState.SEALED
+    assert rdzv.status().state is statuses.RoundState.SEALED
 
 
 def test_a_node_offering_an_address_that_is_not_its_pods_is_refused(
@@ -146,7 +146,7 @@ def test_a_node_offering_an_address_that_is_not_its_pods_is_refused(
     rdzv = make_rendezvous(1, 2, lastCallTimeoutSeconds=0)
     liar_pod, honest_pod = create_pods(admin_api, workers_namespace, ["a-liar", "b-honest"])
     liar = Attacker(control_plane, workers_namespace, liar_pod)
-    liar.request(rdzv.name, state.NodeIntent.JOIN, addr="127.0.0.99")
+    liar.request(rdzv.name, leases.NodeIntent.JOIN, addr="127.0.0.99")
     message = wait_refused(rdzv, "pod a-liar offers address '127.0.0.99'")
     assert f"which is not one of its pod's IPs ({liar.ip})" in message
     (honest,) = attach_nodes(rdzv, [honest_pod], min_nodes=1, max_nodes=2)
@@ -163,10 +163,10 @@ def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_how_to
 ) -> None:
     rdzv = make_rendezvous(1, 1, podSelector=None)
     (pod,) = create_pods(admin_api, workers_namespace, ["p-0"])
-    Attacker(control_plane, workers_namespace, pod).request(rdzv.name, state.NodeIntent.JOIN)
+    Attacker(control_plane, workers_namespace, pod).request(rdzv.name, leases.NodeIntent.JOIN)
     message = wait_refused(rdzv, "has no controller owner and no spec.podSelector")
     assert "Set spec.podSelector to the labels of the job's pods." in message
-    assert rdzv.status().state is state.RoundState.FORMING
+    assert rdzv.status().state is statuses.RoundState.FORMING
 
 
 @pytest.mark.parametrize(
@@ -309,13 +309,13 @@ def test_the_webhook_sends_no_pod_to_a_rendezvous_its_job_does_not_own(
     make_job(admin_api, workers_namespace, "mine", 1, {"k8s-rendezvous.dev/nodes": "1:1"})
     assert "PET_RDZV_BACKEND" in env_names("mine"), "the webhook serves"
     kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         workers_namespace,
-        state.PLURAL,
+        objects.PLURAL,
         {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {"name": "taken"},
             "spec": {
                 "minNodes": 1,
@@ -393,7 +393,7 @@ def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_with_the
     assert alone.world_size == 1
     made = held_by(rdzv, sts_uid)
     assert made is not None and made["metadata"]["annotations"] == {
-        state.CREATED_BY_ANNOTATION: "squat-0"
+        objects.CREATED_BY_ANNOTATION: "squat-0"
     }
 
     job_uid = make_job(admin_api, ns, "train-llm", 2, {"k8s-rendezvous.dev/nodes": "2:2"})[
@@ -401,7 +401,7 @@ def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_with_the
     ]["uid"]
     replaced = wait_for(lambda: held_by(rdzv, job_uid), 30, "train-llm made for the Job")
     assert replaced["metadata"]["uid"] != made["metadata"]["uid"]
-    assert state.CREATED_BY_ANNOTATION not in (replaced["metadata"].get("annotations") or {})
+    assert objects.CREATED_BY_ANNOTATION not in (replaced["metadata"].get("annotations") or {})
     pods = running_pods(admin_api, ns, "train-llm", 2)
     for pod in pods:  # the webhook sent them to the Job's Rendezvous, not to no one
         env = {e["name"]: e.get("value") for c in pod["spec"]["containers"] for e in c["env"]}
@@ -438,14 +438,17 @@ def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_with_the
     assert not reasons & {"RendezvousNotOwned", "PodNotInjected"}, reasons
 
     again = {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
-        "metadata": {"name": "train-llm", "annotations": {state.CREATED_BY_ANNOTATION: "squat-0"}},
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
+        "metadata": {
+            "name": "train-llm",
+            "annotations": {objects.CREATED_BY_ANNOTATION: "squat-0"},
+        },
         "spec": {"minNodes": 1, "maxNodes": 1, "runId": "train-llm"},
     }
     with pytest.raises(kubernetes.client.exceptions.ApiException) as taken:
         kubernetes.client.CustomObjectsApi(squatter.api).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, ns, state.PLURAL, again
+            objects.GROUP, objects.VERSION, ns, objects.PLURAL, again
         )
     assert taken.value.status == 409, taken.value.body
     with pytest.raises(NodeRefusedError) as refused:
@@ -472,13 +475,13 @@ def test_a_users_rendezvous_under_an_annotated_jobs_name_is_left_until_they_free
     ns = workers_namespace
     custom = kubernetes.client.CustomObjectsApi(admin_api)
     theirs = custom.create_namespaced_custom_object(
-        state.GROUP,
-        state.VERSION,
+        objects.GROUP,
+        objects.VERSION,
         ns,
-        state.PLURAL,
+        objects.PLURAL,
         {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {"name": "shared"},
             "spec": {
                 "minNodes": 1,
@@ -518,7 +521,9 @@ def test_a_users_rendezvous_under_an_annotated_jobs_name_is_left_until_they_free
     rdzv = Rendezvous(admin_api, ns, "shared")
     assert rdzv.body()["metadata"]["uid"] == theirs["metadata"]["uid"], "left as it is"
 
-    custom.delete_namespaced_custom_object(state.GROUP, state.VERSION, ns, state.PLURAL, "shared")
+    custom.delete_namespaced_custom_object(
+        objects.GROUP, objects.VERSION, ns, objects.PLURAL, "shared"
+    )
     wait_for(lambda: held_by(rdzv, job_uid), 30, "the Job's Rendezvous, once the name is free")
     (advice,) = wait_for(
         lambda: posted(admin_api, ns, "Job", "shared", "PodNotInjected") or None,

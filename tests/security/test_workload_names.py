@@ -15,7 +15,7 @@ from tests.support.fixtures import Node, Rendezvous, join_all
 
 from devkit import namespaces
 from devkit.waiting import wait_for
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
@@ -54,7 +54,7 @@ def test_a_pod_made_rendezvous_under_a_statefulsets_name_is_given_back_to_it(
     given_back = rdzv.body()
     assert given_back["metadata"]["uid"] != squatted["metadata"]["uid"]
     assert [o["uid"] for o in given_back["metadata"]["ownerReferences"]] == [victim_uid]
-    assert given_back["metadata"]["annotations"][state.CREATED_BY_ANNOTATION] in {
+    assert given_back["metadata"]["annotations"][objects.CREATED_BY_ANNOTATION] in {
         pod["metadata"]["name"] for pod in victim_pods
     }
     assert sorted(m.node for m in rdzv.status().members) == sorted(n.pod for n in victims)

@@ -37,8 +37,9 @@ from devkit.cluster.controlplane import ControlPlane
 from devkit.manifests import WORKLOAD_SELECTOR
 from devkit.operator import OperatorProcess
 from devkit.waiting import WaitTimeout, wait_for
-from k8s_rendezvous import config, errors, kube, state
+from k8s_rendezvous import config, errors, kube
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import objects, specs, statuses
 
 log = logging.getLogger("soak")
 
@@ -273,14 +274,14 @@ class Soak:
         self._lock = threading.Lock()
         self._custom = kubernetes.client.CustomObjectsApi(admin_api)
         self._recorder: invariants.Recorder | None = None
-        self._spec = state.RendezvousSpec(
+        self._spec = specs.RendezvousSpec(
             min_nodes=config.min_nodes,
             max_nodes=config.max_nodes,
             run_id=self.name,
             join_timeout_seconds=config.join_timeout,
             last_call_timeout_seconds=config.last_call_timeout,
             heartbeat_timeout_seconds=config.heartbeat_timeout,
-            pod_selector=state.LabelSelector.from_dict(WORKLOAD_SELECTOR, "podSelector"),
+            pod_selector=specs.LabelSelector.from_dict(WORKLOAD_SELECTOR, "podSelector"),
         )
 
     # -- what agents report -----------------------------------------------------------
@@ -303,13 +304,13 @@ class Soak:
         self._recorder = invariants.Recorder(self.admin_api, self.namespace, self.name)
         try:
             self._custom.create_namespaced_custom_object(
-                state.GROUP,
-                state.VERSION,
+                objects.GROUP,
+                objects.VERSION,
                 self.namespace,
-                state.PLURAL,
+                objects.PLURAL,
                 {
-                    "apiVersion": state.API_VERSION,
-                    "kind": state.KIND,
+                    "apiVersion": objects.API_VERSION,
+                    "kind": objects.KIND,
                     "metadata": {"name": self.name},
                     "spec": self._spec.to_dict(),
                 },
@@ -476,17 +477,17 @@ class Soak:
             ),
         )
 
-    def _status(self) -> state.RendezvousStatus:
+    def _status(self) -> statuses.RendezvousStatus:
         body = self._custom.get_namespaced_custom_object(
-            state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+            objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL, self.name
         )
-        return state.RendezvousStatus.from_dict(body.get("status"))
+        return statuses.RendezvousStatus.from_dict(body.get("status"))
 
     def _whole(self) -> bool:
         """Sealed, and every running agent is in the round (and has returned from its
         ``next_rendezvous()``) or waits as a spare beyond maxNodes."""
         status = self._status()
-        if status.state is not state.RoundState.SEALED:
+        if status.state is not statuses.RoundState.SEALED:
             return False
         running = {p.name: p.agent for p in self._live() if p.agent is not None and p.agent.running}
         members = [m.node for m in status.members]
@@ -546,14 +547,14 @@ class Soak:
                 )
             except WaitTimeout as error:
                 self.result.violations.append(str(error))
-        statuses = self._recorder.statuses()
-        seen = max((s.round for _, s in statuses), default=0)
+        recorded = self._recorder.statuses()
+        seen = max((s.round for _, s in recorded), default=0)
         with self._lock:
             # An outcome of a round the recorder has not shown yet is judged later.
             outcomes = [o for o in self._outcomes if o.round is None or o.round <= seen]
-        self.result.versions_recorded = len(statuses)
+        self.result.versions_recorded = len(recorded)
         try:
-            invariants.check(self._spec, statuses, outcomes)
+            invariants.check(self._spec, recorded, outcomes)
         except invariants.Violation as violation:
             message = str(violation)
             if message not in self.result.violations:

@@ -26,8 +26,9 @@ from devkit.cluster.controlplane import (
 )
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
-from k8s_rendezvous import config, kube, state
+from k8s_rendezvous import config, kube
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import leases, objects, specs, statuses
 
 
 @pytest.fixture(scope="session")
@@ -125,58 +126,66 @@ class Rendezvous:
 
     def body(self) -> dict[str, Any]:
         return self._custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
-            state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name
+            objects.GROUP, objects.VERSION, self.namespace, objects.PLURAL, self.name
         )
 
-    def status(self) -> state.RendezvousStatus:
-        return state.RendezvousStatus.from_dict(self.body().get("status"))
+    def status(self) -> statuses.RendezvousStatus:
+        return statuses.RendezvousStatus.from_dict(self.body().get("status"))
 
     def patch_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """An admin's edit of the spec (a merge patch)."""
         return self._custom.patch_namespaced_custom_object(  # type: ignore[no-any-return]
-            state.GROUP, state.VERSION, self.namespace, state.PLURAL, self.name, {"spec": spec}
+            objects.GROUP,
+            objects.VERSION,
+            self.namespace,
+            objects.PLURAL,
+            self.name,
+            {"spec": spec},
         )
 
     def patch_status(self, status: dict[str, Any]) -> dict[str, Any]:
         """A hand edit of the status (an admin's, not a pod's: only the operator writes it)."""
         return self._custom.patch_namespaced_custom_object_status(  # type: ignore[no-any-return]
-            state.GROUP,
-            state.VERSION,
+            objects.GROUP,
+            objects.VERSION,
             self.namespace,
-            state.PLURAL,
+            objects.PLURAL,
             self.name,
             {"status": status},
             _content_type="application/merge-patch+json",
         )
 
     def wait(
-        self, predicate: Callable[[state.RendezvousStatus], bool], message: str, timeout: float = 30
-    ) -> state.RendezvousStatus:
-        def check() -> state.RendezvousStatus | None:
+        self,
+        predicate: Callable[[statuses.RendezvousStatus], bool],
+        message: str,
+        timeout: float = 30,
+    ) -> statuses.RendezvousStatus:
+        def check() -> statuses.RendezvousStatus | None:
             current = self.status()
             return current if predicate(current) else None
 
         return wait_for(check, timeout, f"{self.namespace}/{self.name}: {message}", interval=0.02)
 
-    def requests(self) -> dict[str, state.NodeEntry]:
+    def requests(self) -> dict[str, leases.NodeEntry]:
         """Each node's request, as its own Lease holds it."""
         coordination = kubernetes.client.CoordinationV1Api(self._custom.api_client)
         found = coordination.list_namespaced_lease(
-            self.namespace, label_selector=f"{state.NODE_LABEL}={self.name}"
+            self.namespace, label_selector=f"{objects.NODE_LABEL}={self.name}"
         )
         return {
-            lease.spec.holder_identity: state.NodeEntry.from_annotation(raw, lease.metadata.name)
+            lease.spec.holder_identity: leases.NodeEntry.from_annotation(raw, lease.metadata.name)
             for lease in found.items
-            if (raw := (lease.metadata.annotations or {}).get(state.ENTRY_ANNOTATION))
+            if (raw := (lease.metadata.annotations or {}).get(objects.ENTRY_ANNOTATION))
         }
 
     def wait_requests(
         self,
-        predicate: Callable[[dict[str, state.NodeEntry]], bool],
+        predicate: Callable[[dict[str, leases.NodeEntry]], bool],
         message: str,
         timeout: float = 30,
-    ) -> dict[str, state.NodeEntry]:
-        def check() -> dict[str, state.NodeEntry] | None:
+    ) -> dict[str, leases.NodeEntry]:
+        def check() -> dict[str, leases.NodeEntry] | None:
             current = self.requests()
             return current if predicate(current) else None
 
@@ -226,7 +235,7 @@ def recorded(
         rendezvous.recorder.stop()
         if rendezvous.recorder.spec is None:
             continue  # never created (a test of bad input)
-        spec = state.RendezvousSpec.from_dict(rendezvous.recorder.spec)
+        spec = specs.RendezvousSpec.from_dict(rendezvous.recorder.spec)
         invariants.check(spec, rendezvous.recorder.statuses(), rendezvous.recorder.outcomes)
 
 
@@ -241,7 +250,7 @@ def make_rendezvous(
         body = manifests.rendezvous(workers_namespace, name, min_nodes, max_nodes, **spec)
         rendezvous = recorded(name)
         kubernetes.client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
-            state.GROUP, state.VERSION, workers_namespace, state.PLURAL, body
+            objects.GROUP, objects.VERSION, workers_namespace, objects.PLURAL, body
         )
         return rendezvous
 
@@ -299,7 +308,7 @@ def wait_watching_own_slice(nodes: Sequence[Node], rendezvous: str, slices: int)
 
     def watching(node: Node) -> bool:
         latest = node.handler.watcher.latest
-        own = state.slice_name(rendezvous, state.slice_index(node.pod, slices))
+        own = objects.slice_name(rendezvous, objects.slice_index(node.pod, slices))
         return latest is not None and latest["metadata"]["name"] == own
 
     wait_for(lambda: all(map(watching, nodes)), 10, "every node watches its own slice")

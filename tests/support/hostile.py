@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes.client
 
 from devkit.cluster.controlplane import ControlPlane
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, objects
 
 
 class Attacker:
@@ -31,30 +31,30 @@ class Attacker:
     def request(
         self,
         rendezvous: str,
-        intent: state.NodeIntent,
+        intent: leases.NodeIntent,
         addr: str | None = None,
         probe_port: int = 0,
     ) -> None:
         """Write its Lease in ``rendezvous`` asking ``intent``, with ``addr`` (its own IP),
         answering probes at ``probe_port`` (0: none)."""
-        entry = state.NodeEntry(
+        entry = leases.NodeEntry(
             "attacker-1", 1, addr or self.ip, 29500, intent, probe_port=probe_port
         )
         self.write_annotations(
             rendezvous,
             {
-                state.ENTRY_ANNOTATION: entry.to_annotation(),
-                state.INSTANCE_ANNOTATION: "attacker-1",
+                objects.ENTRY_ANNOTATION: entry.to_annotation(),
+                objects.INSTANCE_ANNOTATION: "attacker-1",
             },
         )
 
     def write_entry(self, rendezvous: str, text: str) -> None:
         """Write ``text`` as the entry of its Lease in ``rendezvous`` (made if missing)."""
-        self.write_annotations(rendezvous, {state.ENTRY_ANNOTATION: text})
+        self.write_annotations(rendezvous, {objects.ENTRY_ANNOTATION: text})
 
     def write_annotations(self, rendezvous: str, annotations: dict[str, str]) -> None:
         """Write ``annotations`` on its Lease in ``rendezvous`` (made if missing)."""
-        name = state.lease_name(rendezvous, self.name)
+        name = objects.lease_name(rendezvous, self.name)
         try:
             self._custom.patch_namespaced_custom_object(
                 "coordination.k8s.io",
@@ -78,7 +78,7 @@ class Attacker:
                     "kind": "Lease",
                     "metadata": {
                         "name": name,
-                        "labels": {state.NODE_LABEL: rendezvous},
+                        "labels": {objects.NODE_LABEL: rendezvous},
                         "annotations": annotations,
                     },
                     "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 30},

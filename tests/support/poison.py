@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 
 WELL_FORMED = {
     "instance": "i-1",
@@ -29,7 +29,7 @@ class Poison:
     """The entry annotation's text (``None``: the well-formed one)."""
     problem: str
     """What the operator's Warning says of it (a part of the message: its words, and the
-    bounds of ``k8s_rendezvous.state`` as users read them)."""
+    bounds of ``k8s_rendezvous.wire`` as users read them)."""
     instance: str = "i-1"
     """The instance annotation (its heartbeat's)."""
 
@@ -37,8 +37,8 @@ class Poison:
         """The Lease's annotations, the request offering ``addr`` where it has one."""
         entry = self.entry or json.dumps(WELL_FORMED | {"addr": addr})
         return {
-            state.ENTRY_ANNOTATION: entry.replace(WELL_FORMED["addr"], addr),
-            state.INSTANCE_ANNOTATION: self.instance,
+            objects.ENTRY_ANNOTATION: entry.replace(WELL_FORMED["addr"], addr),
+            objects.INSTANCE_ANNOTATION: self.instance,
         }
 
 

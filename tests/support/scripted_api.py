@@ -8,8 +8,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from k8s_rendezvous import config, state
+from k8s_rendezvous import config
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import leases, specs, statuses
 
 
 class ScriptedRendezvousClient:
@@ -17,9 +18,9 @@ class ScriptedRendezvousClient:
 
     namespace, name, reference = "ns", "r", "Rendezvous ns/r"
 
-    def __init__(self, spec: state.RendezvousSpec) -> None:
+    def __init__(self, spec: specs.RendezvousSpec) -> None:
         self.spec = spec
-        self.joins: list[state.NodeEntry] = []
+        self.joins: list[leases.NodeEntry] = []
         self._changed = threading.Condition()
         self._object = self._versioned(1, None)
 
@@ -36,11 +37,11 @@ class ScriptedRendezvousClient:
             settings=config.Settings(self.namespace, self.name, **options),
         )
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus | None:
         """The status the operator writes after ``entry``'s join (``None``: no change)."""
         raise NotImplementedError
 
-    def _versioned(self, version: int, status: state.RendezvousStatus | None) -> dict[str, Any]:
+    def _versioned(self, version: int, status: statuses.RendezvousStatus | None) -> dict[str, Any]:
         return {
             "metadata": {"name": self.name, "uid": "u-1", "resourceVersion": str(version)},
             "spec": self.spec.to_dict(),
@@ -62,7 +63,7 @@ class ScriptedRendezvousClient:
     def pod_exists(self, pod: str) -> bool | None:
         return True
 
-    def create(self, spec: state.RendezvousSpec, creator: str) -> bool:
+    def create(self, spec: specs.RendezvousSpec, creator: str) -> bool:
         """Already there: the script holds it from the start."""
         return True
 
@@ -72,10 +73,10 @@ class ScriptedRendezvousClient:
         instance: str,
         duration_seconds: int,
         owner_uid: str,
-        entry: state.NodeEntry | None = None,
+        entry: leases.NodeEntry | None = None,
         budget_seconds: float | None = None,
     ) -> None:
-        if entry is None or entry.intent is not state.NodeIntent.JOIN:
+        if entry is None or entry.intent is not leases.NodeIntent.JOIN:
             return  # heartbeats, and the leave at shutdown
         self.joins.append(entry)
         status = self.on_join(node, entry)

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 
 from devkit.paths import REPO
-from k8s_rendezvous import state
-from k8s_rendezvous_operator import membership, reasons, rounds
+from k8s_rendezvous.wire import statuses
+from k8s_rendezvous_operator import reasons
 
 PAGE = REPO / "docs" / "troubleshooting.md"
 ERRORS = REPO / "handler" / "k8s_rendezvous" / "errors.py"
@@ -22,9 +22,8 @@ REASON = re.compile(r"[A-Z][A-Za-z]+")
 
 
 def operator_reasons() -> set[str]:
-    """Every reason the operator posts on an Event or sets on a condition. Most are
-    reasons.py's; a member's loss and a closure are rounds.py's and a refusal's
-    membership.py's, until they move there too (then this reads reasons.py alone)."""
+    """Every reason the operator posts on an Event or sets on a condition: reasons.py's,
+    a member's losses, closures and refusals included."""
     found = {
         value
         for name, value in vars(reasons).items()
@@ -33,10 +32,8 @@ def operator_reasons() -> set[str]:
         and isinstance(value, str)
         and REASON.fullmatch(value)
     }
-    found |= {*rounds.LOST_REASONS, *rounds.CLOSED_REASONS}
-    found |= set(membership.REFUSED_REASONS)
     # Ready's reason while a round forms is the state itself.
-    found |= {state.RoundState.FORMING.value, state.RoundState.REFORMING.value}
+    found |= {statuses.RoundState.FORMING.value, statuses.RoundState.REFORMING.value}
     return found
 
 

@@ -1,4 +1,4 @@
-"""The agent's own settings (``state.AGENT_SETTINGS``): each is a ``--rdzv-conf`` key and,
+"""The agent's own settings (``tunables.AGENT_SETTINGS``): each is a ``--rdzv-conf`` key and,
 for an annotated Job, an annotation that the webhook hands every pod as a variable.
 
 Aspects: each setting's default, its value from ``--rdzv-conf``, from the variable where
@@ -16,10 +16,11 @@ import pytest
 from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from k8s_rendezvous import config, state
+from k8s_rendezvous import config
+from k8s_rendezvous.wire import objects, specs, tunables
 from k8s_rendezvous_operator import injection, job_annotations
 
-SETTINGS = {setting.conf_key: setting for setting in state.AGENT_SETTINGS}
+SETTINGS = {setting.conf_key: setting for setting in tunables.AGENT_SETTINGS}
 GOOD = {
     "health_check": ("nccl-check --size '1 G'", ("nccl-check", "--size", "1 G")),
     "health_check_timeout": ("90", 90),
@@ -47,7 +48,7 @@ def _settings(**conf: str) -> config.Settings:
 
 @pytest.fixture(autouse=True)
 def _no_job_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for setting in state.AGENT_SETTINGS:
+    for setting in tunables.AGENT_SETTINGS:
         monkeypatch.delenv(setting.env, raising=False)
 
 
@@ -92,14 +93,14 @@ def test_a_bad_value_is_refused_naming_where_it_came_from_and_what_it_takes(
     monkeypatch.setenv(setting.env, bad)
     with pytest.raises(ValueError) as from_env:
         _settings()
-    annotation = f"{state.GROUP}/{setting.annotation}"
+    annotation = f"{objects.GROUP}/{setting.annotation}"
     assert f"{setting.env}={bad!r} (from the Job's annotation {annotation}) is refused" in str(
         from_env.value
     )
 
 
 def test_the_keys_are_described_among_torchruns() -> None:
-    for setting in state.AGENT_SETTINGS:
+    for setting in tunables.AGENT_SETTINGS:
         assert config.CONFIG_KEYS[setting.conf_key] == setting.meaning
 
 
@@ -110,13 +111,13 @@ def test_a_jobs_annotations_are_checked_and_only_what_it_says_is_given_to_its_po
         if key != "health_check_timeout"
     }
     assert isinstance(
-        job_annotations.parse(good, job_name="j", parallelism=2), state.RendezvousSpec
+        job_annotations.parse(good, job_name="j", parallelism=2), specs.RendezvousSpec
     )
     agent_env = job_annotations.agent_env(good)
     assert dict(agent_env) == {
         SETTINGS[key].env: raw for key, (raw, _) in GOOD.items() if key != "health_check_timeout"
     }
-    env = injection.torchrun_environment("j", state.RendezvousSpec(2, 2, "j"), agent_env)
+    env = injection.torchrun_environment("j", specs.RendezvousSpec(2, 2, "j"), agent_env)
     assert {"name": "K8S_RENDEZVOUS_IN_PLACE", "value": "true"} in env
     assert not any(e["name"] == "K8S_RENDEZVOUS_HEALTH_CHECK_TIMEOUT" for e in env)
     bad = {job_annotations.NODES: "2"} | {
@@ -142,7 +143,7 @@ def test_the_operator_accepts_an_annotation_exactly_when_its_pods_would(key: str
     setting = SETTINGS[key]
     annotated = {job_annotations.NODES: "2", f"{job_annotations.PREFIX}{setting.annotation}": raw}
     operator_accepts = isinstance(
-        job_annotations.parse(annotated, job_name="j", parallelism=2), state.RendezvousSpec
+        job_annotations.parse(annotated, job_name="j", parallelism=2), specs.RendezvousSpec
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(setting.env, raw)

@@ -16,9 +16,10 @@ from torch.distributed.elastic import events
 from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.events.api import NodeState, RdzvEvent
 
-from k8s_rendezvous import config, state
+from k8s_rendezvous import config
+from k8s_rendezvous.wire import leases, records, specs, statuses, tunables
 
-SPEC = state.RendezvousSpec(
+SPEC = specs.RendezvousSpec(
     2,
     4,
     "run",
@@ -33,13 +34,13 @@ def test_a_created_rendezvous_takes_the_configured_spec_and_defaults_for_the_res
     spec = config.spec_to_create(
         1, 3, "run-7", {"joinTimeoutSeconds": 60, "heartbeatTimeoutSeconds": 9}
     )
-    assert spec == state.RendezvousSpec(
+    assert spec == specs.RendezvousSpec(
         1,
         3,
         "run-7",
         join_timeout_seconds=60,
-        last_call_timeout_seconds=state.DEFAULT_LAST_CALL_TIMEOUT_SECONDS,
-        close_timeout_seconds=state.DEFAULT_CLOSE_TIMEOUT_SECONDS,
+        last_call_timeout_seconds=tunables.DEFAULT_LAST_CALL_TIMEOUT_SECONDS,
+        close_timeout_seconds=tunables.DEFAULT_CLOSE_TIMEOUT_SECONDS,
         heartbeat_timeout_seconds=9,
     )
 
@@ -78,20 +79,20 @@ def test_where_the_resource_and_torchruns_parameters_disagree_each_is_named(
 
 
 class SealsAlone(ScriptedRendezvousClient):
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus:
-        return state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus:
+        return statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=1,
-            members=(state.Member(node, entry.instance, entry.attempt, entry.addr),),
-            master=state.Master(entry.addr, entry.store_port),
+            members=(records.Member(node, entry.instance, entry.attempt, entry.addr),),
+            master=records.Master(entry.addr, entry.store_port),
         )
 
 
 def test_a_node_given_every_spec_tunable_joins_and_says_where_the_resource_differs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handler = SealsAlone(state.RendezvousSpec(1, 1, "run")).handler(
-        "pod-0", configured_spec={tunable.field: 45 for tunable in state.SPEC_TUNABLES}
+    handler = SealsAlone(specs.RendezvousSpec(1, 1, "run")).handler(
+        "pod-0", configured_spec={tunable.field: 45 for tunable in tunables.SPEC_TUNABLES}
     )
     try:
         with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
@@ -120,7 +121,7 @@ def test_a_join_records_torchelastics_rendezvous_events_as_c10d_does(
 
     monkeypatch.setitem(event_handlers._log_handlers, "dynamic_rendezvous", Collect())
     monkeypatch.delitem(events._events_loggers, "dynamic_rendezvous", raising=False)
-    handler = SealsAlone(state.RendezvousSpec(1, 1, "run")).handler("pod-0")
+    handler = SealsAlone(specs.RendezvousSpec(1, 1, "run")).handler("pod-0")
     try:
         handler.next_rendezvous()
     finally:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from devkit.waiting import wait_for
-from k8s_rendezvous import cut_peers, handoff, reforming, state
+from k8s_rendezvous import cut_peers, handoff, reforming
+from k8s_rendezvous.wire import statuses, views
 
 
 def published(
@@ -27,9 +28,9 @@ def published(
 
 
 def test_the_handler_tells_leaving_members_from_lost_ones() -> None:
-    def view(members: dict[str, str], leaving: tuple[str, ...] = ()) -> state.NodeView:
+    def view(members: dict[str, str], leaving: tuple[str, ...] = ()) -> views.NodeView:
         status = {
-            "schemaVersion": state.SCHEMA_VERSION,
+            "schemaVersion": statuses.SCHEMA_VERSION,
             "state": "Sealed",
             "round": 1,
             "master": {"addr": "10.0.0.1", "port": 1},
@@ -39,7 +40,7 @@ def test_the_handler_tells_leaving_members_from_lost_ones() -> None:
             ],
             "leaving": list(leaving),
         }
-        return state.NodeView.from_dict(status, "a")
+        return views.NodeView.from_dict(status, "a")
 
     before = view({"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"})
     after = view({"a": "10.0.0.1", "d": "10.0.0.4"}, leaving=("b",))

@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from tests.unit.test_rounds import T0, World, reseal, spec
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import ExcludedNode, RendezvousSpec, RendezvousStatus
-from k8s_rendezvous_operator import injection, observe, rounds
+from k8s_rendezvous.wire import leases, objects, statuses
+from k8s_rendezvous.wire.records import ExcludedNode
+from k8s_rendezvous.wire.specs import RendezvousSpec
+from k8s_rendezvous.wire.statuses import RendezvousStatus
+from k8s_rendezvous_operator import injection, observe, reasons, rounds
 
 
 def sealed_world(*nodes: str) -> World:
@@ -46,16 +48,16 @@ def test_a_member_lost_to_a_failure_keeps_its_kubernetes_node_out(reason: str) -
 
 @pytest.mark.parametrize(
     "reason",
-    [rounds.LOST_POD_DELETED, rounds.LOST_POD_TERMINATING, rounds.LOST_ENTRY_REMOVED],
+    [reasons.LOST_POD_DELETED, reasons.LOST_POD_TERMINATING, reasons.LOST_ENTRY_REMOVED],
 )
 def test_a_planned_removal_keeps_no_node_out(reason: str) -> None:
     world = sealed_world("a", "b")
-    if reason == rounds.LOST_ENTRY_REMOVED:
+    if reason == reasons.LOST_ENTRY_REMOVED:
         del world.requests["b"]
     else:
         fail(world, "b", reason)
     world.decide()
-    assert world.status.state is state.RoundState.REFORMING
+    assert world.status.state is statuses.RoundState.REFORMING
     assert world.status.excluded_nodes == ()
 
 
@@ -65,58 +67,58 @@ def test_leaving_or_an_agent_restart_keeps_no_node_out() -> None:
     world.restart_agent("b")
     world.decide()
     assert world.status.round == 2, "both losses were counted"
-    assert world.status.history[-1].cause == rounds.LOST_LEFT
+    assert world.status.history[-1].cause == reasons.LOST_LEFT
     assert world.status.excluded_nodes == ()
 
 
 def test_a_member_whose_health_check_failed_before_its_next_join_keeps_its_node_out() -> None:
     world = sealed_world("a", "b")
-    report = state.HealthCheckReport(state.HealthCheckOutcome.FAILED, 0.5, 3, "port error\n")
+    report = leases.HealthCheckReport(leases.HealthCheckOutcome.FAILED, 0.5, 3, "port error\n")
     leave = dataclasses.replace(
-        world.requests["b"], intent=state.NodeIntent.LEAVE, health_check=report
+        world.requests["b"], intent=leases.NodeIntent.LEAVE, health_check=report
     )
     world.write("b", leave)
     world.decide()
-    assert world.status.forming_cause == rounds.LOST_HEALTH_CHECK_FAILED
+    assert world.status.forming_cause == reasons.LOST_HEALTH_CHECK_FAILED
     assert world.status.restarts == 1, "a failed check is a failure, not a planned leave"
     assert world.status.excluded_nodes == (
-        ExcludedNode("node-b", rounds.LOST_HEALTH_CHECK_FAILED, "b", world.now),
+        ExcludedNode("node-b", reasons.LOST_HEALTH_CHECK_FAILED, "b", world.now),
     )
 
 
 def test_a_failed_pod_never_seen_scheduled_names_no_node() -> None:
     world = World(spec(1, 3))
     reseal(world, "a", "b")
-    world.kill("b", rounds.LOST_POD_FAILED)  # observed without spec.nodeName
+    world.kill("b", reasons.LOST_POD_FAILED)  # observed without spec.nodeName
     world.decide()
     assert world.status.excluded_nodes == ()
 
 
 def test_the_list_keeps_the_newest_failures_and_one_entry_per_node() -> None:
-    pods = [f"p{index}" for index in range(state.MAX_EXCLUDED_NODES + 3)]
+    pods = [f"p{index}" for index in range(statuses.MAX_EXCLUDED_NODES + 3)]
     excluded: tuple[ExcludedNode, ...] = ()
     for minute, pod in enumerate(pods):
-        loss = rounds.MemberLoss(pod, 0, rounds.LOST_POD_FAILED)
+        loss = rounds.MemberLoss(pod, 0, reasons.LOST_POD_FAILED)
         observed = {pod: rounds.PodObservation(kube_node=f"node-{pod}")}
         moment = T0 + datetime.timedelta(minutes=minute)
         excluded = rounds.excluded_after([loss], observed, excluded, moment)
     assert [entry.node for entry in excluded] == [f"node-{pod}" for pod in pods[3:]]
-    again = rounds.MemberLoss("q", 1, rounds.LOST_HEARTBEAT_EXPIRED)
+    again = rounds.MemberLoss("q", 1, reasons.LOST_HEARTBEAT_EXPIRED)
     later = T0 + datetime.timedelta(hours=1)
     excluded = rounds.excluded_after(
         [again], {"q": rounds.PodObservation(kube_node="node-p5")}, excluded, later
     )
-    assert len(excluded) == state.MAX_EXCLUDED_NODES
+    assert len(excluded) == statuses.MAX_EXCLUDED_NODES
     assert [e.node for e in excluded].count("node-p5") == 1
-    assert excluded[-1] == ExcludedNode("node-p5", rounds.LOST_HEARTBEAT_EXPIRED, "q", later)
+    assert excluded[-1] == ExcludedNode("node-p5", reasons.LOST_HEARTBEAT_EXPIRED, "q", later)
 
 
 def test_entries_older_than_the_age_bound_are_dropped() -> None:
     world = sealed_world("a", "b", "c")
-    fail(world, "c", rounds.LOST_POD_FAILED)
+    fail(world, "c", reasons.LOST_POD_FAILED)
     world.decide()
     reseal(world, "a", "b")
-    world.tick(state.EXCLUDED_NODE_TTL.total_seconds() - 1)
+    world.tick(statuses.EXCLUDED_NODE_TTL.total_seconds() - 1)
     assert world.decide().status.excluded_nodes != ()
     world.tick(1)
     decision = world.decide()
@@ -126,13 +128,13 @@ def test_entries_older_than_the_age_bound_are_dropped() -> None:
 
 def test_the_clear_annotation_forgets_what_failed_at_or_before_it() -> None:
     world = sealed_world("a", "b", "c")
-    fail(world, "c", rounds.LOST_POD_FAILED)
+    fail(world, "c", reasons.LOST_POD_FAILED)
     world.decide()
     failed_at = world.now
     reseal(world, "a", "b")
     world.pods["b"] = rounds.PodObservation(kube_node="node-b")
     world.tick(60)
-    fail(world, "b", rounds.LOST_CONTAINER_RESTARTED)
+    fail(world, "b", reasons.LOST_CONTAINER_RESTARTED)
     world.decide()
     assert [e.node for e in world.status.excluded_nodes] == ["node-c", "node-b"]
     decision = world.decide(exclusions_cleared_at=failed_at)
@@ -147,14 +149,14 @@ def test_the_kubernetes_node_is_the_pods_spec_node_name() -> None:
         "status": {"phase": "Failed"},
     }
     observed = observe.observe_pod(body)
-    assert (observed.gone_reason, observed.kube_node) == (rounds.LOST_POD_FAILED, "worker-3")
+    assert (observed.gone_reason, observed.kube_node) == (reasons.LOST_POD_FAILED, "worker-3")
     assert observe.observe_pod({"metadata": {"name": "p"}}).kube_node is None
 
 
 def test_excluded_nodes_round_trip_and_are_bounded_when_read() -> None:
     entries = tuple(
-        ExcludedNode(f"n{i}", rounds.LOST_POD_FAILED, f"p{i}", T0)
-        for i in range(state.MAX_EXCLUDED_NODES + 2)
+        ExcludedNode(f"n{i}", reasons.LOST_POD_FAILED, f"p{i}", T0)
+        for i in range(statuses.MAX_EXCLUDED_NODES + 2)
     )
     wire = dataclasses.replace(RendezvousStatus(), excluded_nodes=entries).to_dict()
     assert wire["excludedNodes"][0] == {
@@ -164,19 +166,19 @@ def test_excluded_nodes_round_trip_and_are_bounded_when_read() -> None:
         "failedAt": "2026-01-01T00:00:00.000000Z",
     }
     read = RendezvousStatus.from_dict(wire).excluded_nodes
-    assert read == entries[-state.MAX_EXCLUDED_NODES :]
+    assert read == entries[-statuses.MAX_EXCLUDED_NODES :]
 
 
 def test_the_webhook_view_skips_expired_and_cleared_entries_and_unreadable_status() -> None:
-    old = ExcludedNode("old", rounds.LOST_POD_FAILED, "p", T0)
-    new = ExcludedNode("new", rounds.LOST_POD_FAILED, "p", T0 + datetime.timedelta(hours=2))
+    old = ExcludedNode("old", reasons.LOST_POD_FAILED, "p", T0)
+    new = ExcludedNode("new", reasons.LOST_POD_FAILED, "p", T0 + datetime.timedelta(hours=2))
     body: dict[str, Any] = {"status": {"excludedNodes": [old.to_dict(), new.to_dict()]}}
     assert observe.excluded_kube_nodes(body, T0 + datetime.timedelta(hours=3)) == ("old", "new")
     assert observe.excluded_kube_nodes(body, T0 + datetime.timedelta(hours=25)) == ("new",)
     cleared = {
         **body,
         "metadata": {
-            "annotations": {state.CLEAR_EXCLUDED_NODES_ANNOTATION: "2026-01-01T01:00:00Z"}
+            "annotations": {objects.CLEAR_EXCLUDED_NODES_ANNOTATION: "2026-01-01T01:00:00Z"}
         },
     }
     assert observe.excluded_kube_nodes(cleared, T0 + datetime.timedelta(hours=3)) == ("new",)
@@ -233,11 +235,11 @@ def test_the_webhook_keeps_pods_off_a_failed_members_node_before_the_status_says
     members = [{"node": "a", "rank": 0}, {"node": "b", "rank": 1}]
     body: dict[str, Any] = {"status": {"members": members}}
     pods = {
-        "a": rounds.PodObservation(rounds.LOST_POD_DELETED, kube_node="drained"),
-        "b": rounds.PodObservation(rounds.LOST_POD_FAILED, kube_node="bad"),
-        "waiter": rounds.PodObservation(rounds.LOST_POD_FAILED, kube_node="not-a-member"),
+        "a": rounds.PodObservation(reasons.LOST_POD_DELETED, kube_node="drained"),
+        "b": rounds.PodObservation(reasons.LOST_POD_FAILED, kube_node="bad"),
+        "waiter": rounds.PodObservation(reasons.LOST_POD_FAILED, kube_node="not-a-member"),
     }
     assert observe.excluded_kube_nodes(body, T0, pods) == ("bad",)
-    recorded = ExcludedNode("bad", rounds.LOST_POD_FAILED, "b", T0)
+    recorded = ExcludedNode("bad", reasons.LOST_POD_FAILED, "b", T0)
     body["status"]["excludedNodes"] = [recorded.to_dict()]
     assert observe.excluded_kube_nodes(body, T0, pods) == ("bad",), "named once"

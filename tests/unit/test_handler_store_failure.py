@@ -15,10 +15,10 @@ import socket
 import pytest
 from tests.support.scripted_api import ScriptedRendezvousClient
 
-from k8s_rendezvous import state
 from k8s_rendezvous.errors import KubernetesRendezvousConnectionError
+from k8s_rendezvous.wire import leases, records, specs, statuses
 
-SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=30)
+SPEC = specs.RendezvousSpec(2, 2, "run", join_timeout_seconds=30)
 
 
 def closed_port() -> int:
@@ -35,17 +35,17 @@ class SealedWithUnreachableRank0(ScriptedRendezvousClient):
         super().__init__(SPEC)
         self._master_port = master_port
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus | None:
         if len(self.joins) > 1:
             return None
-        return state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+        return statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=1,
             members=(
-                state.Member("pod-0", "other", 1, "127.0.0.1"),
-                state.Member(node, entry.instance, entry.attempt, entry.addr),
+                records.Member("pod-0", "other", 1, "127.0.0.1"),
+                records.Member(node, entry.instance, entry.attempt, entry.addr),
             ),
-            master=state.Master("127.0.0.1", self._master_port),
+            master=records.Master("127.0.0.1", self._master_port),
         )
 
 

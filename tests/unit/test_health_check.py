@@ -18,10 +18,11 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from k8s_rendezvous import config, health_check, state
+from k8s_rendezvous import config, health_check
+from k8s_rendezvous.wire import codec, leases, tunables
 from k8s_rendezvous_operator import failed_checks, reasons
 
-FAILED = state.HealthCheckReport(state.HealthCheckOutcome.FAILED, 1.5, 3, "ECC error on GPU 3\n")
+FAILED = leases.HealthCheckReport(leases.HealthCheckOutcome.FAILED, 1.5, 3, "ECC error on GPU 3\n")
 
 
 def _params(**conf: str) -> RendezvousParameters:
@@ -43,7 +44,7 @@ def test_the_check_is_split_as_a_shell_would_and_run_without_one() -> None:
 def test_no_check_is_run_by_default_and_the_bound_has_its_default() -> None:
     settings = config.Settings.from_parameters(_params(), "ns")
     assert settings.health_check == ()
-    assert settings.health_check_timeout == state.DEFAULT_HEALTH_CHECK_SECONDS
+    assert settings.health_check_timeout == tunables.DEFAULT_HEALTH_CHECK_SECONDS
 
 
 def test_a_check_that_does_not_split_is_refused_naming_the_fix() -> None:
@@ -53,7 +54,7 @@ def test_a_check_that_does_not_split_is_refused_naming_the_fix() -> None:
 
 @pytest.mark.parametrize(
     "timeout",
-    ["0", "-5", "ten", "1.5", str(state.MAX_HEALTH_CHECK_SECONDS + 1)],
+    ["0", "-5", "ten", "1.5", str(tunables.MAX_HEALTH_CHECK_SECONDS + 1)],
 )
 def test_a_bound_out_of_its_range_is_refused(timeout: str) -> None:
     with pytest.raises(ValueError, match=r"health_check_timeout=.* from 1 to 3600"):
@@ -66,30 +67,30 @@ def test_a_bound_out_of_its_range_is_refused(timeout: str) -> None:
 
 
 def test_a_leave_carries_its_report_and_reads_back_the_same() -> None:
-    entry = state.NodeEntry("i", 1, "10.0.0.1", 1, state.NodeIntent.LEAVE, health_check=FAILED)
-    assert state.NodeEntry.from_annotation(entry.to_annotation(), "entry") == entry
+    entry = leases.NodeEntry("i", 1, "10.0.0.1", 1, leases.NodeIntent.LEAVE, health_check=FAILED)
+    assert leases.NodeEntry.from_annotation(entry.to_annotation(), "entry") == entry
 
 
 def test_an_entry_without_a_report_is_written_as_before() -> None:
-    entry = state.NodeEntry("i", 1, "10.0.0.1", 1)
+    entry = leases.NodeEntry("i", 1, "10.0.0.1", 1)
     assert "healthCheck" not in entry.to_dict()
 
 
 def test_control_characters_of_the_output_are_never_written_or_read() -> None:
-    report = state.HealthCheckReport(
-        state.HealthCheckOutcome.FAILED, 1, 1, "ok\x1b[2J\x07\r\n\tend\x9b"
+    report = leases.HealthCheckReport(
+        leases.HealthCheckOutcome.FAILED, 1, 1, "ok\x1b[2J\x07\r\n\tend\x9b"
     )
     assert report.to_dict()["tail"] == "ok?[2J??\n\tend?"
     hostile = {**report.to_dict(), "tail": "\x1b]0;pwned\x07"}
-    assert state.HealthCheckReport.from_dict(hostile, "h").tail == "?]0;pwned?"
+    assert leases.HealthCheckReport.from_dict(hostile, "h").tail == "?]0;pwned?"
 
 
 def test_the_tail_written_is_the_outputs_last_characters() -> None:
-    report = state.HealthCheckReport(
-        state.HealthCheckOutcome.FAILED, 1, 1, "x" * 5000 + "the reason"
+    report = leases.HealthCheckReport(
+        leases.HealthCheckOutcome.FAILED, 1, 1, "x" * 5000 + "the reason"
     )
     tail = report.to_dict()["tail"]
-    assert len(tail) == state.MAX_HEALTH_CHECK_TAIL
+    assert len(tail) == leases.MAX_HEALTH_CHECK_TAIL
     assert tail.endswith("the reason")
 
 
@@ -108,9 +109,9 @@ def test_a_report_a_pod_made_up_is_refused_naming_the_field(
     field: str, value: object, said: str
 ) -> None:
     data = {**FAILED.to_dict(), field: value}
-    entry = state.NodeEntry("i", 1, "10.0.0.1", 1, state.NodeIntent.LEAVE).to_dict()
-    with pytest.raises(state.DecodeError, match=f"entry.healthCheck.{field}: .*{said}"):
-        state.NodeEntry.from_dict({**entry, "healthCheck": data}, "entry")
+    entry = leases.NodeEntry("i", 1, "10.0.0.1", 1, leases.NodeIntent.LEAVE).to_dict()
+    with pytest.raises(codec.DecodeError, match=f"entry.healthCheck.{field}: .*{said}"):
+        leases.NodeEntry.from_dict({**entry, "healthCheck": data}, "entry")
 
 
 # -- running the check ------------------------------------------------------------------
@@ -130,7 +131,7 @@ def test_a_check_that_fails_is_reported_with_its_code_and_output() -> None:
         30,
     )
     assert report is not None
-    assert report.outcome is state.HealthCheckOutcome.FAILED
+    assert report.outcome is leases.HealthCheckOutcome.FAILED
     assert report.exit_code == 4
     assert report.tail == "probing\nNCCL WARN bad link\n"
     assert "exited with code 4" in report.summary()
@@ -139,7 +140,7 @@ def test_a_check_that_fails_is_reported_with_its_code_and_output() -> None:
 def test_a_check_that_cannot_start_is_reported_as_such() -> None:
     report = health_check.run(["/nonexistent/gpu-check"], 30)
     assert report is not None
-    assert report.outcome is state.HealthCheckOutcome.NOT_STARTED
+    assert report.outcome is leases.HealthCheckOutcome.NOT_STARTED
     assert "/nonexistent/gpu-check" in report.tail
 
 
@@ -148,7 +149,7 @@ def test_only_the_tail_of_endless_output_is_kept() -> None:
         _python("import sys; sys.stdout.write('x' * 10_000_000 + '\\nlast line'); exit(1)"), 60
     )
     assert report is not None
-    assert len(report.tail) == state.MAX_HEALTH_CHECK_TAIL
+    assert len(report.tail) == leases.MAX_HEALTH_CHECK_TAIL
     assert report.tail.endswith("\nlast line")
 
 
@@ -169,7 +170,7 @@ def test_a_check_that_hangs_is_killed_with_its_children_at_its_bound(
         ["sh", "-c", f"sleep 600 & echo $! > {pid_file}; echo waiting for the GPU; wait"], 1
     )
     assert report is not None
-    assert report.outcome is state.HealthCheckOutcome.TIMED_OUT
+    assert report.outcome is leases.HealthCheckOutcome.TIMED_OUT
     assert report.tail == "waiting for the GPU\n"
     assert "killed" in report.summary()
     child = int(pid_file.read_text())
@@ -188,31 +189,31 @@ def test_a_check_that_hangs_is_killed_with_its_children_at_its_bound(
     [
         pytest.param(None, None, None, id="no entry"),
         pytest.param(
-            state.NodeEntry("i", 2, "10.0.0.1", 1, state.NodeIntent.LEAVE, health_check=FAILED),
+            leases.NodeEntry("i", 2, "10.0.0.1", 1, leases.NodeIntent.LEAVE, health_check=FAILED),
             None,
             ("i", 2),
             id="a new failed check is reported",
         ),
         pytest.param(
-            state.NodeEntry("i", 2, "10.0.0.1", 1, state.NodeIntent.LEAVE, health_check=FAILED),
+            leases.NodeEntry("i", 2, "10.0.0.1", 1, leases.NodeIntent.LEAVE, health_check=FAILED),
             ("i", 2),
             None,
             id="the same one again (renewal, shutdown) is not",
         ),
         pytest.param(
-            state.NodeEntry("i", 3, "10.0.0.1", 1, state.NodeIntent.LEAVE, health_check=FAILED),
+            leases.NodeEntry("i", 3, "10.0.0.1", 1, leases.NodeIntent.LEAVE, health_check=FAILED),
             ("i", 2),
             ("i", 3),
             id="a later join's is",
         ),
         pytest.param(
-            state.NodeEntry("i", 2, "10.0.0.1", 1, state.NodeIntent.LEAVE),
+            leases.NodeEntry("i", 2, "10.0.0.1", 1, leases.NodeIntent.LEAVE),
             None,
             None,
             id="a plain leave is not",
         ),
         pytest.param(
-            state.NodeEntry("i", 2, "10.0.0.1", 1, state.NodeIntent.JOIN, health_check=FAILED),
+            leases.NodeEntry("i", 2, "10.0.0.1", 1, leases.NodeIntent.JOIN, health_check=FAILED),
             None,
             None,
             id="a join carrying a report is not: the node did not stay out",
@@ -220,7 +221,7 @@ def test_a_check_that_hangs_is_killed_with_its_children_at_its_bound(
     ],
 )
 def test_each_failed_check_is_reported_once(
-    entry: state.NodeEntry | None,
+    entry: leases.NodeEntry | None,
     reported: failed_checks.Reported | None,
     expected: failed_checks.Reported | None,
 ) -> None:
@@ -235,7 +236,7 @@ def test_the_warning_names_the_pod_its_node_and_the_outputs_tail() -> None:
 
 
 def test_the_warning_fits_an_event_and_keeps_the_outputs_last_lines() -> None:
-    long = state.HealthCheckReport(state.HealthCheckOutcome.TIMED_OUT, 300, None, "y" * 1024)
+    long = leases.HealthCheckReport(leases.HealthCheckOutcome.TIMED_OUT, 300, None, "y" * 1024)
     message = reasons.health_check_failed("p" * 253, "n" * 253, long)
     assert len(message) <= reasons.MAX_EVENT_MESSAGE
     assert message.endswith("y" * 100)

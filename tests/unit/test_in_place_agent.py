@@ -39,10 +39,11 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 
-from k8s_rendezvous import config, handoff, state
+from k8s_rendezvous import config, handoff
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import leases, records, specs, statuses
 
-SPEC = state.RendezvousSpec(1, 2, "run", join_timeout_seconds=30)
+SPEC = specs.RendezvousSpec(1, 2, "run", join_timeout_seconds=30)
 WORKERS = 2
 """Per node."""
 LOSS_TIMEOUT = 2.0
@@ -74,13 +75,13 @@ class Operator(ScriptedRendezvousClient):
 
     def __init__(self) -> None:
         super().__init__(SPEC)
-        self.entries: dict[str, state.NodeEntry] = {}
+        self.entries: dict[str, leases.NodeEntry] = {}
 
-    def member(self, node: str) -> state.Member:
+    def member(self, node: str) -> records.Member:
         entry = self.entries[node]
-        return state.Member(node, entry.instance, entry.attempt, entry.addr)
+        return records.Member(node, entry.instance, entry.attempt, entry.addr)
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus | None:
         self.entries[node] = entry
         if node == "pod-1" and entry.attempt == 1:
             return self.sealed(1, "pod-1")
@@ -88,17 +89,17 @@ class Operator(ScriptedRendezvousClient):
             return self.sealed(1, "pod-1", waiting=1)
         return self.sealed(2, "pod-1", "pod-2") if "pod-2" in self.entries else None
 
-    def sealed(self, number: int, *nodes: str, waiting: int = 0) -> state.RendezvousStatus:
+    def sealed(self, number: int, *nodes: str, waiting: int = 0) -> statuses.RendezvousStatus:
         first = self.entries[nodes[0]]
-        return state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+        return statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=number,
             members=tuple(self.member(node) for node in nodes),
-            master=state.Master(first.addr, first.store_port),
+            master=records.Master(first.addr, first.store_port),
             nodes_waiting=waiting,
         )
 
-    def publish(self, status: state.RendezvousStatus) -> None:
+    def publish(self, status: statuses.RendezvousStatus) -> None:
         """A status write of the operator's own (not caused by a join)."""
         with self._changed:
             version = int(self._object["metadata"]["resourceVersion"]) + 1
@@ -112,7 +113,7 @@ class LosingOperator(Operator):
 
     lost = False
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus | None:
         if not self.lost:
             return super().on_join(node, entry)
         self.entries[node] = entry
@@ -121,7 +122,7 @@ class LosingOperator(Operator):
     def lose(self) -> None:
         self.lost = True
         stale = self.sealed(2, "pod-1", "pod-2")
-        self.publish(dataclasses.replace(stale, state=state.RoundState.REFORMING))
+        self.publish(dataclasses.replace(stale, state=statuses.RoundState.REFORMING))
 
 
 def handler(
@@ -251,7 +252,7 @@ def test_workers_not_on_the_in_place_path_make_the_node_fall_back_to_a_restart(
     running = agent(rdzv)
     try:
         running._initialize_workers(running._worker_group)  # its workers never register
-        operator.entries["pod-2"] = state.NodeEntry("other", 1, "127.0.0.2", 1)
+        operator.entries["pod-2"] = leases.NodeEntry("other", 1, "127.0.0.2", 1)
         operator.publish(operator.sealed(1, "pod-1", waiting=1))
 
         assert until(rdzv.num_nodes_waiting, "the agent to hear that a node waits") == 1

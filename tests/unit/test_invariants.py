@@ -8,18 +8,18 @@ import dataclasses
 import pytest
 
 from devkit import invariants
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import records, specs, statuses
 
-SPEC = state.RendezvousSpec(1, 3, "r")
+SPEC = specs.RendezvousSpec(1, 3, "r")
 
 
-def sealed(round_: int, *nodes: str, port: int = 1) -> state.RendezvousStatus:
-    members = tuple(state.Member(n, f"i-{n}", 1, f"a-{n}") for n in nodes)
-    return state.RendezvousStatus(
-        state=state.RoundState.SEALED,
+def sealed(round_: int, *nodes: str, port: int = 1) -> statuses.RendezvousStatus:
+    members = tuple(records.Member(n, f"i-{n}", 1, f"a-{n}") for n in nodes)
+    return statuses.RendezvousStatus(
+        state=statuses.RoundState.SEALED,
         round=round_,
         members=members,
-        master=state.Master(f"a-{nodes[0]}", port),
+        master=records.Master(f"a-{nodes[0]}", port),
     )
 
 
@@ -30,7 +30,7 @@ def outcome(
 
 
 def test_a_correct_history_passes() -> None:
-    history = [(1, state.RendezvousStatus()), (2, sealed(1, "a", "b")), (3, sealed(1, "a", "b"))]
+    history = [(1, statuses.RendezvousStatus()), (2, sealed(1, "a", "b")), (3, sealed(1, "a", "b"))]
     invariants.check(
         SPEC,
         history,
@@ -66,7 +66,7 @@ def test_a_correct_history_passes() -> None:
     ],
 )
 def test_each_broken_invariant_is_named(
-    history: list[tuple[int, state.RendezvousStatus]],
+    history: list[tuple[int, statuses.RendezvousStatus]],
     outcomes: list[invariants.Outcome],
     message: str,
 ) -> None:
@@ -75,5 +75,5 @@ def test_each_broken_invariant_is_named(
 
 
 def test_reforming_round_may_show_old_members() -> None:
-    stale = dataclasses.replace(sealed(1, "a", "b"), state=state.RoundState.REFORMING)
+    stale = dataclasses.replace(sealed(1, "a", "b"), state=statuses.RoundState.REFORMING)
     invariants.check(SPEC, [(1, sealed(1, "a", "b")), (2, stale), (3, sealed(2, "a"))])

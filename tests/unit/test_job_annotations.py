@@ -11,7 +11,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import specs
 from k8s_rendezvous_operator import job_annotations as ann
 
 
@@ -27,7 +27,7 @@ def test_job_without_our_annotations_is_not_opted_in() -> None:
 @pytest.mark.parametrize(("nodes", "bounds"), [("4", (4, 4)), ("2:4", (2, 4)), (" 1 : 8 ", (1, 8))])
 def test_nodes_in_torchrun_form(nodes: str, bounds: tuple[int, int]) -> None:
     spec = parse(nodes=nodes)
-    assert isinstance(spec, state.RendezvousSpec)
+    assert isinstance(spec, specs.RendezvousSpec)
     assert (spec.min_nodes, spec.max_nodes) == bounds
     assert spec.run_id == "train"
     assert spec.join_timeout_seconds == 600
@@ -45,7 +45,7 @@ def test_every_optional_key() -> None:
         max_restarts="0",
         spares="0",
     )
-    assert spec == state.RendezvousSpec(
+    assert spec == specs.RendezvousSpec(
         2,
         4,
         "exp-7",
@@ -74,7 +74,7 @@ def test_a_jobs_spares_are_its_pods_beyond_max_unless_annotated(
     parallelism: int | None, values: dict[str, str], spares: int | None
 ) -> None:
     spec = parse(parallelism, nodes="2:4", **values)
-    assert isinstance(spec, state.RendezvousSpec)
+    assert isinstance(spec, specs.RendezvousSpec)
     assert spec.spares == spares
 
 
@@ -127,7 +127,7 @@ def test_bad_annotation_names_key_value_and_accepted_forms(
 )
 def test_parser_never_raises(annotations: dict[str, str], parallelism: int | None) -> None:
     result = ann.parse(annotations, job_name="j", parallelism=parallelism)
-    assert result is None or isinstance(result, (tuple, state.RendezvousSpec))
+    assert result is None or isinstance(result, (tuple, specs.RendezvousSpec))
 
 
 def test_a_job_whose_name_has_a_dot_is_told_to_rename_it() -> None:

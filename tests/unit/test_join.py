@@ -13,28 +13,29 @@ import dataclasses
 
 import pytest
 
-from k8s_rendezvous import join, state
+from k8s_rendezvous import join
+from k8s_rendezvous.wire import leases, objects, records, statuses, views
 
 NODE = "pod-1"
-REQUEST = state.NodeEntry("agent-a", 2, "10.0.0.1", 29500)
+REQUEST = leases.NodeEntry("agent-a", 2, "10.0.0.1", 29500)
 """This node's current join request (its agent's second)."""
-OTHER = state.Member("pod-0", "agent-z", 1, "10.0.0.9")
-MASTER = state.Master(OTHER.addr, 4242)
+OTHER = records.Member("pod-0", "agent-z", 1, "10.0.0.9")
+MASTER = records.Master(OTHER.addr, 4242)
 
 
-def admitted_as(entry: state.NodeEntry) -> state.Member:
-    return state.Member(NODE, entry.instance, entry.attempt, entry.addr)
+def admitted_as(entry: leases.NodeEntry) -> records.Member:
+    return records.Member(NODE, entry.instance, entry.attempt, entry.addr)
 
 
-def view(**status: object) -> state.NodeView:
+def view(**status: object) -> views.NodeView:
     """``NODE``'s view of a status with these fields, through the wire format."""
-    written = state.RendezvousStatus(**status).to_dict()  # type: ignore[arg-type]
-    return state.NodeView.from_dict(written, NODE)
+    written = statuses.RendezvousStatus(**status).to_dict()  # type: ignore[arg-type]
+    return views.NodeView.from_dict(written, NODE)
 
 
-SEALED = state.RoundState.SEALED
-REFORMING = state.RoundState.REFORMING
-CLOSED = state.RoundState.CLOSED
+SEALED = statuses.RoundState.SEALED
+REFORMING = statuses.RoundState.REFORMING
+CLOSED = statuses.RoundState.CLOSED
 
 
 @pytest.mark.parametrize(
@@ -112,7 +113,7 @@ CLOSED = state.RoundState.CLOSED
     ],
 )
 def test_the_join_step_decides_from_the_status_and_the_request(
-    status: state.NodeView, decision: join.Decision
+    status: views.NodeView, decision: join.Decision
 ) -> None:
     assert join.decide(status, REQUEST) == decision
     assert join.is_decided(status, REQUEST) is not isinstance(decision, join.Wait)
@@ -120,19 +121,19 @@ def test_the_join_step_decides_from_the_status_and_the_request(
 
 def test_a_member_list_without_a_master_is_asked_again_not_trusted() -> None:
     # A hand-edited status: the decoder takes a Reforming round without its master.
-    status = state.NodeView(
+    status = views.NodeView(
         NODE, REFORMING, round=4, world_size=1, own_ranks=((0, admitted_as(REQUEST)),)
     )
     assert join.decide(status, REQUEST) == join.Rejoin("round 4 admitted it but names no master")
 
 
 def test_a_node_of_a_sliced_round_is_admitted_to_the_rank_its_slice_gives() -> None:
-    members = (OTHER, *(state.Member(f"pod-{i}", "x", 1, "10.0.1.1") for i in range(2, 9)))
+    members = (OTHER, *(records.Member(f"pod-{i}", "x", 1, "10.0.1.1") for i in range(2, 9)))
     members += (admitted_as(REQUEST),)
-    sealed = state.RendezvousStatus(SEALED, 5, members, MASTER, slices=3)
-    own = state.slice_index(NODE, 3)
+    sealed = statuses.RendezvousStatus(SEALED, 5, members, MASTER, slices=3)
+    own = objects.slice_index(NODE, 3)
     piece = {k: v for k, v in sealed.slice_fields()[own].items() if v is not None}
-    assert join.decide(state.NodeView.from_dict(piece, NODE), REQUEST) == join.Admitted(
+    assert join.decide(views.NodeView.from_dict(piece, NODE), REQUEST) == join.Admitted(
         round=5, rank=len(members) - 1, world_size=len(members), master=MASTER
     )
 
@@ -211,7 +212,7 @@ JOINED = join.Joined(
     ],
 )
 def test_nodes_waiting_is_positive_exactly_when_the_joined_round_is_over(
-    status: state.NodeView, joined: join.Joined | None, uid: str | None, waiting: int
+    status: views.NodeView, joined: join.Joined | None, uid: str | None, waiting: int
 ) -> None:
     assert join.nodes_waiting(status, joined, uid) == waiting
 
@@ -238,7 +239,7 @@ def test_nodes_waiting_is_positive_exactly_when_the_joined_round_is_over(
     ],
 )
 def test_a_joined_round_is_stale_once_it_is_no_longer_the_sealed_one(
-    status: state.NodeView | None, stale: bool
+    status: views.NodeView | None, stale: bool
 ) -> None:
     assert join.is_stale(status, 2) is stale
 
@@ -265,14 +266,14 @@ def test_a_joined_round_is_stale_once_it_is_no_longer_the_sealed_one(
     ],
 )
 def test_a_node_is_a_spare_only_while_a_full_round_is_sealed_without_it(
-    status: state.NodeView, spare: bool
+    status: views.NodeView, spare: bool
 ) -> None:
     assert join.is_spare(status, REQUEST, max_nodes=1) is spare
     assert join.is_spare(status, REQUEST, max_nodes=2) is False or status.world_size >= 2
 
 
 def test_a_refused_request_ends_the_join_with_the_operators_reason() -> None:
-    refusal = state.Refusal(NODE, REQUEST.instance, REQUEST.attempt, "OtherWorkload", "why")
+    refusal = records.Refusal(NODE, REQUEST.instance, REQUEST.attempt, "OtherWorkload", "why")
     assert join.decide(view(refused=(refusal,)), REQUEST) == join.Refused("OtherWorkload", "why")
     closed = view(state=CLOSED, closed_reason="Done", closed_message="m", refused=(refusal,))
     assert isinstance(join.decide(closed, REQUEST), join.Closed), "a close says more"
@@ -281,21 +282,21 @@ def test_a_refused_request_ends_the_join_with_the_operators_reason() -> None:
 @pytest.mark.parametrize(
     "refused",
     [
-        state.Refusal(NODE, REQUEST.instance, REQUEST.attempt - 1, "OtherWorkload", "older"),
-        state.Refusal(NODE, "agent-before-restart", REQUEST.attempt, "OtherWorkload", "older"),
-        state.Refusal("pod-9", REQUEST.instance, REQUEST.attempt, "OtherWorkload", "another"),
+        records.Refusal(NODE, REQUEST.instance, REQUEST.attempt - 1, "OtherWorkload", "older"),
+        records.Refusal(NODE, "agent-before-restart", REQUEST.attempt, "OtherWorkload", "older"),
+        records.Refusal("pod-9", REQUEST.instance, REQUEST.attempt, "OtherWorkload", "another"),
     ],
     ids=["an-earlier-attempt", "an-earlier-agent", "another-pod"],
 )
-def test_a_refusal_of_another_request_is_not_this_ones(refused: state.Refusal) -> None:
+def test_a_refusal_of_another_request_is_not_this_ones(refused: records.Refusal) -> None:
     assert join.decide(view(refused=(refused,)), REQUEST) == join.Wait()
 
 
 def test_a_sliced_round_carries_each_refusal_in_the_refused_nodes_slice() -> None:
-    refusal = state.Refusal(NODE, REQUEST.instance, REQUEST.attempt, "OtherWorkload", "why")
-    status = state.RendezvousStatus(slices=3, refused=(refusal,))
+    refusal = records.Refusal(NODE, REQUEST.instance, REQUEST.attempt, "OtherWorkload", "why")
+    status = statuses.RendezvousStatus(slices=3, refused=(refusal,))
     pieces = status.slice_fields()
-    own = state.slice_index(NODE, 3)
+    own = objects.slice_index(NODE, 3)
     for index, piece in pieces.items():
-        found = state.NodeView.from_dict(piece, NODE).refusal_of(REQUEST)
+        found = views.NodeView.from_dict(piece, NODE).refusal_of(REQUEST)
         assert (found is not None) == (index == own)

@@ -1,7 +1,8 @@
 """Failure paths of the pod side's API client, with faults injected at the HTTP level by a
 scripted local server (fast, deterministic; the real API server covers the rest).
 
-Aspects: 5xx and 429 are retried with backoff until they pass, never sooner than a
+Aspects: 5xx and 429 (the shared vocabulary's Unavailable) are retried with backoff until
+they pass, never sooner than a
 Retry-After asks; an API server that stays down past the budget, or refuses connections,
 becomes RendezvousConnectionError saying so; 401 and 403 are retried only briefly (a
 restarted API server refuses until its authorizer is ready), then name the role to bind;
@@ -31,12 +32,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from k8s_rendezvous import kube, state
+from k8s_rendezvous import kube
 from k8s_rendezvous.errors import ApiServerSilentError, RendezvousNotFoundError
+from k8s_rendezvous.wire import leases, objects
 
 OBJECT = {
-    "apiVersion": state.API_VERSION,
-    "kind": state.KIND,
+    "apiVersion": objects.API_VERSION,
+    "kind": objects.KIND,
     "metadata": {"name": "r", "namespace": "ns", "resourceVersion": "7"},
     "spec": {"minNodes": 1, "maxNodes": 1, "runId": "r"},
 }
@@ -92,7 +94,7 @@ def rendezvous_client(host: str, retry_seconds: float = 5) -> kube.RendezvousCli
     )
 
 
-@pytest.mark.parametrize("status", [500, 503, 429])
+@pytest.mark.parametrize("status", [500, 501, 503, 429])
 def test_transient_errors_are_retried_until_they_pass(
     server: tuple[str, Script], status: int
 ) -> None:
@@ -173,10 +175,10 @@ def test_a_read_with_a_budget_gives_up_on_a_server_that_never_answers() -> None:
     assert elapsed < kube.rest.DEFAULT_TIMEOUT[1] / 3, "bounded by the budget, not the read timeout"
 
 
-ENTRY = state.NodeEntry("i", 2, "10.0.0.1", 29500)
+ENTRY = leases.NodeEntry("i", 2, "10.0.0.1", 29500)
 
 
-def write_lease(client_: kube.RendezvousClient, entry: state.NodeEntry | None = ENTRY) -> None:
+def write_lease(client_: kube.RendezvousClient, entry: leases.NodeEntry | None = ENTRY) -> None:
     client_.write_lease("pod-a", "i", 30, "uid-1", entry)
 
 
@@ -228,18 +230,20 @@ def test_join_creates_the_own_lease_once_then_merge_patches_it(
     lease = created[2]
     assert lease is not None
     assert lease["metadata"]["name"] == "r.pod-a"
-    assert lease["metadata"]["labels"] == {state.NODE_LABEL: "r"}
+    assert lease["metadata"]["labels"] == {objects.NODE_LABEL: "r"}
     assert lease["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert lease["spec"]["holderIdentity"] == "pod-a"
     annotations = lease["metadata"]["annotations"]
-    assert state.NodeEntry.from_annotation(annotations[state.ENTRY_ANNOTATION], "e") == ENTRY
+    assert leases.NodeEntry.from_annotation(annotations[objects.ENTRY_ANNOTATION], "e") == ENTRY
     method, content_type, body = joined
     assert (method, content_type) == ("PATCH", "application/merge-patch+json")
     assert body is not None and "resourceVersion" not in body["metadata"]
-    written = body["metadata"]["annotations"][state.ENTRY_ANNOTATION]
-    assert state.NodeEntry.from_annotation(written, "e").attempt == 3
+    written = body["metadata"]["annotations"][objects.ENTRY_ANNOTATION]
+    assert leases.NodeEntry.from_annotation(written, "e").attempt == 3
     assert beat[0] == "PATCH"
-    assert beat[2] is not None and state.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    assert (
+        beat[2] is not None and objects.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    )
 
 
 def test_a_deleted_lease_is_created_again(server: tuple[str, Script]) -> None:
@@ -265,10 +269,12 @@ def test_a_heartbeat_that_finds_the_lease_deleted_makes_it_anew_with_the_request
     (_, patched, made, beat) = script.requests
     assert (patched[0], made[0], beat[0]) == ("PATCH", "POST", "PATCH")
     assert made[2] is not None
-    written = made[2]["metadata"]["annotations"][state.ENTRY_ANNOTATION]
-    assert state.NodeEntry.from_annotation(written, "e") == dataclasses.replace(ENTRY, attempt=3)
+    written = made[2]["metadata"]["annotations"][objects.ENTRY_ANNOTATION]
+    assert leases.NodeEntry.from_annotation(written, "e") == dataclasses.replace(ENTRY, attempt=3)
     # A renewal never writes the request: it could undo a newer join's.
-    assert beat[2] is not None and state.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    assert (
+        beat[2] is not None and objects.ENTRY_ANNOTATION not in beat[2]["metadata"]["annotations"]
+    )
 
 
 @pytest.mark.parametrize("status", [429, 503])

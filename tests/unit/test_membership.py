@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from k8s_rendezvous import state
-from k8s_rendezvous_operator import membership, observe, workloads
+from k8s_rendezvous.wire import codec, leases, objects, specs, statuses
+from k8s_rendezvous_operator import membership, observe, reasons, workloads
 
 JOB_UID = "job-uid-1"
 
@@ -66,11 +66,11 @@ def rendezvous(owner_uid: str | None = JOB_UID, **spec: Any) -> tuple[dict[str, 
         "metadata": {"name": "train", "ownerReferences": owners if owner_uid else []},
         "spec": {"minNodes": 1, "maxNodes": 4, "runId": "train", **spec},
     }
-    return body, state.RendezvousSpec.from_dict(body["spec"])
+    return body, specs.RendezvousSpec.from_dict(body["spec"])
 
 
-def entry(addr: str = "10.1.0.5") -> state.NodeEntry:
-    return state.NodeEntry("i-1", 1, addr, 29500)
+def entry(addr: str = "10.1.0.5") -> leases.NodeEntry:
+    return leases.NodeEntry("i-1", 1, addr, 29500)
 
 
 def refusal(body_spec: tuple[dict[str, Any], Any], pod_body: dict[str, Any], addr: str) -> Any:
@@ -85,26 +85,26 @@ def test_a_pod_of_the_owning_job_offering_its_own_ip_is_admitted() -> None:
 
 def test_a_pod_of_another_job_is_refused_naming_both_workloads() -> None:
     found = refusal(rendezvous(), pod("other-0", controller_uid="job-uid-2"), "10.1.0.5")
-    assert found.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert found.reason == reasons.REFUSED_OTHER_WORKLOAD
     assert "pod other-0 is controlled by Job/train, not by Job/train" in found.message
 
 
 def test_a_bare_pod_is_refused_by_an_owned_rendezvous() -> None:
     found = refusal(rendezvous(), pod(controller_uid=None), "10.1.0.5")
-    assert found.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert found.reason == reasons.REFUSED_OTHER_WORKLOAD
     assert "controlled by nothing" in found.message
 
 
 def test_an_address_that_is_not_the_pods_is_refused_with_the_fix() -> None:
     found = refusal(rendezvous(), pod(), "10.9.9.9")
-    assert found.reason == membership.REFUSED_ADDRESS
+    assert found.reason == reasons.REFUSED_ADDRESS
     assert "'10.9.9.9', which is not one of its pod's IPs (10.1.0.5)" in found.message
     assert "--local-addr" in found.message
 
 
 def test_a_hostname_is_no_address_of_the_pod() -> None:
     found = refusal(rendezvous(), pod(), "train-0.train.svc")
-    assert found.reason == membership.REFUSED_ADDRESS
+    assert found.reason == reasons.REFUSED_ADDRESS
 
 
 @pytest.mark.parametrize("written", ["fd00::0:7", "FD00::7", "[fd00::7]"])
@@ -115,12 +115,12 @@ def test_ipv6_addresses_compare_in_canonical_form(written: str) -> None:
 def test_a_host_network_pod_may_offer_its_nodes_addresses_only() -> None:
     on_host = pod(host_network=True)
     assert refusal(rendezvous(), on_host, "2001:db8::1") is None
-    assert refusal(rendezvous(), on_host, "10.1.0.5").reason == membership.REFUSED_ADDRESS
+    assert refusal(rendezvous(), on_host, "10.1.0.5").reason == reasons.REFUSED_ADDRESS
 
 
 def test_a_hand_made_rendezvous_without_a_selector_admits_nobody_and_says_why() -> None:
     found = refusal(rendezvous(owner_uid=None), pod(), "10.1.0.5")
-    assert found.reason == membership.REFUSED_NO_RULE
+    assert found.reason == reasons.REFUSED_NO_RULE
     assert "Set spec.podSelector" in found.message
 
 
@@ -134,14 +134,16 @@ def test_a_hand_made_rendezvous_admits_the_pods_its_selector_matches() -> None:
     )
     assert refusal(selected, pod(labels={"app": "train"}), "10.1.0.5") is None
     found = refusal(selected, pod(labels={"app": "train", "tier": "spare"}), "10.1.0.5")
-    assert found.reason == membership.REFUSED_SELECTOR
+    assert found.reason == reasons.REFUSED_SELECTOR
     assert "app=train, tier NotIn (spare)" in found.message
 
 
 def test_the_operators_own_label_cannot_satisfy_a_selector() -> None:
-    selected = rendezvous(owner_uid=None, podSelector={"matchLabels": {state.NODE_LABEL: "train"}})
-    labelled = pod(labels={state.NODE_LABEL: "train"})
-    assert refusal(selected, labelled, "10.1.0.5").reason == membership.REFUSED_SELECTOR
+    selected = rendezvous(
+        owner_uid=None, podSelector={"matchLabels": {objects.NODE_LABEL: "train"}}
+    )
+    labelled = pod(labels={objects.NODE_LABEL: "train"})
+    assert refusal(selected, labelled, "10.1.0.5").reason == reasons.REFUSED_SELECTOR
 
 
 @pytest.mark.parametrize(
@@ -157,7 +159,7 @@ def test_the_operators_own_label_cannot_satisfy_a_selector() -> None:
     ],
 )
 def test_a_malformed_selector_is_named(selector: dict[str, Any], message: str) -> None:
-    with pytest.raises(state.DecodeError, match=message):
+    with pytest.raises(codec.DecodeError, match=message):
         rendezvous(podSelector=selector)
 
 
@@ -183,7 +185,7 @@ def test_unobserved_pods_are_held_back_unless_already_admitted() -> None:
 
 def test_a_refused_pod_cannot_close_the_rendezvous() -> None:
     body, spec = rendezvous()
-    closing = state.NodeEntry("i-1", 1, "10.1.0.5", 29500, state.NodeIntent.CLOSE)
+    closing = leases.NodeEntry("i-1", 1, "10.1.0.5", 29500, leases.NodeIntent.CLOSE)
     stranger = membership.identify_pod(pod("stranger", controller_uid="job-uid-2"))
     admission = membership.admit(
         membership.workload_of(body, spec),
@@ -192,7 +194,7 @@ def test_a_refused_pod_cannot_close_the_rendezvous() -> None:
         frozenset(),
     )
     assert admission.counted == {}
-    assert admission.refused["stranger"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert admission.refused["stranger"].reason == reasons.REFUSED_OTHER_WORKLOAD
 
 
 def test_the_pod_observation_carries_its_identity() -> None:
@@ -220,34 +222,34 @@ def test_a_lease_says_which_pod_wrote_it() -> None:
     lease = {
         "metadata": {
             "name": "train.train-0",
-            "labels": {state.NODE_LABEL: "train"},
+            "labels": {objects.NODE_LABEL: "train"},
             "annotations": {
-                state.INSTANCE_ANNOTATION: "i-1",
-                state.ENTRY_ANNOTATION: entry().to_annotation(),
-                state.POD_UID_ANNOTATION: "uid-train-0",
+                objects.INSTANCE_ANNOTATION: "i-1",
+                objects.ENTRY_ANNOTATION: entry().to_annotation(),
+                objects.POD_UID_ANNOTATION: "uid-train-0",
             },
         },
         "spec": {"holderIdentity": "train-0"},
     }
-    observation = state.NodeLease.from_body(lease)
+    observation = leases.NodeLease.from_body(lease)
     assert observation is not None and observation.pod_uid == "uid-train-0"
-    del lease["metadata"]["annotations"][state.POD_UID_ANNOTATION]
-    observation = state.NodeLease.from_body(lease)
+    del lease["metadata"]["annotations"][objects.POD_UID_ANNOTATION]
+    observation = leases.NodeLease.from_body(lease)
     assert observation is not None and observation.pod_uid is None
 
 
 def test_a_pod_made_rendezvous_is_adopted_by_its_creators_controller_only() -> None:
     made = {
-        "metadata": {"name": "train", "annotations": {state.CREATED_BY_ANNOTATION: "train-0"}},
+        "metadata": {"name": "train", "annotations": {objects.CREATED_BY_ANNOTATION: "train-0"}},
         "spec": {"minNodes": 1, "maxNodes": 2, "runId": "train"},
     }
-    spec = state.RendezvousSpec.from_dict(made["spec"])
+    spec = specs.RendezvousSpec.from_dict(made["spec"])
     assert membership.creator_to_adopt(made, spec) == "train-0"
     owned, _ = rendezvous()
     owned["metadata"]["annotations"] = made["metadata"]["annotations"]
     assert membership.creator_to_adopt(owned, spec) is None, "owned already"
     selecting = {**made, "spec": {**made["spec"], "podSelector": {"matchLabels": {"a": "b"}}}}
-    selected = state.RendezvousSpec.from_dict(selecting["spec"])
+    selected = specs.RendezvousSpec.from_dict(selecting["spec"])
     assert membership.creator_to_adopt(selecting, selected) is None, "an admin's rule"
 
 
@@ -274,7 +276,7 @@ def test_a_pod_of_a_jobsets_job_is_admitted_once_its_jobs_controller_is_read() -
     job = membership.to_climb(workload, identity)
     assert job == workloads.Reference("batch/v1", "Job", "train-workers-0", JOB_UID)
     unread = membership.refusal(workload, "train-workers-0-0", identity, entry())
-    assert unread is not None and unread.reason == membership.REFUSED_OTHER_WORKLOAD
+    assert unread is not None and unread.reason == reasons.REFUSED_OTHER_WORKLOAD
     assert "controlled by Job/train-workers-0, not by JobSet/train, which owns" in unread.message
     read = dataclasses.replace(identity, ancestors=(JOBSET_UID,))
     assert membership.refusal(workload, "train-workers-0-0", read, entry()) is None
@@ -305,8 +307,8 @@ def test_a_pod_whose_ips_are_not_reported_yet_is_held_back_not_refused() -> None
 
 def test_the_status_names_a_bounded_number_of_refusals_by_pod_name() -> None:
     body, spec = rendezvous()
-    names = [f"stranger-{index:02}" for index in range(state.MAX_REFUSED + 4)]
-    requests = {name: state.NodeEntry(f"i-{name}", 3, "10.1.0.5", 29500) for name in names}
+    names = [f"stranger-{index:02}" for index in range(statuses.MAX_REFUSED + 4)]
+    requests = {name: leases.NodeEntry(f"i-{name}", 3, "10.1.0.5", 29500) for name in names}
     admission = membership.admit(
         membership.workload_of(body, spec),
         requests,
@@ -314,11 +316,11 @@ def test_the_status_names_a_bounded_number_of_refusals_by_pod_name() -> None:
         frozenset(),
     )
     published = admission.published(requests)
-    assert [refusal.node for refusal in published] == names[: state.MAX_REFUSED]
+    assert [refusal.node for refusal in published] == names[: statuses.MAX_REFUSED]
     first = published[0]
     assert (first.instance, first.attempt, first.reason) == (
         "i-stranger-00",
         3,
-        membership.REFUSED_OTHER_WORKLOAD,
+        reasons.REFUSED_OTHER_WORKLOAD,
     )
     assert first.message == admission.refused["stranger-00"].message

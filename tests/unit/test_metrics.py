@@ -6,7 +6,7 @@ import importlib
 
 from prometheus_client import Counter
 
-from k8s_rendezvous_operator import events, membership, metrics, rounds
+from k8s_rendezvous_operator import events, metrics, reasons
 
 
 def served_labels(counter: Counter, label: str) -> set[str]:
@@ -18,30 +18,12 @@ def served_labels(counter: Counter, label: str) -> set[str]:
     }
 
 
-def reasons_named(prefix: str) -> set[str]:
-    return {
-        value
-        for name, value in vars(rounds).items()
-        if name.startswith(prefix) and isinstance(value, str)
-    }
-
-
-def test_every_loss_closure_and_refusal_reason_is_listed() -> None:
-    assert set(rounds.LOST_REASONS) == reasons_named("LOST_")
-    assert set(rounds.CLOSED_REASONS) == reasons_named("CLOSED_")
-    assert set(membership.REFUSED_REASONS) == {
-        value
-        for name, value in vars(membership).items()
-        if name.startswith("REFUSED_") and isinstance(value, str)
-    }
-
-
 def test_each_cause_and_budget_is_served_before_it_first_counts() -> None:
     """A series Prometheus first scrapes at 1 shows no increase: the first loss of a
     reason, the first closure, or the first suppression of a budget, would be missing from
     the dashboard."""
     importlib.import_module("k8s_rendezvous_operator.reconciler")  # declares the series
-    assert served_labels(metrics.MEMBERS_LOST, "reason") >= set(rounds.LOST_REASONS)
-    assert served_labels(metrics.CLOSED, "reason") >= set(rounds.CLOSED_REASONS)
+    assert served_labels(metrics.MEMBERS_LOST, "reason") >= set(reasons.LOST_REASONS)
+    assert served_labels(metrics.CLOSED, "reason") >= set(reasons.CLOSED_REASONS)
     assert served_labels(metrics.EVENTS_SUPPRESSED, "budget") >= set(events.WARNING_BUDGETS)
-    assert served_labels(metrics.NODES_REFUSED, "reason") >= set(membership.REFUSED_REASONS)
+    assert served_labels(metrics.NODES_REFUSED, "reason") >= set(reasons.REFUSED_REASONS)

@@ -10,31 +10,31 @@ from __future__ import annotations
 
 from tests.support.scripted_api import ScriptedRendezvousClient
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import leases, records, specs, statuses
 
-SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=20)
-OTHER = state.Member("pod-0", "other", 1, "10.0.0.1")
+SPEC = specs.RendezvousSpec(2, 2, "run", join_timeout_seconds=20)
+OTHER = records.Member("pod-0", "other", 1, "10.0.0.1")
 
 
 class MissedRound(ScriptedRendezvousClient):
     """Plays the operator: the first join is admitted to round 1, which this node never
     sees, and left behind by round 2; a new join is admitted to round 3 as rank 0."""
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus:
-        this = state.Member(node, entry.instance, entry.attempt, entry.addr)
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus:
+        this = records.Member(node, entry.instance, entry.attempt, entry.addr)
         if len(self.joins) == 1:
-            return state.RendezvousStatus(
-                state=state.RoundState.SEALED,
+            return statuses.RendezvousStatus(
+                state=statuses.RoundState.SEALED,
                 round=2,
-                members=(OTHER, state.Member("pod-2", "third", 1, "10.0.0.2")),
-                master=state.Master(OTHER.addr, 1),
+                members=(OTHER, records.Member("pod-2", "third", 1, "10.0.0.2")),
+                master=records.Master(OTHER.addr, 1),
                 left_behind=(this,),
             )
-        return state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+        return statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=3,
             members=(this, OTHER),
-            master=state.Master(entry.addr, entry.store_port),
+            master=records.Master(entry.addr, entry.store_port),
         )
 
 

@@ -14,7 +14,7 @@ import re
 import hypothesis
 from hypothesis import strategies as st
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, records, statuses
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 """What the API server accepts as metadata.name of a Lease (RFC 1123 subdomain)."""
@@ -39,7 +39,7 @@ def longest(length: int, prefix: str) -> str:
 def test_a_shortened_lease_name_cut_after_a_dash_is_still_a_valid_name() -> None:
     rendezvous = longest(63, "r")
     pod = "p" * (236 - 64 - 1) + "-" + "q" * 80  # the cut falls right after the '-'
-    name = state.lease_name(rendezvous, pod)
+    name = objects.lease_name(rendezvous, pod)
     assert len(name) <= 253
     assert DNS_SUBDOMAIN.match(name), name
 
@@ -47,10 +47,10 @@ def test_a_shortened_lease_name_cut_after_a_dash_is_still_a_valid_name() -> None
 @hypothesis.given(rendezvous=names(63, dots=False), pod=names(253, dots=True))
 @hypothesis.example(rendezvous=longest(63, "r"), pod=longest(253, "p"))
 def test_lease_names_are_short_enough_and_distinct_per_pod(rendezvous: str, pod: str) -> None:
-    name = state.lease_name(rendezvous, pod)
+    name = objects.lease_name(rendezvous, pod)
     assert len(name) <= 253
     assert name.startswith(f"{rendezvous}."), "the operator's label, not the name, finds it"
-    other = state.lease_name(rendezvous, pod + "0" if len(pod) < 253 else pod[:-1] + "0")
+    other = objects.lease_name(rendezvous, pod + "0" if len(pod) < 253 else pod[:-1] + "0")
     assert other != name
 
 
@@ -59,13 +59,15 @@ def test_a_status_of_1000_nodes_with_the_longest_names_fits_a_request() -> None:
     253-character pods with IPv6 addresses: under half of etcd's default request limit."""
     pods = [longest(252, f"p{i}") for i in range(1000)]
     addr = "fd00:1234:5678:9abc:def0:1234:5678:9abc"
-    status = state.RendezvousStatus(
-        state=state.RoundState.SEALED,
+    status = statuses.RendezvousStatus(
+        state=statuses.RoundState.SEALED,
         round=10**6,
-        members=tuple(state.Member(p, "0123456789abcdef", 10**6, addr, 99) for p in pods),
-        left_behind=tuple(state.Member(p + "0", "fedcba9876543210", 10**6, addr, 99) for p in pods),
-        master=state.Master(addr, 65535),
+        members=tuple(records.Member(p, "0123456789abcdef", 10**6, addr, 99) for p in pods),
+        left_behind=tuple(
+            records.Member(p + "0", "fedcba9876543210", 10**6, addr, 99) for p in pods
+        ),
+        master=records.Master(addr, 65535),
     )
     encoded = json.dumps(status.to_dict(), separators=(",", ":")).encode()
     assert len(encoded) < ETCD_DEFAULT_MAX_REQUEST_BYTES // 2, len(encoded)
-    assert state.RendezvousStatus.from_dict(json.loads(encoded)) == status
+    assert statuses.RendezvousStatus.from_dict(json.loads(encoded)) == status

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects
 from k8s_rendezvous_operator import names
 
 JOB_UID = "uid-job"
@@ -29,7 +29,7 @@ def rendezvous(
 ) -> dict[str, Any]:
     metadata: dict[str, Any] = {"name": "train", "uid": "uid-rdzv"}
     if creator is not None:
-        metadata["annotations"] = {state.CREATED_BY_ANNOTATION: creator}
+        metadata["annotations"] = {objects.CREATED_BY_ANNOTATION: creator}
     if owners is not None:
         metadata["ownerReferences"] = owners
     spec: dict[str, Any] = {"minNodes": 1, "maxNodes": 2, "runId": "r"}

@@ -20,7 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from tests.support.local_http import QuietHandler, serving
 
-from k8s_rendezvous.state import RendezvousSpec
+from k8s_rendezvous.wire.specs import RendezvousSpec
 from k8s_rendezvous_operator import kube, workloads
 
 WEBHOOKS = [{"name": "torchrun-env.k8s-rendezvous.dev"}]
@@ -118,8 +118,8 @@ def test_adopting_a_rendezvous_made_anew_meanwhile_is_a_conflict(
     ("status", "kind"),
     [
         (400, kube.Refused),
-        (401, kube.ApiError),
-        (403, kube.Refused),
+        (401, kube.Unauthorized),
+        (403, kube.Forbidden),
         (404, kube.NotFound),
         (409, kube.Conflict),
         (422, kube.Invalid),

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from devkit.waiting import wait_for
-from k8s_rendezvous import partition, state
+from k8s_rendezvous import partition
 from k8s_rendezvous.errors import ApiServerSilentError, KubernetesRendezvousConnectionError
 from k8s_rendezvous.probes import ProbeResponder
+from k8s_rendezvous.wire import datagrams
 
 SILENCE = partition.SILENCE_SECONDS
 
@@ -168,10 +169,12 @@ def test_the_responder_tells_how_long_probes_have_been_silent_since_the_last_joi
     try:
         assert responder.silent_for() is None, "never probed: not silent"
         sender.sendto(
-            b"not a probe".ljust(state.Probe.REQUEST_BYTES, b"\0"), ("127.0.0.1", responder.port)
+            b"not a probe".ljust(datagrams.Probe.REQUEST_BYTES, b"\0"),
+            ("127.0.0.1", responder.port),
         )
         sender.sendto(
-            state.Probe(b"n" * state.PROBE_NONCE_BYTES).request(), ("127.0.0.1", responder.port)
+            datagrams.Probe(b"n" * datagrams.PROBE_NONCE_BYTES).request(),
+            ("127.0.0.1", responder.port),
         )
         sender.settimeout(5)
         sender.recvfrom(64)  # answered: it was taken for a probe

@@ -30,8 +30,9 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from k8s_rendezvous import BACKEND_NAME, config, kube, rest, state, warm
+from k8s_rendezvous import BACKEND_NAME, config, kube, rest, warm
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import tunables
 
 
 @pytest.fixture
@@ -247,7 +248,7 @@ def test_in_place_loss_timeout_is_read_and_a_bound_that_is_not_positive_refused(
     settings = config.Settings.from_parameters(params(in_place_loss_timeout="90"), "team-a")
     assert settings.in_place_loss_timeout == 90
     default = config.Settings.from_parameters(params(), "team-a")
-    assert default.in_place_loss_timeout == state.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
+    assert default.in_place_loss_timeout == tunables.DEFAULT_IN_PLACE_LOSS_TIMEOUT_SECONDS
     with pytest.raises(ValueError, match="in_place_loss_timeout='0' is refused: not a whole"):
         config.Settings.from_parameters(params(in_place_loss_timeout="0"), "team-a")
 

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import strategies as st
 from tests.support.poison import POISONS, WELL_FORMED, Poison
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec, leases, objects, specs
 from k8s_rendezvous_operator import membership, names, reasons, reconciler, webhook
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
@@ -58,7 +58,7 @@ def lease_body(
     holder: object, annotations: dict[str, Any], rendezvous: object = "train"
 ) -> dict[str, Any]:
     name = (
-        state.lease_name(rendezvous, holder)
+        objects.lease_name(rendezvous, holder)
         if isinstance(holder, str) and isinstance(rendezvous, str)
         else holder
     )
@@ -66,7 +66,7 @@ def lease_body(
         "metadata": {
             "name": name,
             "namespace": "ns",
-            "labels": {state.NODE_LABEL: rendezvous},
+            "labels": {objects.NODE_LABEL: rendezvous},
             "annotations": annotations,
         },
         "spec": {"holderIdentity": holder},
@@ -75,30 +75,30 @@ def lease_body(
 
 def test_json_is_read_only_within_its_bounds() -> None:
     def problem(text: str, **bounds: int) -> str:
-        with pytest.raises(state.DecodeError) as refused:
-            state.decode_json(text, "f", **{"max_length": 100, "max_depth": 2, **bounds})
+        with pytest.raises(codec.DecodeError) as refused:
+            codec.decode_json(text, "f", **{"max_length": 100, "max_depth": 2, **bounds})
         return str(refused.value)
 
-    assert state.decode_json("[[1], {}]", "f", max_length=100, max_depth=2) == [[1], {}]
+    assert codec.decode_json("[[1], {}]", "f", max_length=100, max_depth=2) == [[1], {}]
     assert problem("[[[1]]]") == "f: nested more than 2 deep"
     assert problem("[" * 50, max_length=1000).startswith("f: not JSON (")
     assert problem("[" * 100_000, max_length=100_000) == "f: nested more than 2 deep"
     assert problem("[1, 2, 3]", max_values=3) == "f: more than 3 values"
     assert problem("1" * 101) == "f: 101 characters long, more than 100"
     assert problem("{not json").startswith("f: not JSON (")
-    with pytest.raises(state.DecodeError, match="bytes long"):
-        state.decode_json(b"[]" * 60, "f", max_length=100, max_depth=2)
+    with pytest.raises(codec.DecodeError, match="bytes long"):
+        codec.decode_json(b"[]" * 60, "f", max_length=100, max_depth=2)
 
 
 @hypothesis.given(ENTRY_TEXTS)
 @hypothesis.settings(max_examples=300, deadline=None)
 def test_any_entry_text_is_a_request_or_a_named_problem(text: str) -> None:
     try:
-        entry = state.NodeEntry.from_annotation(text, "entry")
-    except state.DecodeError as error:
+        entry = leases.NodeEntry.from_annotation(text, "entry")
+    except codec.DecodeError as error:
         assert str(error).startswith("entry")
         return
-    assert state.NodeEntry.from_annotation(entry.to_annotation(), "again") == entry
+    assert leases.NodeEntry.from_annotation(entry.to_annotation(), "again") == entry
 
 
 @hypothesis.given(
@@ -112,15 +112,18 @@ def test_any_entry_text_is_a_request_or_a_named_problem(text: str) -> None:
 def test_any_lease_speaks_for_no_node_or_for_its_holder_within_bounds(
     holder: str, rendezvous: str, entry: str, instance: str | None, pod_uid: str | None
 ) -> None:
-    annotations = {state.ENTRY_ANNOTATION: entry}
-    for key, value in ((state.INSTANCE_ANNOTATION, instance), (state.POD_UID_ANNOTATION, pod_uid)):
+    annotations = {objects.ENTRY_ANNOTATION: entry}
+    for key, value in (
+        (objects.INSTANCE_ANNOTATION, instance),
+        (objects.POD_UID_ANNOTATION, pod_uid),
+    ):
         if value is not None:
             annotations[key] = value
-    lease = state.NodeLease.from_body(lease_body(holder, annotations, rendezvous))
+    lease = leases.NodeLease.from_body(lease_body(holder, annotations, rendezvous))
     if lease is None:
         return
-    assert state.is_object_name(lease.node) and lease.node == holder
-    assert state.rendezvous_name_problem(lease.rendezvous) is None
+    assert objects.is_object_name(lease.node) and lease.node == holder
+    assert objects.rendezvous_name_problem(lease.rendezvous) is None
     if lease.entry is None:
         assert lease.entry_problem is not None and lease.entry_problem.startswith("Lease ")
         return
@@ -138,12 +141,12 @@ def test_a_lease_of_any_shape_is_read_without_raising(body: Any) -> None:
     """What kopf hands the handler is the API server's, well typed; still, the reader
     assumes nothing of it."""
     if isinstance(body, dict):
-        assert state.NodeLease.from_body(body) is None
+        assert leases.NodeLease.from_body(body) is None
 
 
 @pytest.mark.parametrize("poison", POISONS, ids=[poison.name for poison in POISONS])
 def test_each_poison_is_a_named_problem_and_no_request(poison: Poison) -> None:
-    lease = state.NodeLease.from_body(lease_body("pod-a", poison.annotations("10.0.0.7")))
+    lease = leases.NodeLease.from_body(lease_body("pod-a", poison.annotations("10.0.0.7")))
     assert lease is not None and lease.entry is None
     assert lease.entry_problem is not None and poison.problem in lease.entry_problem
     assert len(lease.entry_problem) < 400, "a problem quotes what it refuses, cut"
@@ -154,8 +157,8 @@ def test_a_holder_that_is_not_a_pods_name_speaks_for_nobody() -> None:
     it, a long one whose Lease name is shortened with a hash could name another object."""
     traversal = "a/../../../namespaces/other/pods/" + "x" * 200
     for holder in (traversal, "Pod-A", "pod_a", "a" * 254):
-        body = lease_body(holder, {state.ENTRY_ANNOTATION: json.dumps(WELL_FORMED)})
-        assert state.NodeLease.from_body(body) is None, holder
+        body = lease_body(holder, {objects.ENTRY_ANNOTATION: json.dumps(WELL_FORMED)})
+        assert leases.NodeLease.from_body(body) is None, holder
 
 
 class Posted:
@@ -182,8 +185,8 @@ class StatusWrites:
 
 def rendezvous(name: str) -> dict[str, Any]:
     return {
-        "apiVersion": state.API_VERSION,
-        "kind": state.KIND,
+        "apiVersion": objects.API_VERSION,
+        "kind": objects.KIND,
         "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "resourceVersion": "1"},
         "spec": {
             "minNodes": 1,
@@ -208,13 +211,15 @@ async def _a_poisoned_lease_listed_at_start() -> None:
         posted,
         clock=lambda: datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc),
     )
-    good = state.NodeEntry("i-1", 1, "10.0.0.8", 29500)
+    good = leases.NodeEntry("i-1", 1, "10.0.0.8", 29500)
     poisoned = {poison.name: f"poisoned-{index % 2}" for index, poison in enumerate(POISONS)}
     bodies = [
         lease_body(f"pod-{poison.name}", poison.annotations("10.0.0.7"), poisoned[poison.name])
         for poison in POISONS
     ]
-    bodies.insert(3, lease_body("honest", {state.ENTRY_ANNOTATION: good.to_annotation()}, "other"))
+    bodies.insert(
+        3, lease_body("honest", {objects.ENTRY_ANNOTATION: good.to_annotation()}, "other")
+    )
     bodies.append({"metadata": "not an object"})  # not a node's Lease: passed over
     operator.leases_listed(bodies)
     assert operator.remembers(("ns", "other"))
@@ -239,16 +244,16 @@ async def _a_poisoned_lease_listed_at_start() -> None:
 def test_a_pod_made_rendezvous_spec_of_any_shape_is_read_or_named(spec: Any) -> None:
     """The creator role lets a pod write a whole spec (the CRD bounds it first)."""
     try:
-        state.RendezvousSpec.from_dict(spec)
-    except state.DecodeError as error:
+        specs.RendezvousSpec.from_dict(spec)
+    except codec.DecodeError as error:
         assert str(error).startswith("spec")
 
 
 @pytest.mark.parametrize("creator", ["a/../../x", "", "Pod", "a" * 254, 7, ["pod-a"]])
 def test_a_creator_annotation_that_is_not_a_pods_name_names_no_creator(creator: object) -> None:
     body = rendezvous("train")
-    body["metadata"]["annotations"] = {state.CREATED_BY_ANNOTATION: creator}
-    spec = state.RendezvousSpec.from_dict(body["spec"] | {"podSelector": None})
+    body["metadata"]["annotations"] = {objects.CREATED_BY_ANNOTATION: creator}
+    spec = specs.RendezvousSpec.from_dict(body["spec"] | {"podSelector": None})
     assert names.holding(body).creator is None
     assert membership.creator_to_adopt(body, spec) is None
 

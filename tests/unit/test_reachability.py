@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_rendezvous import state
 from k8s_rendezvous.probes import ProbeResponder
+from k8s_rendezvous.wire import codec, datagrams, leases
 from k8s_rendezvous_operator.probing import Prober
 from k8s_rendezvous_operator.reachability import Target, unreachable
 
@@ -64,23 +64,23 @@ def test_a_silent_spare_is_judged_but_not_counted_against_the_members() -> None:
 
 
 def test_a_probe_round_trips_and_nothing_else_is_taken_for_one() -> None:
-    probe = state.Probe(bytes(range(state.PROBE_NONCE_BYTES)))
-    assert len(probe.request()) == state.Probe.REQUEST_BYTES >= len(probe.reply())
-    assert state.Probe.from_request(probe.request()) == probe
-    assert state.Probe.from_reply(probe.reply()) == probe
-    assert state.Probe.from_request(probe.reply()) is None
-    assert state.Probe.from_reply(probe.request()) is None
-    assert state.Probe.from_request(b"GET / HTTP/1.1\r\n".ljust(64)) is None
-    assert state.Probe.from_reply(probe.reply()[:-1]) is None
+    probe = datagrams.Probe(bytes(range(datagrams.PROBE_NONCE_BYTES)))
+    assert len(probe.request()) == datagrams.Probe.REQUEST_BYTES >= len(probe.reply())
+    assert datagrams.Probe.from_request(probe.request()) == probe
+    assert datagrams.Probe.from_reply(probe.reply()) == probe
+    assert datagrams.Probe.from_request(probe.reply()) is None
+    assert datagrams.Probe.from_reply(probe.request()) is None
+    assert datagrams.Probe.from_request(b"GET / HTTP/1.1\r\n".ljust(64)) is None
+    assert datagrams.Probe.from_reply(probe.reply()[:-1]) is None
 
 
 def test_a_node_entry_names_its_probe_port_and_one_without_is_not_probed() -> None:
-    entry = state.NodeEntry("agent", 1, "10.0.0.1", 29400, probe_port=41000)
-    assert state.NodeEntry.from_annotation(entry.to_annotation(), "entry") == entry
+    entry = leases.NodeEntry("agent", 1, "10.0.0.1", 29400, probe_port=41000)
+    assert leases.NodeEntry.from_annotation(entry.to_annotation(), "entry") == entry
     older = {k: v for k, v in entry.to_dict().items() if k != "probePort"}
-    assert state.NodeEntry.from_dict(older, "entry").probe_port == 0
-    with pytest.raises(state.DecodeError, match=r"entry\.probePort: must be at most 65535"):
-        state.NodeEntry.from_dict({**entry.to_dict(), "probePort": 70000}, "entry")
+    assert leases.NodeEntry.from_dict(older, "entry").probe_port == 0
+    with pytest.raises(codec.DecodeError, match=r"entry\.probePort: must be at most 65535"):
+        leases.NodeEntry.from_dict({**entry.to_dict(), "probePort": 70000}, "entry")
 
 
 async def answered(prober: Prober, probed: Target) -> None:
@@ -132,9 +132,9 @@ async def _an_answer_with_a_nonce_not_sent() -> None:
     try:
         await prober.probe_once()
         request, sender = silent.recvfrom(128)
-        forged = state.Probe(bytes(state.PROBE_NONCE_BYTES))
+        forged = datagrams.Probe(bytes(datagrams.PROBE_NONCE_BYTES))
         silent.sendto(forged.reply(), sender)
-        silent.sendto(state.Probe.from_request(request).reply(), sender)  # type: ignore[union-attr]
+        silent.sendto(datagrams.Probe.from_request(request).reply(), sender)  # type: ignore[union-attr]
         await asyncio.wait_for(answered(prober, probed), 5)
         assert prober.answers == 1
     finally:
@@ -164,11 +164,11 @@ async def _a_member_cannot_answer_for_another() -> None:
         for _ in range(MISSES + 1):
             await prober.probe_once()
             request, sender = forger.recvfrom(128)
-            nonce = state.Probe.from_request(request).nonce  # type: ignore[union-attr]
-            forger.sendto(state.Probe(nonce).reply(), sender)
+            nonce = datagrams.Probe.from_request(request).nonce  # type: ignore[union-attr]
+            forger.sendto(datagrams.Probe(nonce).reply(), sender)
             for index in range(8):  # its nonce with every other index the round could use
                 forged = nonce[:-8] + index.to_bytes(8, "big")
-                forger.sendto(state.Probe(forged).reply(), sender)
+                forger.sendto(datagrams.Probe(forged).reply(), sender)
             await asyncio.wait_for(answered(prober, own), 5)
             await asyncio.wait_for(answered(prober, peer), 5)
         assert prober.unanswered(other) == MISSES + 1

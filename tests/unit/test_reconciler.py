@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from k8s_rendezvous import state
-from k8s_rendezvous_operator import kube, metrics, reasons, reconciler, rounds, workloads
+from k8s_rendezvous.wire import leases, objects, records, specs, statuses
+from k8s_rendezvous_operator import kube, metrics, reasons, reconciler, workloads
 
 NS = "ns"
 NAME = "r"
@@ -92,13 +92,13 @@ class FakeApi:
             if pod not in self.pods:
                 raise kube.NotFound(pod, 404)
             body = self.pods[pod]
-            body["metadata"]["labels"][state.NODE_LABEL] = rendezvous
+            body["metadata"]["labels"][objects.NODE_LABEL] = rendezvous
             return dict(self._bump(body))
         finally:
             self.labelled.set()
 
     def create_rendezvous(
-        self, namespace: str, name: str, spec: state.RendezvousSpec, owner: dict[str, Any]
+        self, namespace: str, name: str, spec: specs.RendezvousSpec, owner: dict[str, Any]
     ) -> dict[str, Any] | None:
         raise AssertionError("no annotated Job here")
 
@@ -142,10 +142,10 @@ class FakeApi:
 
     # -- the test's side -----------------------------------------------------------------
 
-    def add_rendezvous(self, spec: state.RendezvousSpec, status: state.RendezvousStatus | None):
+    def add_rendezvous(self, spec: specs.RendezvousSpec, status: statuses.RendezvousStatus | None):
         body: dict[str, Any] = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {"name": NAME, "namespace": NS, "uid": "uid-r", "generation": 1},
             "spec": spec.to_dict(),
             "status": {} if status is None else status.operator_fields(),
@@ -185,18 +185,18 @@ class Events:
         return [event.reason for event in self.posted]
 
 
-def spec(min_nodes: int, max_nodes: int, **more: Any) -> state.RendezvousSpec:
-    return state.RendezvousSpec(
+def spec(min_nodes: int, max_nodes: int, **more: Any) -> specs.RendezvousSpec:
+    return specs.RendezvousSpec(
         min_nodes,
         max_nodes,
         "run",
-        pod_selector=state.LabelSelector(tuple(APP.items())),
+        pod_selector=specs.LabelSelector(tuple(APP.items())),
         **more,
     )
 
 
-def entry(node: int, attempt: int = 1) -> state.NodeEntry:
-    return state.NodeEntry(f"i{node}", attempt, f"10.0.0.{node}", 29500)
+def entry(node: int, attempt: int = 1) -> leases.NodeEntry:
+    return leases.NodeEntry(f"i{node}", attempt, f"10.0.0.{node}", 29500)
 
 
 class Harness:
@@ -211,8 +211,8 @@ class Harness:
         await self.reconciler.rendezvous_seen(KEY, body, deleted=False)
         await self.reconciler.idle()
 
-    async def lease(self, node: str, request: state.NodeEntry | None) -> None:
-        lease = state.NodeLease(NAME, node, None if request is None else request.instance, request)
+    async def lease(self, node: str, request: leases.NodeEntry | None) -> None:
+        lease = leases.NodeLease(NAME, node, None if request is None else request.instance, request)
         self.reconciler.lease_seen(NS, lease, {}, deleted=False)
         await self.reconciler.idle()
 
@@ -241,7 +241,7 @@ def test_a_round_is_sealed_in_one_write_and_reported_after_it(harness: Harness) 
     assert [member["node"] for member in sealed["members"]] == ["p1", "p2"]
     assert (sealed["master"]["addr"], sealed["master"]["port"]) == ("10.0.0.1", 29500)
     assert harness.events.reasons() == [reasons.ROUND_SEALED]
-    assert harness.events.posted[0].targets == [f"{state.KIND}/{NAME}"]
+    assert harness.events.posted[0].targets == [f"{objects.KIND}/{NAME}"]
 
 
 def test_forming_since_alone_is_not_written_and_times_the_seal(harness: Harness) -> None:
@@ -295,16 +295,16 @@ def test_a_refused_write_is_said_once_and_not_retried(harness: Harness) -> None:
     assert condition_only["conditions"][0]["reason"] == reasons.INVALID_RENDEZVOUS
 
 
-def sealed_p1_p2() -> state.RendezvousStatus:
+def sealed_p1_p2() -> statuses.RendezvousStatus:
     """Round 1 sealed with p1 and p2, as a restarted operator finds it."""
-    return state.RendezvousStatus(
-        state=state.RoundState.SEALED,
+    return statuses.RendezvousStatus(
+        state=statuses.RoundState.SEALED,
         round=1,
         members=(
-            state.Member("p1", "i1", 1, "10.0.0.1"),
-            state.Member("p2", "i2", 1, "10.0.0.2"),
+            records.Member("p1", "i1", 1, "10.0.0.1"),
+            records.Member("p2", "i2", 1, "10.0.0.2"),
         ),
-        master=state.Master("10.0.0.1", 29500),
+        master=records.Master("10.0.0.1", 29500),
         sealed_at=T0,
     )
 
@@ -318,7 +318,7 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
         harness.api.add_pod("p1", "10.0.0.1")  # p2 has no pod any more
         for node in (1, 2):
             request = entry(node, attempt=2)
-            lease = state.NodeLease(NAME, f"p{node}", request.instance, request)
+            lease = leases.NodeLease(NAME, f"p{node}", request.instance, request)
             harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
         await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), previous))
 
@@ -326,7 +326,9 @@ def test_a_round_is_never_sealed_with_a_pod_not_yet_looked_at(harness: Harness) 
     assert ("Sealed", 2) not in written_states(harness.api)
     assert written_states(harness.api)[-1] == ("Reforming", 1)
     lost = [e for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
-    assert [e.message for e in lost] == [reasons.member_lost("p2", 1, 1, rounds.LOST_POD_NOT_FOUND)]
+    assert [e.message for e in lost] == [
+        reasons.member_lost("p2", 1, 1, reasons.LOST_POD_NOT_FOUND)
+    ]
     assert reasons.NODE_WITHOUT_POD in harness.events.reasons()
 
 
@@ -339,7 +341,7 @@ def test_the_lease_of_a_pod_gone_for_good_is_no_node_without_a_pod(harness: Harn
         harness.api.add_pod("p1", "10.0.0.1")  # p2's pod is gone
         for node in (1, 2):
             request = entry(node, attempt=2)
-            lease = state.NodeLease(
+            lease = leases.NodeLease(
                 NAME, f"p{node}", request.instance, request, pod_uid=f"uid-p{node}"
             )
             harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
@@ -347,7 +349,9 @@ def test_the_lease_of_a_pod_gone_for_good_is_no_node_without_a_pod(harness: Harn
 
     asyncio.run(scenario())
     lost = [e for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
-    assert [e.message for e in lost] == [reasons.member_lost("p2", 1, 1, rounds.LOST_POD_NOT_FOUND)]
+    assert [e.message for e in lost] == [
+        reasons.member_lost("p2", 1, 1, reasons.LOST_POD_NOT_FOUND)
+    ]
     assert reasons.NODE_WITHOUT_POD not in harness.events.reasons()
 
 
@@ -372,12 +376,12 @@ def test_requests_for_a_rendezvous_that_does_not_exist_are_forgotten_with_their_
 
     async def scenario() -> None:
         for node in ("p1", "p2"):
-            lease = state.NodeLease("made-up", node, "i", entry(1))
+            lease = leases.NodeLease("made-up", node, "i", entry(1))
             harness.reconciler.lease_seen(NS, lease, {}, deleted=False)
         await harness.reconciler.idle()
         assert harness.reconciler.remembers(made_up)
         for node in ("p1", "p2"):
-            lease = state.NodeLease("made-up", node, "i", entry(1))
+            lease = leases.NodeLease("made-up", node, "i", entry(1))
             harness.reconciler.lease_seen(NS, lease, {}, deleted=True)
             await harness.reconciler.idle()
         assert harness.api.status_writes == []
@@ -389,9 +393,9 @@ def test_requests_for_a_rendezvous_that_does_not_exist_are_forgotten_with_their_
 def test_slices_are_written_only_for_joiners_and_when_their_content_changes(
     harness: Harness,
 ) -> None:
-    large = spec(2, state.SLICE_MEMBERS + 1)
-    count = state.slice_count(large.max_nodes)
-    joiners = {state.slice_index(f"p{node}", count) for node in (1, 2, 3)}
+    large = spec(2, objects.SLICE_MEMBERS + 1)
+    count = objects.slice_count(large.max_nodes)
+    joiners = {objects.slice_index(f"p{node}", count) for node in (1, 2, 3)}
 
     async def scenario() -> None:
         for node in (1, 2, 3):
@@ -430,13 +434,13 @@ def test_a_pod_made_rendezvous_named_after_another_workload_is_given_back_to_it(
 
     def made(uid: str) -> dict[str, Any]:
         body = {
-            "apiVersion": state.API_VERSION,
-            "kind": state.KIND,
+            "apiVersion": objects.API_VERSION,
+            "kind": objects.KIND,
             "metadata": {
                 "name": NAME,
                 "namespace": NS,
                 "uid": uid,
-                "annotations": {state.CREATED_BY_ANNOTATION: "squatter-0"},
+                "annotations": {objects.CREATED_BY_ANNOTATION: "squatter-0"},
                 "ownerReferences": [squatter.owner_reference()],
             },
             "spec": {"minNodes": 1, "maxNodes": 1, "runId": "run"},

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from tests.support.scripted_api import ScriptedRendezvousClient
 
-from k8s_rendezvous import state
 from k8s_rendezvous.errors import NodeRefusedError
+from k8s_rendezvous.wire import leases, records, specs, statuses
 
-SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=60)
+SPEC = specs.RendezvousSpec(2, 2, "run", join_timeout_seconds=60)
 MESSAGE = "pod pod-1 is controlled by Job/other, not by Job/run: only that workload's pods"
 
 
@@ -23,18 +23,20 @@ class RefusedUnseen(ScriptedRendezvousClient):
     """Plays the operator: the join is refused in the stored status, which a read shows
     and the watch does not."""
 
-    def __init__(self, spec: state.RendezvousSpec) -> None:
+    def __init__(self, spec: specs.RendezvousSpec) -> None:
         super().__init__(spec)
-        self.refusal: state.Refusal | None = None
-        self.withdrawn: list[state.NodeEntry] = []
+        self.refusal: records.Refusal | None = None
+        self.withdrawn: list[leases.NodeEntry] = []
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> None:
-        self.refusal = state.Refusal(node, entry.instance, entry.attempt, "OtherWorkload", MESSAGE)
+    def on_join(self, node: str, entry: leases.NodeEntry) -> None:
+        self.refusal = records.Refusal(
+            node, entry.instance, entry.attempt, "OtherWorkload", MESSAGE
+        )
 
     def get(self, budget_seconds: float | None = None) -> dict[str, Any]:
         if self.refusal is None:
             return super().get(budget_seconds)
-        return self._versioned(2, state.RendezvousStatus(refused=(self.refusal,)))
+        return self._versioned(2, statuses.RendezvousStatus(refused=(self.refusal,)))
 
     def write_lease(
         self,
@@ -42,10 +44,10 @@ class RefusedUnseen(ScriptedRendezvousClient):
         instance: str,
         duration_seconds: int,
         owner_uid: str,
-        entry: state.NodeEntry | None = None,
+        entry: leases.NodeEntry | None = None,
         budget_seconds: float | None = None,
     ) -> None:
-        if entry is not None and entry.intent is state.NodeIntent.LEAVE:
+        if entry is not None and entry.intent is leases.NodeIntent.LEAVE:
             self.withdrawn.append(entry)
         super().write_lease(node, instance, duration_seconds, owner_uid, entry, budget_seconds)
 

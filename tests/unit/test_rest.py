@@ -2,8 +2,8 @@
 a local HTTP server: the answer comes back as JSON, the credentials are the client's and
 are asked for at every request, a failed answer raises the shared error of its status with
 the API server's message and its Retry-After, no answer raises Unavailable chained from the
-transport's error (saying whether the other end answered at all), and a timeout given as
-one number bounds the whole request."""
+transport's error (saying whether the other end answered at all), a watch's Status event
+is the error of its code, and a timeout given as one number bounds the whole request."""
 
 from __future__ import annotations
 
@@ -86,6 +86,17 @@ def test_a_failed_answer_raises_its_statuss_error_with_the_api_servers_words(
     assert str(raised.value) == "taken"
     assert raised.value.retry_after == 2.0
     assert raised.value.answered
+
+
+def test_a_watchs_status_event_is_the_error_of_its_code_with_its_words() -> None:
+    expired = rest.status_failure(
+        {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+    )
+    assert type(expired) is rest.RequestFailed and expired.status == 410
+    assert str(expired) == "Expired: too old"
+    uncoded = rest.status_failure({"kind": "Status", "reason": "InternalError"})
+    assert isinstance(uncoded, rest.Unavailable) and uncoded.answered, "answered, code or not"
+    assert isinstance(rest.status_failure({"code": 403}), rest.Forbidden)
 
 
 def test_a_refused_connection_is_unavailable_and_answered() -> None:

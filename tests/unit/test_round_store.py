@@ -14,11 +14,12 @@ from tests.support.scripted_api import ScriptedRendezvousClient
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from k8s_rendezvous import config, round_store, state
+from k8s_rendezvous import config, round_store
 from k8s_rendezvous.errors import KubernetesRendezvousConnectionError
 from k8s_rendezvous.handler import KubernetesRendezvousHandler
+from k8s_rendezvous.wire import leases, records, specs, statuses
 
-SPEC = state.RendezvousSpec(2, 2, "run", join_timeout_seconds=30)
+SPEC = specs.RendezvousSpec(2, 2, "run", join_timeout_seconds=30)
 
 
 def test_a_member_that_connects_before_rank_0_serves_is_answered_once_it_does() -> None:
@@ -48,21 +49,21 @@ class SealsTwoWhenBothJoined(ScriptedRendezvousClient):
 
     def __init__(self) -> None:
         super().__init__(SPEC)
-        self.entries: dict[str, state.NodeEntry] = {}
+        self.entries: dict[str, leases.NodeEntry] = {}
 
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus | None:
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus | None:
         self.entries[node] = entry
         if len(self.entries) < 2:
             return None
         members = tuple(
-            state.Member(pod, self.entries[pod].instance, self.entries[pod].attempt, "127.0.0.1")
+            records.Member(pod, self.entries[pod].instance, self.entries[pod].attempt, "127.0.0.1")
             for pod in ("pod-0", "pod-1")
         )
-        return state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+        return statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=1,
             members=members,
-            master=state.Master("127.0.0.1", self.entries["pod-0"].store_port),
+            master=records.Master("127.0.0.1", self.entries["pod-0"].store_port),
         )
 
 
@@ -106,12 +107,12 @@ def test_rank_0_serves_on_the_port_it_offered_and_the_other_member_closes_its_ow
 
 
 class SealsAloneAsRank0(ScriptedRendezvousClient):
-    def on_join(self, node: str, entry: state.NodeEntry) -> state.RendezvousStatus:
-        return state.RendezvousStatus(
-            state=state.RoundState.SEALED,
+    def on_join(self, node: str, entry: leases.NodeEntry) -> statuses.RendezvousStatus:
+        return statuses.RendezvousStatus(
+            state=statuses.RoundState.SEALED,
             round=1,
-            members=(state.Member(node, entry.instance, entry.attempt, entry.addr),),
-            master=state.Master(entry.addr, entry.store_port),
+            members=(records.Member(node, entry.instance, entry.attempt, entry.addr),),
+            master=records.Master(entry.addr, entry.store_port),
         )
 
 
@@ -120,7 +121,7 @@ def test_a_rank_0_that_cannot_serve_the_store_says_so(monkeypatch: pytest.Monkey
         raise RuntimeError("scripted: the server socket has failed to listen")
 
     monkeypatch.setattr(round_store, "serve", refuse)
-    client = SealsAloneAsRank0(state.RendezvousSpec(1, 1, "run"))
+    client = SealsAloneAsRank0(specs.RendezvousSpec(1, 1, "run"))
     handler = handler_for(client, "pod-0")
     try:
         with pytest.raises(KubernetesRendezvousConnectionError) as error:

@@ -8,7 +8,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from k8s_rendezvous import state, watch
+from k8s_rendezvous import watch
+from k8s_rendezvous.wire import leases, objects, records, statuses
 
 
 def rendezvous(version: int, round_key: str | None) -> dict[str, Any]:
@@ -117,27 +118,27 @@ def test_a_change_that_keeps_the_round_key_re_arms_a_stale_filter() -> None:
 
 def test_a_sliced_rendezvous_is_watched_through_the_nodes_own_slice() -> None:
     slices = 3
-    members = tuple(state.Member(f"n-{i}", f"i-{i}", 1, f"10.0.0.{i}") for i in range(8))
-    sealed = state.RendezvousStatus(
-        state.RoundState.SEALED, 1, members, state.Master("10.0.0.0", 29500), slices=slices
+    members = tuple(records.Member(f"n-{i}", f"i-{i}", 1, f"10.0.0.{i}") for i in range(8))
+    sealed = statuses.RendezvousStatus(
+        statuses.RoundState.SEALED, 1, members, records.Master("10.0.0.0", 29500), slices=slices
     )
-    index = state.slice_index("n-0", slices)
-    own = state.slice_name("r", index)
-    forming = {"kind": state.KIND, **rendezvous(7, None)}
-    forming["status"] = state.RendezvousStatus(slices=slices).to_dict()
+    index = objects.slice_index("n-0", slices)
+    own = objects.slice_name("r", index)
+    forming = {"kind": objects.KIND, **rendezvous(7, None)}
+    forming["status"] = statuses.RendezvousStatus(slices=slices).to_dict()
     piece = {
-        "kind": state.SLICE_KIND,
+        "kind": objects.SLICE_KIND,
         # Written before the Rendezvous' last bookkeeping: an older version, still taken.
         "metadata": {
             "name": own,
             "resourceVersion": "4",
-            "ownerReferences": [{"kind": state.KIND, "name": "r", "uid": "u-1"}],
+            "ownerReferences": [{"kind": objects.KIND, "name": "r", "uid": "u-1"}],
         },
         "spec": {},
         "status": {k: v for k, v in sealed.slice_fields()[index].items() if v is not None},
     }
     client = ScriptedWatches(
-        [("ADDED", forming), ("MODIFIED", {"kind": state.KIND, **rendezvous(8, "1-Sealed")})],
+        [("ADDED", forming), ("MODIFIED", {"kind": objects.KIND, **rendezvous(8, "1-Sealed")})],
         [("ADDED", piece)],
     )
     watcher = watch_until_idle(client)
@@ -148,9 +149,9 @@ def test_a_sliced_rendezvous_is_watched_through_the_nodes_own_slice() -> None:
     status = watcher.status
     assert status is not None
     assert (status.round_key, status.world_size) == ("1-Sealed", 8)
-    assert status.rank_of(state.NodeEntry("i-0", 1, "10.0.0.0", 1)) == 0
+    assert status.rank_of(leases.NodeEntry("i-0", 1, "10.0.0.0", 1)) == 0
     latest = watcher.latest
-    assert latest is not None and state.rendezvous_uid(latest) == "u-1"
+    assert latest is not None and objects.rendezvous_uid(latest) == "u-1"
 
 
 def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
@@ -168,12 +169,12 @@ def test_wait_for_object_times_out_while_the_rendezvous_is_missing() -> None:
 
 def sealed(version: int, round_number: int) -> dict[str, Any]:
     obj = rendezvous(version, None)
-    member = state.Member(node="n-0", instance="i-1", attempt=1, addr="10.0.0.7")
-    obj["status"] = state.RendezvousStatus(
-        state=state.RoundState.SEALED,
+    member = records.Member(node="n-0", instance="i-1", attempt=1, addr="10.0.0.7")
+    obj["status"] = statuses.RendezvousStatus(
+        state=statuses.RoundState.SEALED,
         round=round_number,
         members=(member,),
-        master=state.Master("10.0.0.7", 29500),
+        master=records.Master("10.0.0.7", 29500),
     ).operator_fields()
     return obj
 
@@ -184,7 +185,7 @@ def test_wait_judges_statuses_in_the_order_they_arrived() -> None:
     # Two rounds arrive before the waiter looks (a node thawed with both in its socket).
     watcher.offer(sealed(5, 1))
     watcher.offer(sealed(7, 2))
-    first = watcher.wait(lambda s: s.state is state.RoundState.SEALED, time.monotonic(), since)
+    first = watcher.wait(lambda s: s.state is statuses.RoundState.SEALED, time.monotonic(), since)
     assert first is not None and first.round == 1
-    latest = watcher.wait(lambda s: s.state is state.RoundState.SEALED, time.monotonic())
+    latest = watcher.wait(lambda s: s.state is statuses.RoundState.SEALED, time.monotonic())
     assert latest is not None and latest.round == 2

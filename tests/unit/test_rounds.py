@@ -18,17 +18,12 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from k8s_rendezvous import state
-from k8s_rendezvous.state import (
-    Member,
-    NodeEntry,
-    NodeIntent,
-    Refusal,
-    RendezvousSpec,
-    RendezvousStatus,
-    RoundState,
-    slice_count,
-)
+from k8s_rendezvous.wire import statuses
+from k8s_rendezvous.wire.leases import NodeEntry, NodeIntent
+from k8s_rendezvous.wire.objects import slice_count
+from k8s_rendezvous.wire.records import Member, Refusal
+from k8s_rendezvous.wire.specs import RendezvousSpec
+from k8s_rendezvous.wire.statuses import RendezvousStatus, RoundState
 from k8s_rendezvous_operator import reasons, rounds
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
@@ -73,7 +68,7 @@ class World:
     def leave(self, node: str) -> None:
         self.write(node, dataclasses.replace(self.requests[node], intent=NodeIntent.LEAVE))
 
-    def kill(self, node: str, reason: str = rounds.LOST_POD_DELETED) -> None:
+    def kill(self, node: str, reason: str = reasons.LOST_POD_DELETED) -> None:
         self.pods[node] = rounds.PodObservation(reason)
 
     def tick(self, seconds: float) -> None:
@@ -174,7 +169,7 @@ def test_lost_member_makes_round_stale_and_survivors_reseal_without_last_call() 
     decision = world.decide()
     assert world.status.state is RoundState.REFORMING
     assert [loss.node for loss in decision.losses] == ["c"]
-    assert decision.losses[0].reason == rounds.LOST_POD_DELETED
+    assert decision.losses[0].reason == reasons.LOST_POD_DELETED
     assert world.status.nodes_waiting >= 1
     world.join("a")
     world.join("d")
@@ -207,7 +202,7 @@ def test_losing_rank_zero_moves_the_last_survivor_and_the_master_to_it() -> None
     for node in ("a", "b", "c"):
         world.join(node)
     world.decide()
-    world.kill("a", rounds.LOST_POD_FAILED)
+    world.kill("a", reasons.LOST_POD_FAILED)
     world.decide()
     world.join("b")
     world.join("c")
@@ -261,9 +256,9 @@ def test_the_round_names_the_members_it_dropped_while_their_pods_are_deleted() -
     for node in ("a", "b", "c", "d"):
         world.join(node)
     world.decide()
-    world.kill("b", rounds.LOST_POD_TERMINATING)  # a drain: its workers finish their step
-    world.kill("c", rounds.LOST_POD_FAILED)
-    world.kill("d", rounds.LOST_POD_DELETED)  # gone: its processes with it
+    world.kill("b", reasons.LOST_POD_TERMINATING)  # a drain: its workers finish their step
+    world.kill("c", reasons.LOST_POD_FAILED)
+    world.kill("d", reasons.LOST_POD_DELETED)  # gone: its processes with it
     world.decide()
     world.join("a")
     assert world.decide().sealed
@@ -341,7 +336,7 @@ def test_the_history_says_why_each_round_was_formed_and_how_long_it_took() -> No
     rejoin_survivors(world, "pod-1")
     first, second = world.status.history
     assert (first.round, first.cause, first.world_size) == (1, "FirstRound", 4)
-    assert (second.round, second.cause, second.world_size) == (2, rounds.LOST_POD_DELETED, 4)
+    assert (second.round, second.cause, second.world_size) == (2, reasons.LOST_POD_DELETED, 4)
     assert second.message == "pod pod-1 (rank 1) lost: PodDeleted"
     assert second.forming_milliseconds == 0, "the operator's clock did not move meanwhile"
     assert world.status.forming_cause is None, "recorded at the seal"
@@ -357,23 +352,23 @@ def test_the_history_keeps_the_last_rounds_with_each_cause() -> None:
     world.decide()
     world.tick(31)
     assert world.decide().sealed
-    for _ in range(state.MAX_HISTORY + 2):
+    for _ in range(statuses.MAX_HISTORY + 2):
         world.join("b")
         assert world.decide().status.forming_cause == reasons.CAUSE_NODES_JOINED
         world.tick(0.25)
         world.join("a")
         assert world.decide().sealed
         world.leave("b")
-        assert world.decide().status.forming_cause == rounds.LOST_LEFT
+        assert world.decide().status.forming_cause == reasons.LOST_LEFT
         world.join("a")
         world.tick(31)
         assert world.decide().sealed
     history = world.status.history
-    assert len(history) == state.MAX_HISTORY
+    assert len(history) == statuses.MAX_HISTORY
     assert [r.round for r in history] == list(range(world.status.round - 9, world.status.round + 1))
     assert {(r.cause, r.world_size) for r in history} == {
         (reasons.CAUSE_NODES_JOINED, 2),
-        (rounds.LOST_LEFT, 1),
+        (reasons.LOST_LEFT, 1),
     }
     assert {r.forming_milliseconds for r in history} == {250, 31000}
 
@@ -433,12 +428,12 @@ def test_nodes_beyond_max_are_redundant_and_not_counted_as_waiting() -> None:
 @pytest.mark.parametrize(
     ("event", "reason"),
     [
-        (lambda w: w.kill("b", rounds.LOST_POD_TERMINATING), rounds.LOST_POD_TERMINATING),
-        (lambda w: w.restart_agent("b"), rounds.LOST_AGENT_RESTARTED),
-        (lambda w: w.leave("b"), rounds.LOST_LEFT),
+        (lambda w: w.kill("b", reasons.LOST_POD_TERMINATING), reasons.LOST_POD_TERMINATING),
+        (lambda w: w.restart_agent("b"), reasons.LOST_AGENT_RESTARTED),
+        (lambda w: w.leave("b"), reasons.LOST_LEFT),
         (
             lambda w: w.pods.__setitem__("b", rounds.PodObservation(None, restarts=1)),
-            rounds.LOST_CONTAINER_RESTARTED,
+            reasons.LOST_CONTAINER_RESTARTED,
         ),
     ],
     ids=["terminating", "agent-restarted", "left", "container-restarted"],
@@ -493,7 +488,7 @@ def test_failures_spend_the_restart_budget_and_planned_changes_do_not() -> None:
     reseal(world, "a", "b")
     assert world.status.restarts == 1, "planned changes spend nothing"
     assert [record.world_size for record in world.status.history] == [2, 2, 3, 2]
-    world.kill("b", rounds.LOST_CONTAINER_RESTARTED)
+    world.kill("b", reasons.LOST_CONTAINER_RESTARTED)
     world.decide()
     assert world.status.restarts == 2
     assert world.status.state is RoundState.REFORMING, "the last restart is still granted"
@@ -502,25 +497,25 @@ def test_failures_spend_the_restart_budget_and_planned_changes_do_not() -> None:
 def test_a_failure_with_the_budget_spent_closes_and_sends_every_member_into_the_closure() -> None:
     world = World(spec(2, 3, max_restarts=1))
     reseal(world, "a", "b", "c")
-    world.kill("c", rounds.LOST_POD_FAILED)
+    world.kill("c", reasons.LOST_POD_FAILED)
     world.decide()
     reseal(world, "a", "b")
-    world.kill("b", rounds.LOST_UNREACHABLE)
+    world.kill("b", reasons.LOST_UNREACHABLE)
     decision = world.decide()
     assert decision.closed
     assert [(loss.node, loss.reason) for loss in decision.losses] == [
-        ("b", rounds.LOST_UNREACHABLE)
+        ("b", reasons.LOST_UNREACHABLE)
     ]
     status = world.status
     assert (status.state, status.closed_reason) == (
         RoundState.CLOSED,
-        rounds.CLOSED_RESTARTS_EXHAUSTED,
+        reasons.CLOSED_RESTARTS_EXHAUSTED,
     )
     assert status.closed_message is not None and "spec.maxRestarts" in status.closed_message
     assert status.nodes_waiting >= 1, "running agents re-rendezvous into the closure"
     assert status.restarts == 1, "the refused restart is not counted"
     closed = next(c for c in status.conditions if c.type == rounds.CONDITION_CLOSED)
-    assert (closed.status, closed.reason) == ("True", rounds.CLOSED_RESTARTS_EXHAUSTED)
+    assert (closed.status, closed.reason) == ("True", reasons.CLOSED_RESTARTS_EXHAUSTED)
     world.join("a")
     world.join("d")
     assert world.decide().status.state is RoundState.CLOSED
@@ -530,10 +525,10 @@ def test_any_failed_member_spends_the_budget_even_when_another_loss_names_the_ca
     world = World(spec(1, 3, max_restarts=0))
     reseal(world, "a", "b", "c")
     world.kill("a")  # deleted, rank 0: it names the cause
-    world.kill("c", rounds.LOST_POD_FAILED)
+    world.kill("c", reasons.LOST_POD_FAILED)
     decision = world.decide()
     assert decision.closed
-    assert world.status.closed_reason == rounds.CLOSED_RESTARTS_EXHAUSTED
+    assert world.status.closed_reason == reasons.CLOSED_RESTARTS_EXHAUSTED
 
 
 def test_without_a_budget_failures_are_counted_and_never_close() -> None:
@@ -554,7 +549,7 @@ def test_set_closed_closes_for_everyone() -> None:
     decision = world.decide()
     assert decision.closed
     assert world.status.state is RoundState.CLOSED
-    assert world.status.closed_reason == rounds.CLOSED_BY_NODE
+    assert world.status.closed_reason == reasons.CLOSED_BY_NODE
     world.join("b")
     assert world.decide().status.state is RoundState.CLOSED
 
@@ -572,14 +567,14 @@ def test_one_node_leaving_does_not_close_but_all_leaving_does() -> None:
     world.leave("a")
     decision = world.decide()
     assert decision.closed
-    assert world.status.closed_reason == rounds.CLOSED_ALL_LEFT
+    assert world.status.closed_reason == reasons.CLOSED_ALL_LEFT
 
 
 @pytest.mark.parametrize(
     "finish",
     [
         lambda w: w.write("b", dataclasses.replace(w.requests["b"], intent=NodeIntent.FINISH)),
-        lambda w: w.kill("b", rounds.LOST_POD_SUCCEEDED),
+        lambda w: w.kill("b", reasons.LOST_POD_SUCCEEDED),
     ],
     ids=["agent-finished", "pod-succeeded"],
 )
@@ -594,7 +589,7 @@ def test_a_member_finishing_closes_with_the_others_left_to_finish(finish: object
     finish(world)  # type: ignore[operator]
     decision = world.decide()
     assert decision.closed and decision.losses == ()
-    assert world.status.closed_reason == rounds.CLOSED_NODE_FINISHED
+    assert world.status.closed_reason == reasons.CLOSED_NODE_FINISHED
     assert "pod b of round 1 finished" in (world.status.closed_message or "")
     # The others' agents see nobody waiting: their workers run on to their end.
     assert world.status.nodes_waiting == 0
@@ -614,7 +609,7 @@ def test_a_finish_of_an_earlier_agent_of_a_member_is_not_its_finish() -> None:
     decision = world.decide()
     assert not decision.closed
     assert [(loss.node, loss.reason) for loss in decision.losses] == [
-        ("b", rounds.LOST_AGENT_RESTARTED)
+        ("b", reasons.LOST_AGENT_RESTARTED)
     ]
 
 
@@ -644,7 +639,7 @@ def test_member_without_heartbeats_expires_after_the_timeout_and_wakes_the_opera
     world.tick(0.1)
     decision = world.decide()
     assert [(loss.node, loss.reason) for loss in decision.losses] == [
-        ("b", rounds.LOST_HEARTBEAT_EXPIRED)
+        ("b", reasons.LOST_HEARTBEAT_EXPIRED)
     ]
     assert decision.wake_at == T0 + datetime.timedelta(seconds=17), "a's next expiry"
 
@@ -659,7 +654,7 @@ def test_a_member_its_agent_silent_to_probes_is_lost_long_before_its_heartbeat_e
     world.liveness = dataclasses.replace(world.liveness, unreachable=frozenset(silent))
     decision = world.decide()
     assert [(loss.node, loss.reason) for loss in decision.losses] == [
-        ("b", rounds.LOST_UNREACHABLE)
+        ("b", reasons.LOST_UNREACHABLE)
     ]
     assert world.status.state is RoundState.REFORMING
 
@@ -676,7 +671,7 @@ def test_a_spare_cut_off_with_the_member_it_would_replace_is_not_admitted() -> N
     world.liveness = dataclasses.replace(world.liveness, unreachable=frozenset(cut))
     decision = world.decide()
     assert [(loss.node, loss.reason) for loss in decision.losses] == [
-        ("pod-1", rounds.LOST_UNREACHABLE)
+        ("pod-1", reasons.LOST_UNREACHABLE)
     ]
     for node in ("pod-0", "pod-2"):
         world.join(node)
@@ -745,7 +740,7 @@ def test_heartbeat_of_a_previous_agent_instance_does_not_count() -> None:
     stale = rounds.Heartbeat("some-older-instance", T0 + datetime.timedelta(seconds=100))
     world.liveness = rounds.Liveness({"a": stale}, since=T0)
     world.tick(10)
-    assert [loss.reason for loss in world.decide().losses] == [rounds.LOST_HEARTBEAT_EXPIRED]
+    assert [loss.reason for loss in world.decide().losses] == [reasons.LOST_HEARTBEAT_EXPIRED]
 
 
 def test_a_member_dropped_for_its_heartbeat_is_not_readmitted_on_its_spent_join() -> None:
@@ -819,14 +814,14 @@ def test_finished_workload_closes_with_its_reason() -> None:
     world = World(spec(1, 2))
     world.join("a")
     world.decide()
-    decision = world.decide(close=(rounds.CLOSED_JOB_COMPLETE, "Job train completed"))
+    decision = world.decide(close=(reasons.CLOSED_JOB_COMPLETE, "Job train completed"))
     assert decision.closed
     assert (world.status.closed_reason, world.status.closed_message) == (
-        rounds.CLOSED_JOB_COMPLETE,
+        reasons.CLOSED_JOB_COMPLETE,
         "Job train completed",
     )
     closed = next(c for c in world.status.conditions if c.type == rounds.CONDITION_CLOSED)
-    assert (closed.status, closed.reason) == ("True", rounds.CLOSED_JOB_COMPLETE)
+    assert (closed.status, closed.reason) == ("True", reasons.CLOSED_JOB_COMPLETE)
 
 
 def test_rank_order_groups_newcomers_by_topology_but_survivors_keep_ranks() -> None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import objects, records, specs, statuses
 from k8s_rendezvous_operator import slices
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
-SPEC = state.RendezvousSpec(2, 3 * state.SLICE_MEMBERS, "run")
-FORMING = state.RendezvousStatus(slices=state.slice_count(SPEC.max_nodes))
+SPEC = specs.RendezvousSpec(2, 3 * objects.SLICE_MEMBERS, "run")
+FORMING = statuses.RendezvousStatus(slices=objects.slice_count(SPEC.max_nodes))
 
 
 NODES = tuple(f"worker-{i}" for i in range(40))
@@ -25,32 +25,32 @@ NODES = tuple(f"worker-{i}" for i in range(40))
 
 
 def written(
-    status: state.RendezvousStatus, requesters: tuple[str, ...] = NODES
+    status: statuses.RendezvousStatus, requesters: tuple[str, ...] = NODES
 ) -> dict[int, dict[str, object]]:
     return slices.changed(SPEC, status, slices.needed(status, requesters, ()), {})
 
 
 def rewritten(
-    status: state.RendezvousStatus, before: dict[int, dict[str, object]]
+    status: statuses.RendezvousStatus, before: dict[int, dict[str, object]]
 ) -> dict[int, dict[str, object]]:
     return slices.changed(SPEC, status, slices.needed(status, NODES, before), before)
 
 
-def sealed(*nodes: str) -> state.RendezvousStatus:
+def sealed(*nodes: str) -> statuses.RendezvousStatus:
     return dataclasses.replace(
         FORMING,
-        state=state.RoundState.SEALED,
+        state=statuses.RoundState.SEALED,
         round=1,
-        members=tuple(state.Member(node, f"i-{node}", 1, "10.0.0.1") for node in nodes),
-        master=state.Master("10.0.0.1", 29500),
+        members=tuple(records.Member(node, f"i-{node}", 1, "10.0.0.1") for node in nodes),
+        master=records.Master("10.0.0.1", 29500),
         sealed_at=T0,
     )
 
 
 def test_no_slice_is_written_before_a_pod_asks_to_join_however_large_max_nodes() -> None:
-    large = state.RendezvousSpec(1, 100_000, "run")
-    status = state.RendezvousStatus(slices=state.slice_count(large.max_nodes))
-    assert status.slices == state.MAX_SLICES
+    large = specs.RendezvousSpec(1, 100_000, "run")
+    status = statuses.RendezvousStatus(slices=objects.slice_count(large.max_nodes))
+    assert status.slices == objects.MAX_SLICES
     assert slices.needed(status, (), ()) == frozenset()
     assert slices.changed(large, status, slices.needed(status, (), ()), {}) == {}
 
@@ -59,10 +59,10 @@ def test_a_slice_is_written_for_each_pod_that_asks_and_each_the_status_names() -
     asking, member, left, refused = "worker-1", "worker-2", "worker-3", "worker-4"
     status = dataclasses.replace(
         sealed(member),
-        left_behind=(state.Member(left, "i", 1, "10.0.0.3"),),
-        refused=(state.Refusal(refused, "i", 1, "OtherWorkload", "why"),),
+        left_behind=(records.Member(left, "i", 1, "10.0.0.3"),),
+        refused=(records.Refusal(refused, "i", 1, "OtherWorkload", "why"),),
     )
-    expected = {state.slice_index(node, 3) for node in (asking, member, left, refused)}
+    expected = {objects.slice_index(node, 3) for node in (asking, member, left, refused)}
     assert slices.needed(status, [asking], ()) == expected
     assert set(written(status, (asking,))) == expected
 
@@ -102,7 +102,7 @@ def test_a_sealed_round_rewrites_every_slice() -> None:
 
 def test_a_member_leaving_a_slice_rewrites_only_that_slice_and_the_round_fields() -> None:
     one = sealed("a", "b")
-    two = dataclasses.replace(one, left_behind=(state.Member("c", "i-c", 1, "10.0.0.3"),))
+    two = dataclasses.replace(one, left_behind=(records.Member("c", "i-c", 1, "10.0.0.3"),))
     changed = rewritten(two, written(one))
-    assert list(changed) == [state.slice_index("c", one.slices)]
-    assert changed[state.slice_index("c", one.slices)]["status"]["leftBehind"][0]["node"] == "c"
+    assert list(changed) == [objects.slice_index("c", one.slices)]
+    assert changed[objects.slice_index("c", one.slices)]["status"]["leftBehind"][0]["node"] == "c"

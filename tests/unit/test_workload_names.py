@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from k8s_rendezvous import state
-from k8s_rendezvous_operator import membership
+from k8s_rendezvous.wire import leases, objects, specs
+from k8s_rendezvous_operator import membership, reasons
 from k8s_rendezvous_operator.workloads import Reference
 
 SQUATTER = Reference("apps/v1", "StatefulSet", "squatter", "squatter-uid")
@@ -26,7 +26,7 @@ JOBSET_JOB = Reference("batch/v1", "Job", "train-workers-0", "jobset-job-uid")
 LWS = Reference("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "train", "lws-uid")
 LWS_WORKERS = Reference("apps/v1", "StatefulSet", "train-0", "workers-uid")
 PYTORCHJOB = Reference("kubeflow.org/v1", "PyTorchJob", "train", "ptj-uid")
-ENTRY = state.NodeEntry("i-1", 1, "10.1.0.5", 29500)
+ENTRY = leases.NodeEntry("i-1", 1, "10.1.0.5", 29500)
 
 KINDS = {
     # the pod's controller, and the workload it stands for once its chain is read
@@ -41,12 +41,12 @@ KINDS = {
 def made_by_a_pod(owner: Reference | None, name: str = "train") -> membership.Workload:
     metadata: dict[str, Any] = {
         "name": name,
-        "annotations": {state.CREATED_BY_ANNOTATION: "squatter-0"},
+        "annotations": {objects.CREATED_BY_ANNOTATION: "squatter-0"},
     }
     if owner is not None:
         metadata["ownerReferences"] = [owner.owner_reference()]
     body = {"metadata": metadata, "spec": {"minNodes": 1, "maxNodes": 1, "runId": name}}
-    return membership.workload_of(body, state.RendezvousSpec.from_dict(body["spec"]))
+    return membership.workload_of(body, specs.RendezvousSpec.from_dict(body["spec"]))
 
 
 def identity(controller: Reference, workload: Reference | None) -> membership.PodIdentity:
@@ -85,7 +85,7 @@ def test_a_pod_of_another_workload_is_refused_as_before() -> None:
     other = Reference("apps/v1", "StatefulSet", "elsewhere", "other-uid")
     admission = admitted(made_by_a_pod(SQUATTER), identity(other, None))
     assert admission.claims == {}
-    assert admission.refused["train-0"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert admission.refused["train-0"].reason == reasons.REFUSED_OTHER_WORKLOAD
 
 
 def test_a_name_held_by_its_own_workload_or_one_of_the_same_name_is_not_claimed() -> None:
@@ -93,21 +93,21 @@ def test_a_name_held_by_its_own_workload_or_one_of_the_same_name_is_not_claimed(
     assert (list(own.counted), own.claims) == (["train-0"], {})
     namesake = admitted(made_by_a_pod(JOB), identity(STATEFULSET, None))
     assert namesake.claims == {}, "two workloads of the name: the first made keeps it"
-    assert namesake.refused["train-0"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert namesake.refused["train-0"].reason == reasons.REFUSED_OTHER_WORKLOAD
 
 
 def test_a_hand_made_rendezvous_is_nobodys_to_claim_and_costs_no_climb() -> None:
     body = {"metadata": {"name": "train"}, "spec": {"minNodes": 1, "maxNodes": 1, "runId": "t"}}
-    hand_made = membership.workload_of(body, state.RendezvousSpec.from_dict(body["spec"]))
+    hand_made = membership.workload_of(body, specs.RendezvousSpec.from_dict(body["spec"]))
     assert not hand_made.pod_made
     assert membership.to_climb(hand_made, identity(JOBSET_JOB, None)) is None
     admission = admitted(hand_made, identity(STATEFULSET, None))
     assert admission.claims == {}
-    assert admission.refused["train-0"].reason == membership.REFUSED_NO_RULE
+    assert admission.refused["train-0"].reason == reasons.REFUSED_NO_RULE
 
 
 def test_a_pod_whose_chain_is_not_read_claims_by_its_controller_only() -> None:
     """A JobSet's Job is named train-workers-0, not train: unread, it claims nothing."""
     admission = admitted(made_by_a_pod(SQUATTER), identity(JOBSET_JOB, None))
     assert admission.claims == {}
-    assert admission.refused["train-0"].reason == membership.REFUSED_OTHER_WORKLOAD
+    assert admission.refused["train-0"].reason == reasons.REFUSED_OTHER_WORKLOAD

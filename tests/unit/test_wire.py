@@ -1,4 +1,4 @@
-"""The wire format (``k8s_rendezvous.state``).
+"""The wire format (``k8s_rendezvous.wire``).
 
 Aspects: codecs round-trip; camelCase on the wire; decode errors name the field; a status
 not yet touched by the operator decodes; the schema version is checked; IPv6 masters are
@@ -20,30 +20,30 @@ import pytest
 import yaml
 from hypothesis import strategies as st
 
-from k8s_rendezvous import state
+from k8s_rendezvous.wire import codec, leases, objects, records, specs, statuses, tunables, views
 
 NOW = datetime.datetime(2026, 11, 30, 9, 0, 0, 123456, tzinfo=datetime.timezone.utc)
 
 
-def sealed_status(nodes: int) -> state.RendezvousStatus:
+def sealed_status(nodes: int) -> statuses.RendezvousStatus:
     entries = {
-        f"train-job-worker-{i}-abcde": state.NodeEntry(
+        f"train-job-worker-{i}-abcde": leases.NodeEntry(
             f"{i:016x}", 3, f"10.244.{i // 250}.{i % 250}", 40000 + i
         )
         for i in range(nodes)
     }
     members = tuple(
-        state.Member(name, entry.instance, entry.attempt, entry.addr)
+        records.Member(name, entry.instance, entry.attempt, entry.addr)
         for name, entry in entries.items()
     )
-    return state.RendezvousStatus(
-        state=state.RoundState.SEALED,
+    return statuses.RendezvousStatus(
+        state=statuses.RoundState.SEALED,
         round=7,
         members=members,
-        master=state.Master(members[0].addr, 40000),
+        master=records.Master(members[0].addr, 40000),
         sealed_at=NOW,
         conditions=(
-            state.Condition("Ready", "True", "RoundSealed", "ok", NOW.replace(microsecond=0), 2),
+            records.Condition("Ready", "True", "RoundSealed", "ok", NOW.replace(microsecond=0), 2),
         ),
         observed_generation=2,
     )
@@ -52,7 +52,7 @@ def sealed_status(nodes: int) -> state.RendezvousStatus:
 def test_status_round_trips_through_json() -> None:
     status = sealed_status(5)
     wire = json.loads(json.dumps(status.to_dict()))
-    assert state.RendezvousStatus.from_dict(wire) == status
+    assert statuses.RendezvousStatus.from_dict(wire) == status
 
 
 def test_wire_names_are_camel_case() -> None:
@@ -63,11 +63,11 @@ def test_wire_names_are_camel_case() -> None:
 
 
 def test_spec_round_trips_and_defaults_timeouts() -> None:
-    spec = state.RendezvousSpec.from_dict({"minNodes": 2, "maxNodes": 4, "runId": "r"})
+    spec = specs.RendezvousSpec.from_dict({"minNodes": 2, "maxNodes": 4, "runId": "r"})
     assert spec.join_timeout_seconds == 600
     assert spec.last_call_timeout_seconds == 30
     assert spec.close_timeout_seconds == 30
-    assert state.RendezvousSpec.from_dict(spec.to_dict()) == spec
+    assert specs.RendezvousSpec.from_dict(spec.to_dict()) == spec
 
 
 @pytest.mark.parametrize(
@@ -81,18 +81,18 @@ def test_spec_round_trips_and_defaults_timeouts() -> None:
     ],
 )
 def test_spec_errors_name_the_field(raw: object, message: str) -> None:
-    with pytest.raises(state.DecodeError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        state.RendezvousSpec.from_dict(raw)
+    with pytest.raises(codec.DecodeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        specs.RendezvousSpec.from_dict(raw)
 
 
 def test_status_not_yet_written_by_the_operator_is_the_initial_one() -> None:
-    status = state.RendezvousStatus.from_dict({})
-    assert status == state.RendezvousStatus()
-    assert status.state is state.RoundState.FORMING and status.round_key == "0-Forming"
+    status = statuses.RendezvousStatus.from_dict({})
+    assert status == statuses.RendezvousStatus()
+    assert status.state is statuses.RoundState.FORMING and status.round_key == "0-Forming"
 
 
 def test_entry_round_trips_through_its_lease_annotation() -> None:
-    entry = state.NodeEntry("i-1", 3, "fd00::7", 29500, state.NodeIntent.LEAVE, 41000)
+    entry = leases.NodeEntry("i-1", 3, "fd00::7", 29500, leases.NodeIntent.LEAVE, 41000)
     text = entry.to_annotation()
     assert json.loads(text) == {
         "instance": "i-1",
@@ -102,37 +102,39 @@ def test_entry_round_trips_through_its_lease_annotation() -> None:
         "intent": "Leave",
         "probePort": 41000,
     }
-    assert state.NodeEntry.from_annotation(text, "entry") == entry
+    assert leases.NodeEntry.from_annotation(text, "entry") == entry
 
 
 def test_other_schema_version_is_refused_with_upgrade_advice() -> None:
     raw = sealed_status(1).to_dict() | {"schemaVersion": 99}
-    with pytest.raises(state.DecodeError, match="upgrade them together"):
-        state.RendezvousStatus.from_dict(raw)
+    with pytest.raises(codec.DecodeError, match="upgrade them together"):
+        statuses.RendezvousStatus.from_dict(raw)
 
 
 def test_member_rank_must_match_its_position() -> None:
     raw = sealed_status(2).to_dict()
     raw["members"][1]["rank"] = 0
-    with pytest.raises(state.DecodeError, match=r"status.members\[1\].rank"):
-        state.RendezvousStatus.from_dict(raw)
+    with pytest.raises(codec.DecodeError, match=r"status.members\[1\].rank"):
+        statuses.RendezvousStatus.from_dict(raw)
 
 
 def test_bad_member_names_the_field() -> None:
     raw = sealed_status(2).to_dict()
     raw["members"][1]["attempt"] = 0
-    with pytest.raises(state.DecodeError, match=r"status.members\[1\].attempt: must be at least 1"):
-        state.RendezvousStatus.from_dict(raw)
+    with pytest.raises(codec.DecodeError, match=r"status.members\[1\].attempt: must be at least 1"):
+        statuses.RendezvousStatus.from_dict(raw)
 
 
 def test_ipv6_master_is_bracketed_for_display_only() -> None:
-    master = state.Master("fd00::1", 29500)
+    master = records.Master("fd00::1", 29500)
     assert master.endpoint == "[fd00::1]:29500"
     assert master.to_dict()["addr"] == "fd00::1"
 
 
 def test_round_key_of_closed_rendezvous() -> None:
-    assert state.RendezvousStatus(state=state.RoundState.CLOSED, round=3).round_key == "Closed"
+    assert (
+        statuses.RendezvousStatus(state=statuses.RoundState.CLOSED, round=3).round_key == "Closed"
+    )
 
 
 def test_status_of_a_1000_node_round_stays_under_budget() -> None:
@@ -155,11 +157,11 @@ json_values = st.recursive(
 @hypothesis.given(value=json_values)
 def test_decoder_raises_only_decode_error(value: object) -> None:
     for decode in (
-        state.RendezvousStatus.from_dict,
-        state.RendezvousSpec.from_dict,
-        lambda raw: state.NodeView.from_dict(raw, "train-job-worker-1-abcde"),
+        statuses.RendezvousStatus.from_dict,
+        specs.RendezvousSpec.from_dict,
+        lambda raw: views.NodeView.from_dict(raw, "train-job-worker-1-abcde"),
     ):
-        with contextlib.suppress(state.DecodeError):
+        with contextlib.suppress(codec.DecodeError):
             decode(value)
 
 
@@ -175,17 +177,17 @@ def test_decoder_raises_only_decode_error(value: object) -> None:
 def test_decoder_survives_any_field_corruption(mutation: tuple[str, object]) -> None:
     raw = sealed_status(3).to_dict()
     raw[mutation[0]] = mutation[1]
-    with contextlib.suppress(state.DecodeError):
-        state.RendezvousStatus.from_dict(raw)
-    with contextlib.suppress(state.DecodeError):
-        state.NodeView.from_dict(raw, "train-job-worker-1-abcde")
+    with contextlib.suppress(codec.DecodeError):
+        statuses.RendezvousStatus.from_dict(raw)
+    with contextlib.suppress(codec.DecodeError):
+        views.NodeView.from_dict(raw, "train-job-worker-1-abcde")
 
 
 def test_sealed_round_without_master_is_refused() -> None:
     raw = sealed_status(2).to_dict()
     del raw["master"]
-    with pytest.raises(state.DecodeError, match="a Sealed round needs members and a master"):
-        state.RendezvousStatus.from_dict(raw)
+    with pytest.raises(codec.DecodeError, match="a Sealed round needs members and a master"):
+        statuses.RendezvousStatus.from_dict(raw)
 
 
 MEMBER_ATTRIBUTES = {
@@ -216,10 +218,10 @@ def test_a_member_is_taken_exactly_when_each_of_its_fields_is_valid(
     else:
         valid = isinstance(value, str)
     if not valid:
-        with pytest.raises(state.DecodeError, match=rf"status.members\[1\].{key}"):
-            state.RendezvousStatus.from_dict(raw)
+        with pytest.raises(codec.DecodeError, match=rf"status.members\[1\].{key}"):
+            statuses.RendezvousStatus.from_dict(raw)
         return
-    member = state.RendezvousStatus.from_dict(raw).members[1]
+    member = statuses.RendezvousStatus.from_dict(raw).members[1]
     if key in MEMBER_ATTRIBUTES:
         assert getattr(member, MEMBER_ATTRIBUTES[key]) == value
 
@@ -232,14 +234,14 @@ def test_a_member_is_taken_exactly_when_each_of_its_fields_is_valid(
     left_behind=st.lists(
         st.tuples(st.sampled_from("abc"), st.sampled_from("xy"), st.integers(1, 2)), max_size=3
     ),
-    round_state=st.sampled_from(list(state.RoundState)),
+    round_state=st.sampled_from(list(statuses.RoundState)),
     node=st.sampled_from("abcd"),
     slices=st.integers(0, 3),
 )
 def test_a_node_view_answers_as_the_whole_status_does(
     members: list[tuple[str, str, int]],
     left_behind: list[tuple[str, str, int]],
-    round_state: state.RoundState,
+    round_state: statuses.RoundState,
     node: str,
     slices: int,
 ) -> None:
@@ -247,31 +249,31 @@ def test_a_node_view_answers_as_the_whole_status_does(
     every question the handler asks as the full decode would (a pod may hold two entries:
     an agent restarted unnoticed)."""
 
-    def member(fields: tuple[str, str, int]) -> state.Member:
-        return state.Member(fields[0], fields[1], fields[2], f"10.0.0.{ord(fields[0])}")
+    def member(fields: tuple[str, str, int]) -> records.Member:
+        return records.Member(fields[0], fields[1], fields[2], f"10.0.0.{ord(fields[0])}")
 
-    status = state.RendezvousStatus(
+    status = statuses.RendezvousStatus(
         state=round_state
-        if members or round_state is not state.RoundState.SEALED
-        else state.RoundState.FORMING,
+        if members or round_state is not statuses.RoundState.SEALED
+        else statuses.RoundState.FORMING,
         round=3,
         members=tuple(member(fields) for fields in members),
-        master=state.Master("10.0.0.1", 29500),
+        master=records.Master("10.0.0.1", 29500),
         nodes_waiting=2,
         left_behind=tuple(member(fields) for fields in left_behind),
         closed_reason="Done",
         closed_message="finished",
         slices=slices,
     )
-    view = state.NodeView.from_dict(json.loads(json.dumps(status.to_dict())), node)
+    view = views.NodeView.from_dict(json.loads(json.dumps(status.to_dict())), node)
     assert view.member_nodes == tuple(m.node for m in status.members)
     assert view.member_addresses == tuple(m.addr for m in status.members)
-    views = [view]
+    seen = [view]
     if slices:
-        own = status.slice_fields()[state.slice_index(node, slices)]
+        own = status.slice_fields()[objects.slice_index(node, slices)]
         stored = {key: value for key, value in own.items() if value is not None}
-        views.append(state.NodeView.from_dict(json.loads(json.dumps(stored)), node))
-    for view in views:
+        seen.append(views.NodeView.from_dict(json.loads(json.dumps(stored)), node))
+    for view in seen:
         assert (view.state, view.round, view.round_key, view.world_size, view.slices) == (
             status.state,
             status.round,
@@ -288,18 +290,18 @@ def test_a_node_view_answers_as_the_whole_status_does(
         assert view.rank_zero_node == (status.members[0].node if status.members else None)
         for instance in "xy":
             for attempt in (1, 2):
-                entry = state.NodeEntry(instance, attempt, "10.0.0.9", 29500)
+                entry = leases.NodeEntry(instance, attempt, "10.0.0.9", 29500)
                 assert view.rank_of(entry) == status.rank_of(node, entry)
                 assert view.left_behind_with(entry) == status.left_behind_with(node, entry)
 
 
 def test_slices_hold_each_member_once_and_only_above_a_hundred_nodes() -> None:
-    assert [state.slice_count(n) for n in (1, 100, 101, 200, 201, 1000)] == [0, 0, 2, 2, 3, 10]
+    assert [objects.slice_count(n) for n in (1, 100, 101, 200, 201, 1000)] == [0, 0, 2, 2, 3, 10]
     members = tuple(
-        state.Member(f"worker-{i}", "x", 1, f"10.0.{i // 256}.{i % 256}") for i in range(1000)
+        records.Member(f"worker-{i}", "x", 1, f"10.0.{i // 256}.{i % 256}") for i in range(1000)
     )
-    status = state.RendezvousStatus(
-        state.RoundState.SEALED, 4, members, state.Master("10.0.0.0", 29500), slices=10
+    status = statuses.RendezvousStatus(
+        statuses.RoundState.SEALED, 4, members, records.Master("10.0.0.0", 29500), slices=10
     )
     pieces = list(status.slice_fields().values())
     ranks = sorted(member["rank"] for piece in pieces for member in piece["members"])
@@ -311,56 +313,59 @@ def test_slices_hold_each_member_once_and_only_above_a_hundred_nodes() -> None:
 
 
 def test_a_slice_member_ranked_beyond_the_world_is_refused() -> None:
-    status = state.RendezvousStatus(
-        state.RoundState.SEALED,
+    status = statuses.RendezvousStatus(
+        statuses.RoundState.SEALED,
         1,
-        (state.Member("a", "x", 1, "10.0.0.1"),),
-        state.Master("10.0.0.1", 29500),
+        (records.Member("a", "x", 1, "10.0.0.1"),),
+        records.Master("10.0.0.1", 29500),
         slices=2,
     )
-    piece = status.slice_fields()[state.slice_index("a", 2)]
+    piece = status.slice_fields()[objects.slice_index("a", 2)]
     piece["members"][0]["rank"] = 1
-    with pytest.raises(state.DecodeError, match=r"status.members\[0\].rank: must be at most 0"):
-        state.NodeView.from_dict(piece, "a")
+    with pytest.raises(codec.DecodeError, match=r"status.members\[0\].rank: must be at most 0"):
+        views.NodeView.from_dict(piece, "a")
 
 
 def test_a_node_view_checks_its_own_entry_and_every_pod_name() -> None:
     raw = sealed_status(3).to_dict()
     raw["members"][1]["attempt"] = 0
-    with pytest.raises(state.DecodeError, match=r"status.members\[1\].attempt: must be at least"):
-        state.NodeView.from_dict(raw, "train-job-worker-1-abcde")
+    with pytest.raises(codec.DecodeError, match=r"status.members\[1\].attempt: must be at least"):
+        views.NodeView.from_dict(raw, "train-job-worker-1-abcde")
     # Another node's entry is not this node's to check: the operator wrote it, under the
     # CRD's schema.
     assert (
-        state.NodeView.from_dict(raw, "train-job-worker-2-abcde").rank_of(
-            state.NodeEntry(f"{2:016x}", 3, "10.244.0.2", 40002)
+        views.NodeView.from_dict(raw, "train-job-worker-2-abcde").rank_of(
+            leases.NodeEntry(f"{2:016x}", 3, "10.244.0.2", 40002)
         )
         == 2
     )
     raw["members"][0]["node"] = 7
-    with pytest.raises(state.DecodeError, match=r"status.members\[0\].node: expected a string"):
-        state.NodeView.from_dict(raw, "train-job-worker-2-abcde")
+    with pytest.raises(codec.DecodeError, match=r"status.members\[0\].node: expected a string"):
+        views.NodeView.from_dict(raw, "train-job-worker-2-abcde")
 
 
 def test_a_slice_that_names_no_rendezvous_is_refused_with_the_fix() -> None:
     owned = {
-        "kind": state.SLICE_KIND,
+        "kind": objects.SLICE_KIND,
         "metadata": {
             "name": "r.slice-0",
             "uid": "slice-uid",
-            "ownerReferences": [{"kind": state.KIND, "name": "r", "uid": "rdzv-uid"}],
+            "ownerReferences": [{"kind": objects.KIND, "name": "r", "uid": "rdzv-uid"}],
         },
     }
-    assert state.rendezvous_uid(owned) == "rdzv-uid"
-    assert state.rendezvous_uid({"kind": state.KIND, "metadata": {"uid": "rdzv-uid"}}) == "rdzv-uid"
+    assert objects.rendezvous_uid(owned) == "rdzv-uid"
+    assert (
+        objects.rendezvous_uid({"kind": objects.KIND, "metadata": {"uid": "rdzv-uid"}})
+        == "rdzv-uid"
+    )
     owned["metadata"]["ownerReferences"] = []
-    with pytest.raises(state.DecodeError, match=r"names no Rendezvous\. .* delete this one"):
-        state.rendezvous_uid(owned)
+    with pytest.raises(codec.DecodeError, match=r"names no Rendezvous\. .* delete this one"):
+        objects.rendezvous_uid(owned)
 
 
 def test_the_crd_holds_each_spec_tunable_as_the_table_describes_it() -> None:
     """The CRD is written by hand; the codec, the ``--rdzv-conf`` keys and the Job
-    annotations are derived from :data:`state.SPEC_TUNABLES`: this keeps the four in step."""
+    annotations are derived from :data:`tunables.SPEC_TUNABLES`: this keeps the four in step."""
     crd_path = (
         pathlib.Path(__file__).parents[2]
         / "charts/k8s-rendezvous/crds/k8s-rendezvous.dev_rendezvous.yaml"
@@ -369,25 +374,25 @@ def test_the_crd_holds_each_spec_tunable_as_the_table_describes_it() -> None:
     properties = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
         "properties"
     ]
-    numbers = {t.field for t in state.SPEC_TUNABLES} | {
+    numbers = {t.field for t in tunables.SPEC_TUNABLES} | {
         name for name in properties if name.endswith("TimeoutSeconds")
     }
     in_crd = {
         name: tuple(properties[name].get(bound) for bound in ("default", "minimum", "maximum"))
         for name in numbers
     }
-    assert in_crd == {t.field: (t.default, t.minimum, t.maximum) for t in state.SPEC_TUNABLES}
+    assert in_crd == {t.field: (t.default, t.minimum, t.maximum) for t in tunables.SPEC_TUNABLES}
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     for listed in ("members", "leftBehind"):
         attempt = status["properties"][listed]["items"]["properties"]["attempt"]
-        assert attempt["maximum"] == state.MAX_ATTEMPT, "a request no status can hold is refused"
-    for tunable in state.SPEC_TUNABLES:
+        assert attempt["maximum"] == leases.MAX_ATTEMPT, "a request no status can hold is refused"
+    for tunable in tunables.SPEC_TUNABLES:
         base = {"minNodes": 1, "maxNodes": 1, "runId": "r"}
-        with pytest.raises(state.DecodeError, match=f"{tunable.field}: must be at least"):
-            state.RendezvousSpec.from_dict(base | {tunable.field: tunable.minimum - 1})
+        with pytest.raises(codec.DecodeError, match=f"{tunable.field}: must be at least"):
+            specs.RendezvousSpec.from_dict(base | {tunable.field: tunable.minimum - 1})
         if tunable.maximum is not None:
-            with pytest.raises(state.DecodeError, match=f"{tunable.field}: must be at most"):
-                state.RendezvousSpec.from_dict(base | {tunable.field: tunable.maximum + 1})
-        unset = state.RendezvousSpec.from_dict(base)
+            with pytest.raises(codec.DecodeError, match=f"{tunable.field}: must be at most"):
+                specs.RendezvousSpec.from_dict(base | {tunable.field: tunable.maximum + 1})
+        unset = specs.RendezvousSpec.from_dict(base)
         assert getattr(unset, tunable.attribute) == tunable.default
         assert (tunable.field in unset.to_dict()) == (tunable.default is not None)
