@@ -45,6 +45,7 @@ from devkit.cluster import images
 from devkit.cluster.controlplane import dig
 from devkit.training import TrainingJob, agent_pid, local_command, on_real_nodes
 from devkit.waiting import wait_for
+from k8s_rendezvous.wire import objects
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -70,8 +71,8 @@ def controlled_namespace(
 
 
 def rendezvous(api: kubernetes.client.ApiClient, namespace: str) -> dict[str, Any]:
-    objects = kubernetes.client.CustomObjectsApi(api)
-    return objects.get_namespaced_custom_object(  # type: ignore[no-any-return]
+    custom = kubernetes.client.CustomObjectsApi(api)
+    return custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
         objects.GROUP, objects.VERSION, namespace, objects.PLURAL, NAME
     )
 
