@@ -318,4 +318,6 @@ def test_a_leaving_worker_that_stops_answering_is_cut_off_once_the_grace_is_over
     assert seen(smaller, "pod", "pid", "rank") == {("a", pids["a"], 0), ("b", pids["b"], 1)}
     resumed = min(line["time"] for line in smaller)
     assert resumed - dropped >= handoff.STOP_GRACE_SECONDS, "it was given the grace to leave"
-    assert "while leaving" in a.log() and "while leaving" in b.log()
+    # The first survivor whose grace runs out cuts it off; the other's collective then
+    # fails on that survivor and re-forms at once, before its own grace may run out.
+    assert "while leaving" in a.log() + b.log(), "cut off once the grace was over"
