@@ -41,11 +41,7 @@ def stop_after_layer(item: pytest.Item, nextitem: pytest.Item | None, layer: Pat
     if nextitem is None or layer not in nextitem.path.parents:
         running = item.config.stash.get(_running_key, None)
         if running is not None:
-            _stop(running)
-
-
-def _stop(running: controllers.Controllers) -> None:
-    running.stop()
+            running.stop()
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +61,7 @@ def running_controllers(
     try:
         yield running
     finally:
-        _stop(running)
+        running.stop()
 
 
 @pytest.fixture
