@@ -48,18 +48,22 @@ def create(
 def bind_worker_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
     """Let the pods of ``namespace`` (its ``default`` ServiceAccount) use a rendezvous: the
     worker ClusterRole of manifests/rbac/ and of the chart."""
-    _bind_cluster_role(api, namespace, chart.WORKER_ROLE)
+    _bind_cluster_role(api, namespace, chart.WORKER_ROLE, ("coordination.k8s.io", "leases"))
 
 
 def bind_creator_role(api: kubernetes.client.ApiClient, namespace: str) -> None:
     """Let the pods of ``namespace`` (its ``default`` ServiceAccount) create a missing
     Rendezvous, as docs/workloads.md has users do for workloads that are not annotated Jobs."""
-    _bind_cluster_role(api, namespace, chart.CREATOR_ROLE)
+    _bind_cluster_role(api, namespace, chart.CREATOR_ROLE, ("k8s-rendezvous.dev", "rendezvous"))
 
 
-def _bind_cluster_role(api: kubernetes.client.ApiClient, namespace: str, role: str) -> None:
+def _bind_cluster_role(
+    api: kubernetes.client.ApiClient, namespace: str, role: str, creates: tuple[str, str]
+) -> None:
     """Bind ClusterRole ``role`` to the ``default`` ServiceAccount of ``namespace``, in a
-    RoleBinding of the role's name."""
+    RoleBinding of the role's name, and return once the API server's authorizer lets that
+    ServiceAccount create ``creates`` (group, resource) there: its RBAC cache takes the
+    binding a moment after it is written, and a pod's request in that moment is refused."""
     kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(
         namespace,
         to_model(
@@ -74,4 +78,33 @@ def _bind_cluster_role(api: kubernetes.client.ApiClient, namespace: str, role: s
                 "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
             },
         ),
+    )
+    user = f"system:serviceaccount:{namespace}:default"
+    group, resource = creates
+    review = to_model(
+        kubernetes.client.V1SubjectAccessReview,
+        {
+            "spec": {
+                "user": user,
+                "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                "resourceAttributes": {
+                    "namespace": namespace,
+                    "group": group,
+                    "resource": resource,
+                    "verb": "create",
+                },
+            }
+        },
+    )
+    authorization = kubernetes.client.AuthorizationV1Api(api)
+
+    def allowed() -> bool:
+        status = authorization.create_subject_access_review(review).status
+        return status is not None and status.allowed
+
+    wait_for(
+        allowed,
+        30,
+        f"{user} allowed to create {resource} by ClusterRole {role}",
+        interval=0.05,
     )
