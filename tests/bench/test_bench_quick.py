@@ -20,8 +20,8 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# Over 3 minutes (about 7 on 2 shared cores): one run of every section, since the report
-# and its plots are made from all of them together.
+# Over 3 minutes (about 10 beside make test's other lane): one run of every section, since
+# the report and its plots are made from all of them together.
 @pytest.mark.timeout(2400)
 def test_check_mode_writes_every_section_with_numbers(tmp_path: Path) -> None:
     proc = subprocess.run(
