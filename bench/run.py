@@ -63,47 +63,31 @@ class Plan:
     torch_join_timeout: int  # seconds a torch round may take before it "did not survive"
 
 
+QUICK = Plan(
+    seal_ours=(2, 8),
+    seal_torch=(2, 8),
+    seal_reps=2,
+    seal_reps_large=1,
+    failure_reps=1,
+    failure_c10d_defaults_reps=0,
+    scaleup_reps=1,
+    scale_nodes=24,
+    scale_reps=1,
+    concurrent=(4, 4),
+    concurrent_reps=1,
+    live=(10, 2),
+    import_reps=3,
+    recovery_reps=1,
+    # c10d's variants wait out its keep-alive and last call: minutes, in every trial
+    recovery_variants=("ours", "ours-warm", "ours-in-place"),
+    max_workers=2,
+    torch_join_timeout=60,
+)
+
 PLANS = {
-    "quick": Plan(
-        seal_ours=(2, 8),
-        seal_torch=(2, 8),
-        seal_reps=2,
-        seal_reps_large=1,
-        failure_reps=1,
-        failure_c10d_defaults_reps=0,
-        scaleup_reps=1,
-        scale_nodes=24,
-        scale_reps=1,
-        concurrent=(4, 4),
-        concurrent_reps=1,
-        live=(10, 2),
-        import_reps=3,
-        recovery_reps=1,
-        # c10d's variants wait out its keep-alive and last call: minutes, in every trial
-        recovery_variants=("ours", "ours-warm", "ours-in-place"),
-        max_workers=2,
-        torch_join_timeout=60,
-    ),
+    "quick": QUICK,
     # tests/bench: every section and the report, each measured once (minutes less).
-    "check": Plan(
-        seal_ours=(2, 8),
-        seal_torch=(2, 8),
-        seal_reps=1,
-        seal_reps_large=1,
-        failure_reps=1,
-        failure_c10d_defaults_reps=0,
-        scaleup_reps=1,
-        scale_nodes=24,
-        scale_reps=1,
-        concurrent=(4, 4),
-        concurrent_reps=1,
-        live=(10, 2),
-        import_reps=1,
-        recovery_reps=1,
-        recovery_variants=("ours", "ours-warm", "ours-in-place"),
-        max_workers=2,
-        torch_join_timeout=60,
-    ),
+    "check": dataclasses.replace(QUICK, seal_reps=1, import_reps=1),
     "full": Plan(
         seal_ours=(2, 8, 32, 128, 256, 512),
         seal_torch=(2, 8, 32, 64, 128),
