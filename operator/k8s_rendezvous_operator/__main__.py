@@ -7,13 +7,16 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from k8s_rendezvous import __version__
+from k8s_rendezvous_operator import settings
 
 log = logging.getLogger("k8s_rendezvous_operator")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def command_line() -> argparse.ArgumentParser:
+    """The operator's flags, with their defaults."""
     parser = argparse.ArgumentParser(
         prog="k8s-rendezvous-operator",
         description="Seal elastic PyTorch rendezvous rounds kept in Rendezvous resources.",
@@ -128,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="name of the Lease (default: %(default)s)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = command_line()
     args = parser.parse_args(argv)
     if args.probe_interval < 0:
         parser.error(f"--probe-interval must be 0 (no probes) or more, got {args.probe_interval}")
@@ -136,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             "--probe-window must be at least twice --probe-interval (one lost datagram must "
             f"not drop a member), got {args.probe_window} and {args.probe_interval}"
         )
+    if args.webhook and not args.webhook_host:
+        parser.error("--webhook needs --webhook-host (the webhook Service's DNS name)")
+    parsed = settings_of(args)
 
     try:
         import kopf
@@ -157,9 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     log.info("k8s-rendezvous-operator %s starting", __version__)
     from k8s_rendezvous_operator import handlers  # registers the kopf handlers
 
-    if args.webhook:
-        if not args.webhook_host:
-            parser.error("--webhook needs --webhook-host (the webhook Service's DNS name)")
+    if parsed.webhook is not None:
         handlers.register_webhook()
     from k8s_rendezvous_operator import leadership
 
@@ -184,22 +193,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Named here: kopf would ask the password database for the user, and the image's
         # user 65532 has no entry there (getpwuid raises KeyError).
         identity=leadership.default_identity(),
-        memo=kopf.Memo(
-            namespaces=args.namespace,
-            job_label_selector=args.job_label_selector,
-            worker_role=args.worker_role,
-            probe_interval=args.probe_interval,
-            probe_window=args.probe_window,
-            webhook={
-                "host": args.webhook_host,
-                "service": args.webhook_service,
-                "addr": args.webhook_addr,
-                "port": args.webhook_port,
-                "cert_dir": args.webhook_cert_dir,
-                "config_name": args.webhook_config_name,
-                "timeout_seconds": args.webhook_timeout_seconds,
-                "max_connections": args.webhook_max_connections,
-            },
+        memo=kopf.Memo(settings=parsed),
+    )
+
+
+def settings_of(args: argparse.Namespace) -> settings.Settings:
+    """The flags :func:`command_line` parsed, as the kopf handlers read them."""
+    return settings.Settings(
+        namespaces=tuple(args.namespace),
+        job_label_selector=args.job_label_selector or None,
+        worker_role=args.worker_role or None,
+        probes=(
+            settings.Probes(args.probe_interval, args.probe_window) if args.probe_interval else None
+        ),
+        webhook=(
+            settings.Webhook(
+                host=args.webhook_host,
+                service=args.webhook_service or None,
+                addr=args.webhook_addr or None,
+                port=args.webhook_port,
+                cert_dir=Path(args.webhook_cert_dir) if args.webhook_cert_dir else None,
+                timeout_seconds=args.webhook_timeout_seconds,
+                max_connections=args.webhook_max_connections,
+                config_name=args.webhook_config_name,
+            )
+            if args.webhook
+            else None
         ),
     )
 

@@ -19,6 +19,13 @@ import kopf
 from k8s_rendezvous.wire import objects
 from k8s_rendezvous_operator import injection, jobs, kube, observe, probing, webhook
 from k8s_rendezvous_operator.reconciler import Reconciler
+from k8s_rendezvous_operator.settings import Settings
+
+
+def _settings(memo: kopf.Memo) -> Settings:
+    """The operator's settings, as ``__main__`` parsed them from its flags."""
+    parsed: Settings = memo["settings"]
+    return parsed
 
 
 def post(targets: Sequence[Mapping[str, Any]], *, warning: bool, reason: str, message: str) -> None:
@@ -49,6 +56,7 @@ class _NoDiffBase(kopf.DiffBaseStorage):
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    ours = _settings(memo)
     settings.posting.reporting_component = "k8s-rendezvous-operator"
     settings.persistence.diffbase_storage = _NoDiffBase()
     settings.posting.level = logging.INFO
@@ -60,23 +68,21 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.execution.max_workers = 8
     # Opting Jobs in by annotation means every Job event reaches us; a cluster with many
     # Jobs can require a label as well, filtered by the API server.
-    if memo.get("job_label_selector"):
-        settings.watching.label_selectors["jobs"] = memo["job_label_selector"]
+    if ours.job_label_selector is not None:
+        settings.watching.label_selectors["jobs"] = ours.job_label_selector
     api = kube.OperatorApi(kube.load_api_client())
-    reconciler = Reconciler(api, post, worker_role=memo.get("worker_role") or None)
+    reconciler = Reconciler(api, post, worker_role=ours.worker_role)
     # Know every node's request before the first reconcile: a member whose Lease had not
     # been seen yet would otherwise count as gone.
-    reconciler.leases_listed(
-        await asyncio.to_thread(api.list_node_leases, memo.get("namespaces") or ())
-    )
+    reconciler.leases_listed(await asyncio.to_thread(api.list_node_leases, ours.namespaces))
     reconciler.started()
     memo["reconciler"] = reconciler
-    if interval := memo.get("probe_interval"):
+    if ours.probes is not None:
         memo["prober"] = probing.Prober(
             reconciler.probe_targets,
             reconciler.probes_judged,
-            interval=interval,
-            window=memo["probe_window"],
+            interval=ours.probes.interval,
+            window=ours.probes.window,
         )
 
 
@@ -171,17 +177,20 @@ def register_webhook() -> None:
 
 
 async def _configure_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    settings.admission.server = webhook.server(memo["webhook"], memo.get("namespaces") or ())
+    ours = _settings(memo)
+    assert ours.webhook is not None, "registered with --webhook only"
+    settings.admission.server = webhook.server(ours.webhook, ours.namespaces)
     settings.admission.managed = None
-    # How long a pod whose Job the watch has not shown yet waits for its event. With a Job
-    # label selector the watch never shows the other Jobs, whose pods the webhook is sent
-    # all the same (a pod carries no Job label): none waits, and a selected Job's pod that
-    # outruns its Job's event is admitted without the env and reported (PodNotInjected).
-    memo["webhook_wait"] = (
-        0.0
-        if memo.get("job_label_selector")
-        else min(jobs.WATCH_WAIT_SECONDS, memo["webhook"]["timeout_seconds"] / 2)
-    )
+
+
+def _webhook_wait(ours: Settings) -> float:
+    """How long a pod whose Job the watch has not shown yet waits for its event. With a Job
+    label selector the watch never shows the other Jobs, whose pods the webhook is sent
+    all the same (a pod carries no Job label): none waits, and a selected Job's pod that
+    outruns its Job's event is admitted without the env and reported (PodNotInjected)."""
+    if ours.job_label_selector is not None or ours.webhook is None:
+        return 0.0
+    return min(jobs.WATCH_WAIT_SECONDS, ours.webhook.timeout_seconds / 2)
 
 
 async def _inject_torchrun_env(
@@ -189,7 +198,7 @@ async def _inject_torchrun_env(
 ) -> None:
     reconciler: Reconciler = memo["reconciler"]
     found = await reconciler.jobs.rendezvous_for_pod(
-        namespace or body.metadata.namespace or "", body, wait=memo["webhook_wait"]
+        namespace or body.metadata.namespace or "", body, wait=_webhook_wait(_settings(memo))
     )
     if found is not None:
         excluded = reconciler.excluded_nodes(

@@ -36,7 +36,7 @@ import aiohttp.web
 import kopf
 
 from k8s_rendezvous.wire import codec
-from k8s_rendezvous_operator import kube
+from k8s_rendezvous_operator import kube, settings
 
 log = logging.getLogger(__name__)
 
@@ -436,39 +436,39 @@ class BoundedServer:
         return aiohttp.web.json_response(answer)
 
 
-def server(options: Mapping[str, Any], namespaces: Sequence[str]) -> RegisteringWebhookServer:
-    """The webhook server the operator's ``--webhook-*`` ``options`` describe: its
-    certificate from ``cert_dir``, or self-signed for ``host`` (and ``addr``)."""
+def server(options: settings.Webhook, namespaces: Sequence[str]) -> RegisteringWebhookServer:
+    """The webhook server ``options`` describe: its certificate from their ``cert_dir``,
+    or self-signed for their ``host`` (and ``addr``)."""
     # Imported here: cryptography costs every operator its memory, and only this needs it.
     from k8s_rendezvous_operator import certificates
 
-    if options["cert_dir"]:
-        directory = Path(options["cert_dir"])
+    if options.cert_dir is not None:
+        directory = options.cert_dir
         ca, cert, key = directory / "ca.crt", directory / "tls.crt", directory / "tls.key"
     else:
         directory = Path(tempfile.mkdtemp(prefix="k8s-rendezvous-webhook-"))
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         ca, cert, key = certificates.write_self_signed(
-            directory, [options["host"], *([options["addr"]] if options["addr"] else [])]
+            directory, [options.host, *([options.addr] if options.addr else [])]
         )
     listening = BoundedServer(
-        addr=options["addr"] or None,
-        port=options["port"],
-        host=options["host"],
+        addr=options.addr,
+        port=options.port,
+        host=options.host,
         cafile=ca,
         certfile=cert,
         pkeyfile=key,
         limits=Limits(
-            max_connections=options["max_connections"],
-            request_seconds=options["timeout_seconds"],
+            max_connections=options.max_connections,
+            request_seconds=options.timeout_seconds,
         ),
     )
     return RegisteringWebhookServer(
         listening,
         kube.OperatorApi(kube.load_api_client()),
-        options["config_name"],
-        service=options["service"],
-        service_port=options["port"],
-        timeout_seconds=options["timeout_seconds"],
+        options.config_name,
+        service=options.service or "",
+        service_port=options.port,
+        timeout_seconds=options.timeout_seconds,
         namespaces=namespaces,
     )
