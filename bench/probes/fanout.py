@@ -178,7 +178,11 @@ def measure(
             list(
                 writers.map(
                     lambda index: operator_api.write_slice(
-                        namespace, rendezvous, index, pieces[index]
+                        namespace,
+                        rendezvous["metadata"]["name"],
+                        rendezvous["metadata"]["uid"],
+                        index,
+                        pieces[index],
                     ),
                     range(slices),
                 )

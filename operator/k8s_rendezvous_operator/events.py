@@ -49,7 +49,13 @@ def rendezvous_targets(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     either shows what happened to the rounds."""
     metadata = body["metadata"]
     return [
-        body,
+        object_reference(
+            metadata.get("namespace"),
+            body.get("apiVersion"),
+            body.get("kind"),
+            metadata.get("name"),
+            metadata.get("uid"),
+        ),
         *(
             job_reference(metadata.get("namespace"), owner["name"], owner["uid"])
             for owner in metadata.get("ownerReferences") or []

@@ -103,11 +103,10 @@ class Jobs:
         memory = self._jobs.get(key)
         return None if memory is None else memory.job
 
-    def owning(self, key: Key, body: Mapping[str, Any]) -> observe.JobObservation | None:
-        """The annotated Job ``key`` if it owns the Rendezvous ``body``."""
+    def owning(self, key: Key, held: names.Holding) -> observe.JobObservation | None:
+        """The annotated Job ``key`` if it owns the Rendezvous ``held`` describes."""
         job = self.get(key)
-        owners = body["metadata"].get("ownerReferences") or []
-        if job is None or not any(owner.get("uid") == job.uid for owner in owners):
+        if job is None or job.uid not in held.owner_uids:
             return None
         return job
 
@@ -197,7 +196,7 @@ class Jobs:
         finally:
             memory.injection_check = None
         held = self._known_rendezvous(key)
-        if held is not None and names.holder(job_uid, held) is not names.Holder.JOB:
+        if held is not None and names.holder(job_uid, names.holding(held)) is not names.Holder.JOB:
             # Deleting a pod would not help while another holds the name (RendezvousNotOwned
             # says how to free it); its pods are looked at again once the Job's is made.
             return
@@ -260,13 +259,13 @@ class Jobs:
             existing = await asyncio.to_thread(self._api.get_rendezvous, namespace, name)
         except kube.NotFound:
             return  # deleted meanwhile: its deletion brings the Job back here
-        holder = names.holder(job["metadata"]["uid"], existing)
+        held = names.holding(existing)
+        holder = names.holder(job["metadata"]["uid"], held)
         if holder is names.Holder.POD:
             if self._runs(key):
                 await self._replace(key, job, spec, existing)
             return
         if holder is names.Holder.USER:
-            held = names.holding(existing)
             self._post(
                 [job],
                 warning=True,
@@ -337,17 +336,18 @@ class Jobs:
         job = self.get(key)
         return job is not None and job.finished is None and not job.deleting
 
-    def replaces(self, key: Key, rendezvous: Mapping[str, Any]) -> bool:
-        """Whether ``rendezvous`` is a pod-made one that the annotated Job ``key``'s
-        replaces (:mod:`.names`): it is not reconciled (nor adopted) meanwhile, and the
-        Job's pods are given the env, for the Job's Rendezvous made in its place. Known
-        from the Job's watch event already while that event is still being handled."""
+    def replaces(self, key: Key, held: names.Holding) -> bool:
+        """Whether the Rendezvous ``held`` describes is a pod-made one that the annotated
+        Job ``key``'s replaces (:mod:`.names`): it is not reconciled (nor adopted)
+        meanwhile, and the Job's pods are given the env, for the Job's Rendezvous made in
+        its place. Known from the Job's watch event already while that event is still being
+        handled."""
         watched = self._watched.get(key)
         if watched is None or watched[1] is None or watched[1].spec is None:
             return False
         job = self.get(key)
         runs = job is None or (job.finished is None and not job.deleting)
-        return names.replaced_for_job(watched[0], runs, rendezvous)
+        return names.replaced_for_job(watched[0], runs, held)
 
     async def replace(self, key: Key, rendezvous: Mapping[str, Any]) -> None:
         """The watch showed a pod-made Rendezvous under the name of the annotated Job

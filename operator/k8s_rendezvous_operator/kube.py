@@ -96,7 +96,8 @@ class ReconcilerApi(Protocol):
     def write_slice(
         self,
         namespace: str,
-        rendezvous: Mapping[str, Any],
+        rendezvous: str,
+        rendezvous_uid: str,
         index: int,
         content: Mapping[str, Any],
     ) -> None: ...
@@ -168,15 +169,15 @@ class OperatorApi:
     def write_slice(
         self,
         namespace: str,
-        rendezvous: Mapping[str, Any],
+        rendezvous: str,
+        rendezvous_uid: str,
         index: int,
         content: Mapping[str, Any],
     ) -> None:
-        """Make RendezvousSlice ``index`` of ``rendezvous`` hold ``content`` (its spec and
-        status): a merge patch (``None`` removes a field), or a create the first time. The
-        Rendezvous owns it, so it goes with it."""
-        metadata = rendezvous["metadata"]
-        name = objects.slice_name(metadata["name"], index)
+        """Make RendezvousSlice ``index`` of Rendezvous ``rendezvous`` hold ``content`` (its
+        spec and status): a merge patch (``None`` removes a field), or a create the first
+        time. The Rendezvous (``rendezvous_uid``) owns it, so it goes with it."""
+        name = objects.slice_name(rendezvous, index)
         try:
             self._request(
                 "PATCH",
@@ -188,14 +189,14 @@ class OperatorApi:
         except NotFound:
             pass
         owner = objects.owner_reference(
-            objects.API_VERSION, objects.KIND, metadata["name"], metadata["uid"]
+            objects.API_VERSION, objects.KIND, rendezvous, rendezvous_uid
         )
         body = {
             "apiVersion": objects.API_VERSION,
             "kind": objects.SLICE_KIND,
             "metadata": {
                 "name": name,
-                "labels": {objects.NODE_LABEL: metadata["name"]},
+                "labels": {objects.NODE_LABEL: rendezvous},
                 "ownerReferences": [owner],
             },
             **{

@@ -47,6 +47,8 @@ class Holding:
     """Its controller ownerReference, else its first one, if any."""
     selects: bool
     """It names its pods by ``spec.podSelector``."""
+    owner_uids: frozenset[str] = frozenset()
+    """The uids of all its ownerReferences."""
 
     @property
     def owner_name(self) -> str | None:
@@ -55,6 +57,7 @@ class Holding:
 
 
 def holding(rendezvous: Mapping[str, Any]) -> Holding:
+    """What the Rendezvous body ``rendezvous`` says of who holds its name."""
     metadata = rendezvous.get("metadata") or {}
     creator = (metadata.get("annotations") or {}).get(objects.CREATED_BY_ANNOTATION)
     owners = [o for o in metadata.get("ownerReferences") or [] if isinstance(o, Mapping)]
@@ -64,22 +67,23 @@ def holding(rendezvous: Mapping[str, Any]) -> Holding:
         creator=creator if objects.is_object_name(creator) else None,
         owner=owner,
         selects=(rendezvous.get("spec") or {}).get("podSelector") is not None,
+        owner_uids=frozenset(o["uid"] for o in owners if isinstance(o.get("uid"), str)),
     )
 
 
-def holder(job_uid: str, rendezvous: Mapping[str, Any]) -> Holder:
-    """Who holds the name of the Job whose uid is ``job_uid``, given its Rendezvous."""
-    owners = (rendezvous.get("metadata") or {}).get("ownerReferences") or []
-    if any(isinstance(o, Mapping) and o.get("uid") == job_uid for o in owners):
+def holder(job_uid: str, held: Holding) -> Holder:
+    """Who holds the name of the Job whose uid is ``job_uid``, given what its Rendezvous
+    says (:func:`holding`)."""
+    if job_uid in held.owner_uids:
         return Holder.JOB
-    return Holder.POD if holding(rendezvous).creator is not None else Holder.USER
+    return Holder.POD if held.creator is not None else Holder.USER
 
 
-def replaced_for_job(job_uid: str, job_runs: bool, rendezvous: Mapping[str, Any]) -> bool:
-    """Whether the operator deletes ``rendezvous`` to make the Job's in its place: a pod
-    made it, not for this Job, and the Job runs (a finished or deleted Job needs no
-    rendezvous, and its name is free for others again)."""
-    return job_runs and holder(job_uid, rendezvous) is Holder.POD
+def replaced_for_job(job_uid: str, job_runs: bool, held: Holding) -> bool:
+    """Whether the operator deletes the Rendezvous ``held`` describes to make the Job's in
+    its place: a pod made it, not for this Job, and the Job runs (a finished or deleted Job
+    needs no rendezvous, and its name is free for others again)."""
+    return job_runs and holder(job_uid, held) is Holder.POD
 
 
 def pod_of_job(job_uid: str, pod: Mapping[str, Any]) -> bool:

@@ -22,7 +22,7 @@ def test_each_cause_and_budget_is_served_before_it_first_counts() -> None:
     """A series Prometheus first scrapes at 1 shows no increase: the first loss of a
     reason, the first closure, or the first suppression of a budget, would be missing from
     the dashboard."""
-    importlib.import_module("k8s_rendezvous_operator.reconciler")  # declares the series
+    importlib.import_module("k8s_rendezvous_operator.reporting")  # declares the series
     assert served_labels(metrics.MEMBERS_LOST, "reason") >= set(reasons.LOST_REASONS)
     assert served_labels(metrics.CLOSED, "reason") >= set(reasons.CLOSED_REASONS)
     assert served_labels(metrics.EVENTS_SUPPRESSED, "budget") >= set(events.WARNING_BUDGETS)

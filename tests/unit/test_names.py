@@ -75,24 +75,31 @@ STATEFULSET = owner("StatefulSet", "train", "uid-sts")
     ],
 )
 def test_who_holds_the_name_of_an_annotated_job(body: dict[str, Any], holder: names.Holder) -> None:
-    assert names.holder(JOB_UID, body) is holder
+    assert names.holder(JOB_UID, names.holding(body)) is holder
 
 
 def test_a_pod_made_rendezvous_is_replaced_only_while_the_job_runs() -> None:
-    squatted = rendezvous("squatter", [STATEFULSET])
+    squatted = names.holding(rendezvous("squatter", [STATEFULSET]))
     assert names.replaced_for_job(JOB_UID, True, squatted)
     assert not names.replaced_for_job(JOB_UID, False, squatted), "a finished Job frees its name"
 
 
 def test_neither_the_jobs_own_nor_a_users_rendezvous_is_replaced() -> None:
-    assert not names.replaced_for_job(JOB_UID, True, rendezvous("p", [owner("Job", "j", JOB_UID)]))
-    assert not names.replaced_for_job(JOB_UID, True, rendezvous(selector=True))
+    jobs_own = names.holding(rendezvous("p", [owner("Job", "j", JOB_UID)]))
+    assert not names.replaced_for_job(JOB_UID, True, jobs_own)
+    assert not names.replaced_for_job(JOB_UID, True, names.holding(rendezvous(selector=True)))
 
 
 def test_what_a_rendezvous_says_of_its_holder() -> None:
     helper = owner("Job", "helper", "uid-helper", controller=False)
     held = names.holding(rendezvous("train-0", [helper, STATEFULSET], selector=True))
-    assert held == names.Holding(uid="uid-rdzv", creator="train-0", owner=STATEFULSET, selects=True)
+    assert held == names.Holding(
+        uid="uid-rdzv",
+        creator="train-0",
+        owner=STATEFULSET,
+        selects=True,
+        owner_uids=frozenset({"uid-helper", "uid-sts"}),
+    )
     assert held.owner_name == "StatefulSet/train", "the controller, not the first owner"
     assert names.holding(rendezvous(owners=[helper])).owner_name == "Job/helper"
     bare = names.holding(rendezvous("bare-pod"))

@@ -78,7 +78,8 @@ class FakeApi:
     def write_slice(
         self,
         namespace: str,
-        rendezvous: Mapping[str, Any],
+        rendezvous: str,
+        rendezvous_uid: str,
         index: int,
         content: Mapping[str, Any],
     ) -> None:
