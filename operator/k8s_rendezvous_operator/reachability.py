@@ -26,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Set
 
+from k8s_rendezvous.wire import leases, statuses
+from k8s_rendezvous_operator import rounds
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -56,3 +59,27 @@ def unreachable(
     if 2 * sum(1 for target in silent if not target.waiting) > len(members):
         return frozenset()
     return silent
+
+
+def targets(
+    key: tuple[str, str],
+    status: statuses.RendezvousStatus,
+    requests: Mapping[str, leases.NodeEntry],
+) -> tuple[Target, ...]:
+    """What to probe of Rendezvous ``key`` (namespace, name): the members of a sealed
+    round (a stale round's are re-joining, or lost), and the nodes waiting, in any state:
+    a spare cut off with the member it would replace must be known unreachable when that
+    member is, not admitted in its place."""
+    members = [
+        (member.node, entry, False)
+        for member in status.members
+        if status.state is statuses.RoundState.SEALED
+        and (entry := requests.get(member.node))
+        and member.admits(entry)
+    ]
+    waiters = [(name, requests[name], True) for name in rounds.waiting(status, requests)]
+    return tuple(
+        Target(*key, node, entry.instance, entry.addr, entry.probe_port, waiting)
+        for node, entry, waiting in (*members, *waiters)
+        if entry.probe_port
+    )

@@ -96,27 +96,6 @@ def _uid(body: Mapping[str, Any]) -> object:
     return (body.get("metadata") or {}).get("uid")
 
 
-def _probe_targets(
-    key: Key, status: statuses.RendezvousStatus, requests: Mapping[str, leases.NodeEntry]
-) -> tuple[reachability.Target, ...]:
-    """The members of a sealed round (a stale round's are re-joining, or lost), and the
-    nodes waiting, in any state: a spare cut off with the member it would replace must be
-    known unreachable when that member is, not admitted in its place."""
-    members = [
-        (member.node, entry, False)
-        for member in status.members
-        if status.state is statuses.RoundState.SEALED
-        and (entry := requests.get(member.node))
-        and member.admits(entry)
-    ]
-    waiters = [(name, requests[name], True) for name in rounds.waiting(status, requests)]
-    return tuple(
-        reachability.Target(*key, node, entry.instance, entry.addr, entry.probe_port, waiting)
-        for node, entry, waiting in (*members, *waiters)
-        if entry.probe_port
-    )
-
-
 class Written(enum.Enum):
     """How a status write ended."""
 
@@ -411,16 +390,7 @@ class Reconciler:
         namespace = key[0]
         view = memory.view()
         if isinstance(view, codec.DecodeError):
-            if memory.unreadable != str(view):
-                memory.unreadable = str(view)
-                metadata = body["metadata"]
-                await self._refuse(
-                    key,
-                    body,
-                    int(metadata.get("generation", 0)),
-                    metadata["resourceVersion"],
-                    reasons.unreadable(view),
-                )
+            await self._refuse_unreadable(key, memory, body, view)
             return True
         memory.unreadable = None
         if self.jobs.replaces(key, view.holding):
@@ -449,15 +419,7 @@ class Reconciler:
             requests,
             pods,
             now,
-            liveness=rounds.Liveness(
-                self._pods.heartbeats(namespace, requests),
-                since=self._started_at,
-                unreachable=frozenset(
-                    (target.node, target.instance)
-                    for target in self._unreachable
-                    if (target.namespace, target.rendezvous) == key
-                ),
-            ),
+            liveness=self._liveness(key, requests),
             expected_nodes=job.parallelism if job else None,
             close=job.finished if job else None,
             generation=view.generation,
@@ -471,7 +433,7 @@ class Reconciler:
             return False
         self._reporter.expired_waiters(view, requests, decision.expired_waiters)
         memory.forming_since = decision.status.forming_since
-        memory.probed = _probe_targets(key, decision.status, requests)
+        memory.probed = reachability.targets(key, decision.status, requests)
         if decision.write:
             written = await self._write(memory, view, decision, now)
             if written is not Written.WRITTEN:
@@ -479,6 +441,34 @@ class Reconciler:
         await self._publish_slices(memory, view, decision.status, requests)
         self._wake_at(key, decision.wake_at)
         return True
+
+    def _liveness(self, key: Key, requests: Iterable[str]) -> rounds.Liveness:
+        """What the Leases' heartbeats and the probes say of the nodes behind ``requests``."""
+        return rounds.Liveness(
+            self._pods.heartbeats(key[0], requests),
+            since=self._started_at,
+            unreachable=frozenset(
+                (target.node, target.instance)
+                for target in self._unreachable
+                if (target.namespace, target.rendezvous) == key
+            ),
+        )
+
+    async def _refuse_unreadable(
+        self, key: Key, memory: RendezvousMemory, body: Mapping[str, Any], error: Exception
+    ) -> None:
+        """Refuse ``body``, which does not decode: once per distinct problem."""
+        if memory.unreadable == str(error):
+            return
+        memory.unreadable = str(error)
+        metadata = body["metadata"]
+        await self._refuse(
+            key,
+            body,
+            int(metadata.get("generation", 0)),
+            metadata["resourceVersion"],
+            reasons.unreadable(error),
+        )
 
     async def _adopt(
         self, key: Key, memory: RendezvousMemory, view: RendezvousView, creator: str

@@ -5,7 +5,9 @@ Aspects: a round is sealed in one status write and reported after it; a join tha
 only ``formingSince`` costs no write, and the remembered start times the seal; a conflict
 is decided again on the fresh object; a refused write is said once and not retried; a
 round is never sealed with a pod before the pod is looked at; a deleted rendezvous is
-forgotten whole; slices are written only when their content changes.
+forgotten whole; slices are written only when their content changes; each version of a
+Rendezvous is decoded once however many passes read it, and one that does not decode is
+refused once, where users look.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from typing import Any
 import pytest
 
 from k8s_rendezvous.wire import leases, objects, records, specs, statuses
-from k8s_rendezvous_operator import kube, metrics, reasons, reconciler, workloads
+from k8s_rendezvous_operator import (
+    kube,
+    metrics,
+    reasons,
+    reconciler,
+    rendezvous_view,
+    rounds,
+    workloads,
+)
 
 NS = "ns"
 NAME = "r"
@@ -291,6 +301,62 @@ def test_a_refused_write_is_said_once_and_not_retried(harness: Harness) -> None:
     assert harness.events.reasons() == [reasons.INVALID_RENDEZVOUS]
     assert "its next status was refused" in harness.events.posted[0].message
     # The one write that followed is the refusal's own condition, not a retried decision.
+    (condition_only,) = harness.api.status_writes
+    assert list(condition_only) == ["conditions"]
+    assert condition_only["conditions"][0]["reason"] == reasons.INVALID_RENDEZVOUS
+
+
+def test_each_version_of_the_rendezvous_is_decoded_once_however_many_passes_read_it(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every join is a pass, and most passes write nothing: they all decide on the same
+    version of the Rendezvous, read once."""
+    read_versions: list[str] = []
+    passes: list[int] = []
+    read, decide = rendezvous_view.read, rounds.decide
+
+    def counted_read(body: Mapping[str, Any]) -> rendezvous_view.RendezvousView:
+        read_versions.append(body["metadata"]["resourceVersion"])
+        return read(body)
+
+    def counted_decide(*args: Any, **kwargs: Any) -> rounds.Decision:
+        passes.append(1)
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(rendezvous_view, "read", counted_read)
+    monkeypatch.setattr(rounds, "decide", counted_decide)
+
+    async def scenario() -> None:
+        for node in (1, 2, 3, 4):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        await harness.rendezvous(harness.api.add_rendezvous(spec(4, 4), None))
+        for node in (1, 2, 3, 4):
+            await harness.lease(f"p{node}", entry(node))
+
+    asyncio.run(scenario())
+    assert written_states(harness.api) == [("Forming", 0), ("Sealed", 1)]
+    assert len(read_versions) == len(set(read_versions)), read_versions
+    assert len(read_versions) == 2, "the version first seen, and the one the first write made"
+    assert len(passes) == 9, "the first pass, one per join, one per pod labelled"
+
+
+def test_a_rendezvous_that_does_not_decode_is_refused_once_and_decides_nothing(
+    harness: Harness,
+) -> None:
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")
+        body = harness.api.add_rendezvous(spec(1, 1), None)
+        body["status"] = {"state": "Forming", "schemaVersion": 1, "round": "one"}
+        harness.api.rendezvous[NAME] = body
+        await harness.rendezvous(body)
+        await harness.lease("p1", entry(1))  # another pass over the same version
+
+    asyncio.run(scenario())
+    assert harness.events.reasons() == [reasons.INVALID_RENDEZVOUS]
+    assert harness.events.posted[0].targets == [f"{objects.KIND}/{NAME}"]
+    assert harness.events.posted[0].message == reasons.invalid_rendezvous(
+        NAME, reasons.unreadable("status.round: expected an integer, got 'one'")
+    )
     (condition_only,) = harness.api.status_writes
     assert list(condition_only) == ["conditions"]
     assert condition_only["conditions"][0]["reason"] == reasons.INVALID_RENDEZVOUS
