@@ -125,7 +125,7 @@ async def pod_event(
     reconciler: Reconciler = memo["reconciler"]
     assert namespace is not None, "namespaced resource"
     observation = observe.observe_pod(body, deleted=event.get("type") == "DELETED")
-    reconciler.pod_seen(
+    reconciler.pods.seen(
         (namespace, name),
         observation,
         labels.get(objects.NODE_LABEL),

@@ -124,7 +124,8 @@ class Reconciler:
             api, post, self.request, self._as_jobs_see_it, worker_role=worker_role
         )
         self._reporter = reporting.Reporter(api, post, clock, self.known_body)
-        self._pods = pods.Pods(api, self._reporter, self.request, self.known_body)
+        self.pods = pods.Pods(api, self._reporter, self.request, self.known_body)
+        """What is known of each node's pod; the pod watch's events go to its ``seen``."""
         self._ownership = ownership.Ownership(api, self._reporter)
         self._rendezvous: dict[Key, RendezvousMemory] = {}
         self._running: dict[Key, asyncio.Task[None]] = {}
@@ -153,10 +154,6 @@ class Reconciler:
         body = self.known_body(key)
         return None if body is None or self.jobs.replaces(key, names.holding(body)) else body
 
-    def observed(self, pod: Key) -> rounds.PodObservation | None:
-        """The pod as last observed (``None``: never)."""
-        return self._pods.observed(pod)
-
     def excluded_nodes(self, key: Key) -> tuple[str, ...]:
         """The Kubernetes nodes the workload of Rendezvous ``key`` is kept off (for the
         webhook), from what the watches showed: never a request to the API."""
@@ -169,7 +166,7 @@ class Reconciler:
             for member in members
             if isinstance(member, Mapping)
             and isinstance(name := member.get("node"), str)
-            and (observation := self.observed((key[0], name))) is not None
+            and (observation := self.pods.observed((key[0], name))) is not None
         }
         return observe.excluded_kube_nodes(body, self._clock(), pods)
 
@@ -195,24 +192,13 @@ class Reconciler:
         memory = self._rendezvous.pop(key, None)
         if memory is None:
             return
-        self._pods.forget(key[0], memory.entries)
+        self.pods.forget(key[0], memory.entries)
         if memory.timer:
             memory.timer.cancel()
         self._reporter.forget(key)
 
     async def job_seen(self, key: Key, body: Mapping[str, Any], deleted: bool) -> None:
         await self.jobs.seen(key, body, deleted)
-
-    def pod_seen(
-        self,
-        key: Key,
-        observation: rounds.PodObservation,
-        rendezvous: str | None,
-        node_name: str | None = None,
-        version: int = -1,
-    ) -> None:
-        """A pod changed (its watch event): see :meth:`.pods.Pods.seen`."""
-        self._pods.seen(key, observation, rendezvous, node_name, version)
 
     def leases_listed(self, bodies: Iterable[Mapping[str, Any]]) -> None:
         """Every node's Lease, listed at start: each is read on its own, so that one no
@@ -247,7 +233,7 @@ class Reconciler:
         the timer the last decision set); a new request reconciles its rendezvous."""
         pod, key = (namespace, lease.node), (namespace, lease.rendezvous)
         entry = None if deleted else lease.entry
-        node = self._pods[pod]
+        node = self.pods[pod]
         node.heartbeat = (
             None
             if deleted or not lease.instance
@@ -339,7 +325,7 @@ class Reconciler:
         while busy := [
             *self._running.values(),
             *self._reporting,
-            *self._pods.tasks(),
+            *self.pods.tasks(),
         ]:
             await asyncio.gather(*busy, return_exceptions=True)
 
@@ -428,7 +414,7 @@ class Reconciler:
             refused=refused,
             exclusions_cleared_at=view.exclusions_cleared_at,
         )
-        if looking := self._pods.looking_at(namespace, decision.awaiting):
+        if looking := self.pods.looking_at(namespace, decision.awaiting):
             await asyncio.wait(looking, timeout=10)
             return False
         self._reporter.expired_waiters(view, requests, decision.expired_waiters)
@@ -445,7 +431,7 @@ class Reconciler:
     def _liveness(self, key: Key, requests: Iterable[str]) -> rounds.Liveness:
         """What the Leases' heartbeats and the probes say of the nodes behind ``requests``."""
         return rounds.Liveness(
-            self._pods.heartbeats(key[0], requests),
+            self.pods.heartbeats(key[0], requests),
             since=self._started_at,
             unreachable=frozenset(
                 (target.node, target.instance)
@@ -499,11 +485,11 @@ class Reconciler:
         name (:func:`membership.claimed_by`); refusals reported, unknown pods looked up."""
         namespace, name = view.key
         requests = dict(memory.entries)
-        self._pods.label(namespace, name, requests)
+        self.pods.label(namespace, name, requests)
         pods = {
             node: observation
             for node in requests
-            if (observation := self.observed((namespace, node))) is not None
+            if (observation := self.pods.observed((namespace, node))) is not None
         }
         identities = await self._ownership.with_ancestors(
             namespace,
@@ -516,14 +502,14 @@ class Reconciler:
             requests,
             identities,
             frozenset(m.node for m in (*status.members, *status.left_behind)),
-            self._pods.writers(namespace, requests),
+            self.pods.writers(namespace, requests),
         )
         self._reporter.refusals(view, admission.refused)
         refused = admission.published(requests)
         requests = admission.counted
         pods = {node: observation for node, observation in pods.items() if node in requests}
         if label := view.spec.rank_order_node_label:
-            pods = await self._pods.with_topology(
+            pods = await self.pods.with_topology(
                 namespace, label, requests, pods, memory.node_labels
             )
         return requests, pods, refused, admission.claims

@@ -428,12 +428,12 @@ def test_a_deleted_rendezvous_is_forgotten_whole(harness: Harness) -> None:
         body = harness.api.add_rendezvous(spec(2, 2), None)
         await harness.rendezvous(body)
         await harness.lease("p1", entry(1))
-        assert harness.reconciler.observed((NS, "p1")) is not None
+        assert harness.reconciler.pods.observed((NS, "p1")) is not None
         await harness.reconciler.rendezvous_seen(KEY, body, deleted=True)
 
     asyncio.run(scenario())
     assert harness.reconciler.known_body(KEY) is None
-    assert harness.reconciler.observed((NS, "p1")) is None
+    assert harness.reconciler.pods.observed((NS, "p1")) is None
 
 
 def test_requests_for_a_rendezvous_that_does_not_exist_are_forgotten_with_their_leases(
