@@ -456,6 +456,20 @@ class Reconciler:
             reasons.unreadable(error),
         )
 
+    async def _refuse(
+        self,
+        key: Key,
+        target: Mapping[str, Any],
+        generation: int,
+        resource_version: str,
+        problem: str,
+    ) -> None:
+        """Refuse the Rendezvous (:meth:`.reporting.Reporter.refuse`); if it changed
+        meanwhile, look again at its next event."""
+        refused = await self._reporter.refuse(key, target, generation, resource_version, problem)
+        if not refused and (memory := self._rendezvous.get(key)):
+            memory.unreadable = None
+
     async def _adopt(
         self, key: Key, memory: RendezvousMemory, view: RendezvousView, creator: str
     ) -> bool:
@@ -585,43 +599,3 @@ class Reconciler:
         )
         memory.slices_written.update(changed)
         memory.published = publication
-
-    async def _refuse(
-        self,
-        key: Key,
-        target: Mapping[str, Any],
-        generation: int,
-        resource_version: str,
-        problem: str,
-    ) -> None:
-        """A Rendezvous that does not decode, or whose next status the API server refuses
-        (edited by hand, or by a foreign writer), is not guessed at: no round is decided
-        until it is fixed. Say so where users look (on ``target``, and in the ``Ready``
-        condition written over ``resource_version``), once per distinct problem, so that
-        our own write cannot make us loop."""
-        namespace, name = key
-        message = reasons.invalid_rendezvous(name, problem)
-        log.warning("Rendezvous %s/%s: %s", namespace, name, message)
-        self._reporter.post(
-            [target], warning=True, reason=reasons.INVALID_RENDEZVOUS, message=message
-        )
-        conditions = rounds.set_condition(
-            (),
-            rounds.CONDITION_READY,
-            False,
-            reasons.INVALID_RENDEZVOUS,
-            message[:32768],
-            self._clock(),
-            generation,
-        )
-        try:
-            await asyncio.to_thread(
-                self._api.write_status,
-                namespace,
-                name,
-                resource_version,
-                {"conditions": [condition.to_dict() for condition in conditions]},
-            )
-        except (kube.Conflict, kube.NotFound):
-            if memory := self._rendezvous.get(key):  # changed meanwhile: look again at next event
-                memory.unreadable = None

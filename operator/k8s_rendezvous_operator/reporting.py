@@ -17,7 +17,7 @@ from k8s_rendezvous_operator import events, kube, membership, metrics, reasons, 
 from k8s_rendezvous_operator.events import Key
 from k8s_rendezvous_operator.rendezvous_view import RendezvousView
 
-log = logging.getLogger("k8s_rendezvous_operator.reconciler")
+log = logging.getLogger(__name__)
 
 # Each reason's series is served at 0 from the start: Prometheus counts an increase only
 # from an earlier sample, so a series first scraped at 1 would hide the first loss or
@@ -124,6 +124,45 @@ class Reporter:
             return
         targets = [*events.rendezvous_targets(known), *([found] if found else [])]
         self.post(targets, warning=True, reason=reasons.HEALTH_CHECK_FAILED, message=message)
+
+    async def refuse(
+        self,
+        key: Key,
+        target: Mapping[str, Any],
+        generation: int,
+        resource_version: str,
+        problem: str,
+    ) -> bool:
+        """A Rendezvous that does not decode, or whose next status the API server refuses
+        (edited by hand, or by a foreign writer), is not guessed at: no round is decided
+        until it is fixed. Say so where users look: an Event on ``target``, and the
+        ``Ready`` condition written over ``resource_version``. ``False`` if the Rendezvous
+        changed meanwhile. The caller says it once per distinct problem, so that our own
+        write cannot make us loop."""
+        namespace, name = key
+        message = reasons.invalid_rendezvous(name, problem)
+        log.warning("Rendezvous %s/%s: %s", namespace, name, message)
+        self.post([target], warning=True, reason=reasons.INVALID_RENDEZVOUS, message=message)
+        conditions = rounds.set_condition(
+            (),
+            rounds.CONDITION_READY,
+            False,
+            reasons.INVALID_RENDEZVOUS,
+            message[:32768],
+            self._clock(),
+            generation,
+        )
+        try:
+            await asyncio.to_thread(
+                self._api.write_status,
+                namespace,
+                name,
+                resource_version,
+                {"conditions": [condition.to_dict() for condition in conditions]},
+            )
+        except (kube.Conflict, kube.NotFound):
+            return False
+        return True
 
     def expired_waiters(
         self,
