@@ -47,7 +47,7 @@ class Holding:
     """Its controller ownerReference, else its first one, if any."""
     selects: bool
     """It names its pods by ``spec.podSelector``."""
-    owner_uids: frozenset[str] = frozenset()
+    owner_uids: frozenset[str]
     """The uids of all its ownerReferences."""
 
     @property
