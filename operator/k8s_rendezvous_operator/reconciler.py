@@ -5,8 +5,8 @@ once, as a :class:`.rendezvous_view.RendezvousView` (decoded once per version of
 hands that view to everything it calls.
 
 The kopf handlers that feed it are in :mod:`.handlers`; the API calls go through
-:mod:`.kube`. What is known of each node's pod is :mod:`.pods`'; what the reconcile says,
-:mod:`.reporting`'s; whose a Rendezvous is, :mod:`.ownership`'s.
+:mod:`.kube`. What is known of each node's pod is kept in :mod:`.pods`, what the reconcile
+says is said by :mod:`.reporting`, and whose a Rendezvous is, settled by :mod:`.ownership`.
 """
 
 from __future__ import annotations
