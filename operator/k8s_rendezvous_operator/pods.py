@@ -67,7 +67,7 @@ class Pods:
         self._known_body = known_body
         self._pods: dict[Key, PodMemory] = {}
 
-    def __getitem__(self, pod: Key) -> PodMemory:
+    def memory(self, pod: Key) -> PodMemory:
         """What is known of ``pod``, remembered from now on."""
         return self._pods.setdefault(pod, PodMemory())
 
@@ -93,7 +93,7 @@ class Pods:
     ) -> None:
         """A pod changed: its watch event, or the answer to our labelling of it (whichever
         is older than what we know is dropped)."""
-        memory = self[key]
+        memory = self.memory(key)
         if version >= 0:
             if version < memory.version:
                 return
@@ -130,7 +130,7 @@ class Pods:
         """Label the pod behind each request not yet known (or known as another pod of
         its name), so that its events reach us."""
         for node in requests:
-            pod = self[(namespace, node)]
+            pod = self.memory((namespace, node))
             if pod.labelling is not None or (
                 (pod.observation is not None or pod.labelled) and not pod.replaced
             ):
@@ -164,7 +164,7 @@ class Pods:
         so far, kept while the rendezvous lives)."""
         result = dict(pods)
         for pod in nodes:
-            memory = self[(namespace, pod)]
+            memory = self.memory((namespace, pod))
             node = memory.node_name
             if node is None:
                 node = await asyncio.to_thread(self._api.pod_node_name, namespace, pod)
@@ -180,7 +180,7 @@ class Pods:
     async def _label(self, pod: Key, rendezvous: str) -> None:
         try:
             body = await asyncio.to_thread(self._api.label_pod, pod[0], pod[1], rendezvous)
-            self[pod].labelled = True
+            self.memory(pod).labelled = True
             # The answer is the pod as it is now: no need to wait for its watch event.
             self.seen(
                 pod,

@@ -233,7 +233,7 @@ class Reconciler:
         the timer the last decision set); a new request reconciles its rendezvous."""
         pod, key = (namespace, lease.node), (namespace, lease.rendezvous)
         entry = None if deleted else lease.entry
-        node = self.pods[pod]
+        node = self.pods.memory(pod)
         node.heartbeat = (
             None
             if deleted or not lease.instance
