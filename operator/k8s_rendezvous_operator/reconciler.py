@@ -448,26 +448,14 @@ class Reconciler:
             return
         memory.unreadable = str(error)
         metadata = body["metadata"]
-        await self._refuse(
+        refused = await self._reporter.refuse(
             key,
             body,
             int(metadata.get("generation", 0)),
             metadata["resourceVersion"],
             reasons.unreadable(error),
         )
-
-    async def _refuse(
-        self,
-        key: Key,
-        target: Mapping[str, Any],
-        generation: int,
-        resource_version: str,
-        problem: str,
-    ) -> None:
-        """Refuse the Rendezvous (:meth:`.reporting.Reporter.refuse`); if it changed
-        meanwhile, look again at its next event."""
-        refused = await self._reporter.refuse(key, target, generation, resource_version, problem)
-        if not refused and (memory := self._rendezvous.get(key)):
+        if not refused:  # changed meanwhile: look again at its next event
             memory.unreadable = None
 
     async def _adopt(
@@ -559,7 +547,7 @@ class Reconciler:
             # (an event itself) ends in one more refused write.
             if memory.write_refused != str(error):
                 memory.write_refused = str(error)
-                await self._refuse(
+                await self._reporter.refuse(
                     key,
                     view.reference,
                     view.generation,
