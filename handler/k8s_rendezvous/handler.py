@@ -538,14 +538,14 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             if status is None:
                 raise self._timed_out(spec)
             # Decide, then apply.
-            decision = join.decide(status, request)
-            if isinstance(decision, join.Closed):
-                if deadline.spare and not decision.in_failure:
-                    raise KubernetesRendezvousGracefulExitError(
-                        messages.spare_released(
-                            self._node, self._client.reference, decision.reason, decision.message
-                        )
+            decision = join.decide(status, request, spare=deadline.spare)
+            if isinstance(decision, join.Released):
+                raise KubernetesRendezvousGracefulExitError(
+                    messages.spare_released(
+                        self._node, self._client.reference, decision.reason, decision.message
                     )
+                )
+            if isinstance(decision, join.Closed):
                 raise KubernetesRendezvousClosedError(
                     messages.closed(self._client.reference, decision.reason, decision.message)
                 )

@@ -1,12 +1,15 @@
 """The join step: what a node waiting to join does next, decided from the round as its
 watch shows it and from the node's own join request. No I/O, no clock, no torch.
 
-As torch's ``_RendezvousJoinOp`` is to its executor, :func:`decide` is to the handler's
-join (``KubernetesRendezvousHandler._next_round``), which loops sync -> decide -> apply:
-it waits on the watched status (sync), asks :func:`decide` (decide), and serves or reaches
+As torch's ``_RendezvousJoinOp`` is to its executor, :func:`decide` is to the join loop
+(``KubernetesRendezvousHandler._next_round``), which loops sync -> decide -> apply: it
+waits on the watched status (sync), asks :func:`decide` (decide), and serves or reaches
 the round's store, writes a new request, or raises (apply). The rules, in order:
 
-1. The rendezvous is closed: :class:`Closed`, whatever else the status says.
+1. The rendezvous is closed: :class:`Closed`, whatever else the status says; but a node
+   that waited as a spare (:func:`is_spare`) is :class:`Released` by a closure not in
+   failure, as torch's c10d ends a node of its redundancy list: gracefully, so that its
+   pod does not fail.
    Then, the operator refused the request (the pod is not of the workload, its address not
    the pod's...): :class:`Refused`, with the operator's reason; no round can include it.
 2. The request holds a rank in the round shown: :class:`Admitted`, to that rank, even in a
@@ -62,6 +65,15 @@ class Closed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Released:
+    """No further round forms, and this node waited as a spare: it ends gracefully (the
+    operator's reason and message for closing)."""
+
+    reason: str | None
+    message: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Refused:
     """The operator does not count the request: its reason and message."""
 
@@ -82,14 +94,18 @@ class Wait:
     """Nothing to do yet: wait for the next status."""
 
 
-Decision: TypeAlias = Admitted | Closed | Refused | Rejoin | Wait
+Decision: TypeAlias = Admitted | Closed | Released | Refused | Rejoin | Wait
 
 
-def decide(view: views.NodeView, request: leases.NodeEntry) -> Decision:
+def decide(view: views.NodeView, request: leases.NodeEntry, *, spare: bool = False) -> Decision:
     """The join step for ``request`` (this node's join request) given ``view`` (the
-    status as this node reads it): the rules of this module's docstring, in order."""
+    status as this node reads it), ``spare`` telling whether the node waited as a spare
+    before ``view``: the rules of this module's docstring, in order."""
     if view.state is statuses.RoundState.CLOSED:
-        return Closed(view.closed_reason, view.closed_message)
+        closed = Closed(view.closed_reason, view.closed_message)
+        if spare and not closed.in_failure:
+            return Released(closed.reason, closed.message)
+        return closed
     if (refusal := view.refusal_of(request)) is not None:
         return Refused(refusal.reason, refusal.message)
     rank = view.rank_of(request)

@@ -1,8 +1,8 @@
 """The join step (k8s_rendezvous.join), table-driven and without any I/O: statuses as the
 operator writes them, read as a node reads them.
 
-Aspects: what a join does next for each status (admitted, closed, refused, asked again,
-wait);
+Aspects: what a join does next for each status (admitted, closed, released as a spare,
+refused, asked again, wait);
 which requests a round admits (this very attempt of this very agent, nothing older); what
 num_nodes_waiting() answers after a join; when a joined round is stale.
 """
@@ -117,6 +117,53 @@ def test_the_join_step_decides_from_the_status_and_the_request(
 ) -> None:
     assert join.decide(status, REQUEST) == decision
     assert join.is_decided(status, REQUEST) is not isinstance(decision, join.Wait)
+
+
+@pytest.mark.parametrize(
+    ("closed_reason", "spare", "decision"),
+    [
+        pytest.param(
+            "Finished",
+            True,
+            join.Released("Finished", "every member finished"),
+            id="a spare the work's end closes on is released gracefully",
+        ),
+        pytest.param(
+            statuses.CLOSED_RESTARTS_EXHAUSTED,
+            True,
+            join.Closed(statuses.CLOSED_RESTARTS_EXHAUSTED, "every member finished"),
+            id="a spare closed on in failure fails with the job",
+        ),
+        pytest.param(
+            "Finished",
+            False,
+            join.Closed("Finished", "every member finished"),
+            id="a node that was no spare is closed on, not released",
+        ),
+    ],
+)
+def test_a_closure_releases_a_node_that_waited_as_a_spare_unless_the_job_failed(
+    closed_reason: str, spare: bool, decision: join.Decision
+) -> None:
+    status = view(
+        round=2,
+        members=(OTHER,),
+        master=MASTER,
+        state=CLOSED,
+        closed_reason=closed_reason,
+        closed_message="every member finished",
+    )
+    assert join.decide(status, REQUEST, spare=spare) == decision
+    assert join.is_decided(status, REQUEST), "a closure ends the wait, spare or not"
+
+
+def test_being_a_spare_changes_nothing_but_a_closure() -> None:
+    sealed_with_it = view(
+        round=2, members=(OTHER, admitted_as(REQUEST)), master=MASTER, state=SEALED
+    )
+    sealed_full = view(round=2, members=(OTHER,), master=MASTER, state=SEALED)
+    for status in (sealed_with_it, sealed_full, view()):
+        assert join.decide(status, REQUEST, spare=True) == join.decide(status, REQUEST)
 
 
 def test_a_member_list_without_a_master_is_asked_again_not_trusted() -> None:
