@@ -1,5 +1,6 @@
 """torchrun's parameters for ``--rdzv-backend=kubernetes``, read and checked: the
-``--rdzv-conf`` keys, the endpoint (which Rendezvous), and the node's own name.
+``--rdzv-conf`` keys, the endpoint (which Rendezvous), and the node's own name (held by one
+agent at a time: :func:`claim_node`).
 
 Nothing here talks to the API but :func:`own_pod_name`, once, when ``POD_NAME`` is unset.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import hashlib
 import ipaddress
 import logging
 import os
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from k8s_rendezvous import messages
+from k8s_rendezvous.errors import KubernetesRendezvousStateError
 from k8s_rendezvous.wire import objects, specs, tunables
 
 if TYPE_CHECKING:
@@ -347,3 +352,25 @@ def own_pod_name(client: api.RendezvousApi) -> str:
         )
         pod = None
     return pod or socket.gethostname()
+
+
+def claim_node(reference: str, node: str) -> socket.socket:
+    """Hold the name ``node`` for this agent, in ``reference``, while it lives: an abstract
+    Unix socket, which every container of the pod sees (they share its network namespace)
+    and the kernel frees with the process, however it ends.
+
+    Raises:
+        KubernetesRendezvousStateError: Another agent of this pod holds it.
+    """
+    key = hashlib.sha256(f"{reference}/{node}".encode()).hexdigest()[:32]
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0k8s-rendezvous-node-{key}")
+    except OSError as error:
+        claim.close()
+        if error.errno != errno.EADDRINUSE:
+            raise
+        # Two agents under one node name would share its Lease: each join would overwrite
+        # the other's request, and neither would ever be admitted.
+        raise KubernetesRendezvousStateError(messages.another_agent(node, reference)) from error
+    return claim

@@ -2,7 +2,7 @@
 watch shows it and from the node's own join request. No I/O, no clock, no torch.
 
 As torch's ``_RendezvousJoinOp`` is to its executor, :func:`decide` is to the join loop
-(``KubernetesRendezvousHandler._next_round``), which loops sync -> decide -> apply: it
+(:class:`k8s_rendezvous.join_loop.JoinLoop`), which loops sync -> decide -> apply: it
 waits on the watched status (sync), asks :func:`decide` (decide), and serves or reaches
 the round's store, writes a new request, or raises (apply). The rules, in order:
 

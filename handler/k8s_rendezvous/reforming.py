@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any, Final, Protocol
 
 from torch.distributed import Store  # type: ignore[attr-defined]
@@ -55,6 +56,26 @@ _WAKE_SECONDS: Final = 1.0
 _ASSIGN_WAIT: Final = datetime.timedelta(seconds=2)
 """How long one try of the rank assignment waits on the round's store (a few
 milliseconds are enough while every member is alive)."""
+
+
+_AGENT_FRAMES: Final = 4
+"""How far up its callers ``next_rendezvous()`` looks for torch's agent on the in-place
+path (the agent's ``_rendezvous``, under its profiling wrapper)."""
+
+
+def calling_agent(frame: FrameType | None) -> ElasticAgent | None:
+    """torch's elastic agent among the callers from ``frame`` up (it is the caller's
+    caller at most: ``launch_agent`` holds it as ``agent``, its own methods as ``self``):
+    the one :meth:`Reformer.started` is for."""
+    for _ in range(_AGENT_FRAMES):
+        if frame is None:
+            return None
+        for name in ("agent", "self"):
+            candidate = frame.f_locals.get(name)
+            if isinstance(candidate, ElasticAgent):
+                return candidate
+        frame = frame.f_back
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ only if this node becomes rank 0.
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 import threading
 import time
@@ -19,9 +20,11 @@ from typing import Final
 import torch
 
 # Exported by torch.distributed at run time but missing from its type stubs.
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from k8s_rendezvous.wire import records
+
+log = logging.getLogger(__name__)
 
 _LOOPBACK: Final = "127.0.0.1"
 _STALE_ROUND_POLL_SECONDS: Final = 0.05
@@ -30,6 +33,13 @@ _LIBUV_SERVES_A_GIVEN_SOCKET: Final = torch.__version__ >= "2.8"
 """torch's libuv store server listens on a socket it is handed only since 2.8 (pytorch
 #150215); before, only its classic server does. (``torch.__version__`` is a TorchVersion:
 it compares as a version, so 2.13 is above 2.8.)"""
+_EXIT_BARRIER_KEY: Final = "torchelastic/agent/terminal_state/num_members"
+"""The counter torch's elastic agent adds to, in its round's store, as it enters its exit
+barrier (``_TERMINAL_STATE_SYNC_ID`` with ``store_util.barrier``'s ``/num_members``): it
+enters it only once its workers succeeded, in torch 2.6 to 2.15 alike."""
+_FINISH_CHECK_SECONDS: Final = 5.0
+"""Bound on reading that counter at ``shutdown()``: rank 0's store is this node's own or
+on a live peer's (a dead one refuses at once); only a partitioned rank 0 takes this long."""
 
 
 def route_address(towards: str | None) -> str:
@@ -146,3 +156,42 @@ def connect(
     if isinstance(made[0], RuntimeError):
         raise made[0]
     return made[0]
+
+
+class Kept:
+    """The round stores a node holds on to: the one it serves as its round's rank 0 (and
+    the one before, one more round, for agents still finishing with it), and its last
+    round's as its agent uses it (under the round's prefix)."""
+
+    def __init__(self) -> None:
+        self.serving: TCPStore | None = None
+        """The store of the round this node is rank 0 of."""
+        self._retired: TCPStore | None = None
+        self.agents: Store | None = None
+        """The last round's store as its agent uses it (under the round's prefix)."""
+
+    def keep(self, store: TCPStore, served: bool, prefix: str) -> Store:
+        """Hold ``store``, the new round's (``served``: by this node), and return it as its
+        agent uses it, under ``prefix``."""
+        self._retired, self.serving = self.serving, store if served else None
+        self.agents = PrefixStore(prefix, store)
+        return self.agents
+
+    def finishing(self, node: str) -> bool:
+        """Whether an agent of node ``node``'s last round entered torch's exit barrier,
+        which it does only once its workers succeeded: the round's work is ending, and the
+        node finishes rather than leaves (whoever calls ``shutdown()``, and however).
+        Unknown (no round, rank 0 unreachable) is ``False``: the node leaves, and the node
+        that finished, rank 0's included, closes the rendezvous."""
+        store = self.agents
+        if store is None:
+            return False
+        try:
+            store.set_timeout(datetime.timedelta(seconds=_FINISH_CHECK_SECONDS))
+            return bool(store.check([_EXIT_BARRIER_KEY]))
+        except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
+            log.info("node %s could not read its round's exit barrier: %s", node, error)
+            return False
+
+    def drop(self) -> None:
+        self.serving = self._retired = self.agents = None

@@ -92,7 +92,7 @@ def test_a_pod_that_gets_its_own_probe_cannot_answer_for_a_member_of_another_nam
         attacker.request("own", leases.NodeIntent.JOIN, probe_port=forger.port)
         wait_for(lambda: forger.probes >= 2, 30, "the forger, a member, is probed")
         # The silent member's agent stops answering, its heartbeats go on: a cut UDP path.
-        silent.handler._probes.stop()
+        silent.handler.probes.stop()
         lost = wait_for(
             lambda: next(
                 (m for _, r, m in victims_round.events() if r == "MemberLost" and "silent" in m),

@@ -95,7 +95,7 @@ def test_a_node_given_every_spec_tunable_joins_and_says_where_the_resource_diffe
         "pod-0", configured_spec={tunable.field: 45 for tunable in tunables.SPEC_TUNABLES}
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.handler"):
+        with caplog.at_level(logging.WARNING, logger="k8s_rendezvous.node_requests"):
             assert handler.next_rendezvous().rank == 0
     finally:
         handler.shutdown()
