@@ -129,7 +129,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             instance=instance,
             run_id=run_id,
             nnodes=(min_nodes, max_nodes),
-            configured_spec=settings.configured_spec,
+            settings=settings,
         )
         self._loop = join_loop.JoinLoop(
             client,
@@ -138,7 +138,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             self._requests,
             node=node,
             run_id=run_id,
-            settings=settings,
+            read_timeout=settings.read_timeout,
         )
         self._node_claim: socket.socket | None = None
         """Held while this agent lives (:func:`k8s_rendezvous.config.claim_node`), if
@@ -293,7 +293,7 @@ class KubernetesRendezvousHandler(RendezvousHandler):
             raise KubernetesRendezvousClosedError(
                 messages.joins_no_more(self._node, self._client.reference, called)
             )
-        self._loop.check_health()
+        self._requests.check_health()
         self._probes.forget()  # the round this node was probed in is behind it
         self._sentinel.start()
         offered = self._loop.offer()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shlex
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -28,8 +27,6 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 
 from k8s_rendezvous import (
     api,
-    config,
-    health_check,
     heartbeat,
     join,
     messages,
@@ -44,7 +41,6 @@ from k8s_rendezvous.errors import (
     KubernetesRendezvousTimeoutError,
     NodeNotAPodError,
     NodeRefusedError,
-    NodeUnhealthyError,
     RendezvousNotFoundError,
 )
 from k8s_rendezvous.wire import codec, leases, specs, views
@@ -131,7 +127,7 @@ class JoinLoop:
         requests: Writes the node's requests (:class:`k8s_rendezvous.node_requests.NodeRequests`).
         node: This node's name, the key of its entry (the pod name).
         run_id: torchrun's ``--rdzv-id``, which prefixes the agents' keys in each round's store.
-        settings: What ``--rdzv-endpoint`` and ``--rdzv-conf`` say.
+        read_timeout: Seconds to wait on the round's store (``--rdzv-conf read_timeout``).
     """
 
     def __init__(
@@ -143,7 +139,7 @@ class JoinLoop:
         *,
         node: str,
         run_id: str,
-        settings: config.Settings,
+        read_timeout: float,
     ) -> None:
         self._client = client
         self._watcher = watcher
@@ -151,7 +147,7 @@ class JoinLoop:
         self._requests = requests
         self._node = node
         self._run_id = run_id
-        self._settings = settings
+        self._read_timeout = read_timeout
         self.joined: join.Joined | None = None
         """The round this node last joined, ``None`` before its first."""
         self.stores = round_store.Kept()
@@ -180,39 +176,6 @@ class JoinLoop:
             offered.close()  # a no-op once the round's store has taken it over
         assert self.stores.agents is not None
         return joined, self.stores.agents
-
-    def check_health(self) -> None:
-        """Run the health check, if configured; if it fails, say why in this node's Lease
-        (a Leave the operator reports in a HealthCheckFailed Warning) and end the agent.
-
-        Raises:
-            NodeUnhealthyError: The check failed: no join request is written.
-        """
-        command = self._settings.health_check
-        if not command:
-            return
-        report = health_check.run(command, self._settings.health_check_timeout)
-        if report is None:
-            return
-        self._requests.failed_check = report
-        how = report.summary()
-        log.error(
-            "node %s does not join %s: its health check %s %s; its output ends:\n%s",
-            self._node,
-            self._client.reference,
-            shlex.join(command),
-            how,
-            report.tail,
-        )
-        try:
-            self._requests.write(leases.NodeIntent.LEAVE)
-        except RendezvousError as error:
-            log.warning("node %s could not report its failed health check: %s", self._node, error)
-        raise NodeUnhealthyError(
-            messages.unhealthy(
-                self._node, self._client.reference, shlex.join(command), how, report.tail
-            )
-        )
 
     def _until_admitted(self, offered: socket.socket) -> join.Joined:
         """Join the next round: ask (write a join request), then sync -> decide -> apply
@@ -254,53 +217,70 @@ class JoinLoop:
                 raise self._timed_out(spec)
             # Decide, then apply.
             decision = join.decide(status, request, spare=deadline.spare)
-            if isinstance(decision, join.Released):
-                raise KubernetesRendezvousGracefulExitError(
-                    messages.spare_released(
-                        self._node, self._client.reference, decision.reason, decision.message
-                    )
-                )
-            if isinstance(decision, join.Closed):
-                raise KubernetesRendezvousClosedError(
-                    messages.closed(self._client.reference, decision.reason, decision.message)
-                )
-            if isinstance(decision, join.Refused):
-                requests.withdraw()
-                raise NodeRefusedError(
-                    messages.refused(
-                        self._node, self._client.reference, decision.reason, decision.message
-                    )
-                )
-            if isinstance(decision, join.Admitted):
-                log.info(
-                    "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
-                    self._node,
-                    decision.rank,
-                    decision.world_size,
-                    decision.round,
-                    self._client.reference,
-                    decision.master.endpoint,
-                    time.monotonic() - started,
-                )
-                store = self._round_store(decision, status.rank_zero_node, offered)
-                if store is not None:
-                    self.joined = join.Joined(status, decision.rank, owner_uid)
-                    prefix = f"torch.rendezvous.{self._run_id}.{decision.round}"
-                    self.stores.keep(store, decision.rank == 0, prefix)
-                    return self.joined
-                # Stale before rank 0 answered (most likely its pod is gone): this round
-                # is spent, and the next forms without waiting out read_timeout.
-                decision = join.Rejoin(
-                    messages.rank_zero_silent(
-                        decision.round, status.rank_zero_node, decision.master.endpoint
-                    )
-                )
-            assert isinstance(decision, join.Rejoin)  # the wait returns no status to wait on
+            outcome = self._apply(decision, status, offered, owner_uid, started)
+            if isinstance(outcome, join.Joined):
+                return outcome
             log.warning(
-                "node %s joins %s again: %s", self._node, self._client.reference, decision.reason
+                "node %s joins %s again: %s", self._node, self._client.reference, outcome.reason
             )
             requests.attempt += 1
             request, since = requests.ask(spec, owner_uid)
+
+    def _apply(
+        self,
+        decision: join.Decision,
+        status: views.NodeView,
+        offered: socket.socket,
+        owner_uid: str,
+        started: float,
+    ) -> join.Joined | join.Rejoin:
+        """Apply the join step's ``decision`` about ``status``: raise what ends the join,
+        or meet the round admitted to at its store (the round joined, which the Rendezvous
+        of ``owner_uid`` holds); else the request is spent (:class:`join.Rejoin`, why).
+        ``started``: when the join began, for the log."""
+        if isinstance(decision, join.Released):
+            raise KubernetesRendezvousGracefulExitError(
+                messages.spare_released(
+                    self._node, self._client.reference, decision.reason, decision.message
+                )
+            )
+        if isinstance(decision, join.Closed):
+            raise KubernetesRendezvousClosedError(
+                messages.closed(self._client.reference, decision.reason, decision.message)
+            )
+        if isinstance(decision, join.Refused):
+            self._requests.withdraw()
+            raise NodeRefusedError(
+                messages.refused(
+                    self._node, self._client.reference, decision.reason, decision.message
+                )
+            )
+        if isinstance(decision, join.Admitted):
+            log.info(
+                "node %s is rank %d of %d in round %d of %s (master %s, %.3f s)",
+                self._node,
+                decision.rank,
+                decision.world_size,
+                decision.round,
+                self._client.reference,
+                decision.master.endpoint,
+                time.monotonic() - started,
+            )
+            store = self._round_store(decision, status.rank_zero_node, offered)
+            if store is not None:
+                self.joined = join.Joined(status, decision.rank, owner_uid)
+                prefix = f"torch.rendezvous.{self._run_id}.{decision.round}"
+                self.stores.keep(store, decision.rank == 0, prefix)
+                return self.joined
+            # Stale before rank 0 answered (most likely its pod is gone): this round is
+            # spent, and the next forms without waiting out read_timeout.
+            return join.Rejoin(
+                messages.rank_zero_silent(
+                    decision.round, status.rank_zero_node, decision.master.endpoint
+                )
+            )
+        assert isinstance(decision, join.Rejoin)  # the wait returns no status to wait on
+        return decision
 
     def _wait(
         self,
@@ -402,10 +382,9 @@ class JoinLoop:
     ) -> TCPStore | None:
         """The round's store: served on the offered socket by rank 0, else
         reached at rank 0's; ``None`` if the round went stale before rank 0 answered."""
-        read_timeout = self._settings.read_timeout
         if admitted.rank == 0:
             try:
-                return round_store.serve(offered, read_timeout)
+                return round_store.serve(offered, self._read_timeout)
             except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
                 raise KubernetesRendezvousConnectionError(
                     messages.store_not_served(
@@ -419,7 +398,7 @@ class JoinLoop:
         try:
             return round_store.connect(
                 admitted.master,
-                read_timeout,
+                self._read_timeout,
                 lambda: join.is_stale(self._watcher.status, admitted.round),
             )
         except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
@@ -431,7 +410,7 @@ class JoinLoop:
                     round_number=admitted.round,
                     endpoint=admitted.master.endpoint,
                     rank_zero_node=rank_zero_node,
-                    timeout=read_timeout,
+                    timeout=self._read_timeout,
                     error=error,
                 )
             ) from error

@@ -1,6 +1,7 @@
 """What this node writes: its requests, into its own Lease (a Join, and the Leave, Close
 or Finish that end it), and the Rendezvous it writes them under: read, or made from
-torchrun's parameters where the node may, its spec checked against torchrun's.
+torchrun's parameters where the node may, its spec checked against torchrun's. A node
+whose health check fails writes a Leave that says why, and joins no round.
 
 A request names this agent's instance and its attempt (one per join request written), so
 that the operator never admits a request the node has given up on.
@@ -9,13 +10,18 @@ that the operator never admits a request the node has given up on.
 from __future__ import annotations
 
 import logging
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from k8s_rendezvous import api, config, messages, watch
-from k8s_rendezvous.errors import KubernetesRendezvousStateError, RendezvousNotFoundError
+from k8s_rendezvous import api, config, health_check, messages, watch
+from k8s_rendezvous.errors import (
+    KubernetesRendezvousStateError,
+    NodeUnhealthyError,
+    RendezvousNotFoundError,
+)
 from k8s_rendezvous.wire import codec, leases, objects, specs
 
 log = logging.getLogger(__name__)
@@ -33,8 +39,7 @@ class NodeRequests:
         instance: This agent's instance id.
         run_id: torchrun's ``--rdzv-id``; must match the resource's ``spec.runId``.
         nnodes: torchrun's ``--nnodes`` minimum and maximum.
-        configured_spec: The spec fields ``--rdzv-conf`` sets
-            (:attr:`k8s_rendezvous.config.Settings.configured_spec`).
+        settings: What ``--rdzv-conf`` says: the spec fields it sets, the health check.
     """
 
     def __init__(
@@ -48,7 +53,7 @@ class NodeRequests:
         instance: str,
         run_id: str,
         nnodes: tuple[int, int],
-        configured_spec: Mapping[str, int],
+        settings: config.Settings,
     ) -> None:
         self._client = client
         self._watcher = watcher
@@ -59,7 +64,8 @@ class NodeRequests:
         """This agent's instance id, in its every request: a restarted agent is a new one."""
         self._run_id = run_id
         self._nnodes = nnodes
-        self._configured_spec = configured_spec
+        self._settings = settings
+        self._configured_spec = settings.configured_spec
         self.attempt = 0
         """How many join requests this instance has written (0: none yet)."""
         self.store_port = 0
@@ -68,6 +74,39 @@ class NodeRequests:
         """Why this node's health check failed: every Leave it writes from then says so,
         shutdown()'s too, so that a later write cannot hide it from the operator."""
         self._spec_checked = False
+
+    def check_health(self) -> None:
+        """Run the health check, if configured; if it fails, say why in this node's Lease
+        (a Leave the operator reports in a HealthCheckFailed Warning) and end the agent.
+
+        Raises:
+            NodeUnhealthyError: The check failed: no join request is written.
+        """
+        command = self._settings.health_check
+        if not command:
+            return
+        report = health_check.run(command, self._settings.health_check_timeout)
+        if report is None:
+            return
+        self.failed_check = report
+        how = report.summary()
+        log.error(
+            "node %s does not join %s: its health check %s %s; its output ends:\n%s",
+            self._node,
+            self._client.reference,
+            shlex.join(command),
+            how,
+            report.tail,
+        )
+        try:
+            self.write(leases.NodeIntent.LEAVE)
+        except RendezvousError as error:
+            log.warning("node %s could not report its failed health check: %s", self._node, error)
+        raise NodeUnhealthyError(
+            messages.unhealthy(
+                self._node, self._client.reference, shlex.join(command), how, report.tail
+            )
+        )
 
     def request(self, intent: leases.NodeIntent) -> leases.NodeEntry:
         """This node's request of its current attempt. The store port only matters to a
