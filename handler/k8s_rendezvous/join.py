@@ -29,12 +29,15 @@ the node waits as a spare, and starts afresh when it stops being one, as torch's
 treats its redundancy list.
 
 :func:`nodes_waiting` (what ``num_nodes_waiting()`` answers) and :func:`is_stale` judge a
-joined round by the same watched status.
+joined round by the same watched status. :func:`check_pod` judges what a node that waits
+unadmitted learns of the pod it names: the operator admits only pods, so a node that is
+another pod, or none, ends rather than wait out its join timeout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import TypeAlias
 
 from k8s_rendezvous.wire import leases, records, statuses, views
@@ -183,3 +186,27 @@ def nodes_waiting(view: views.NodeView, joined: Joined | None, uid: str | None) 
     ):
         return view.nodes_waiting
     return max(1, view.nodes_waiting)
+
+
+class PodCheck(enum.Enum):
+    """What a node learns of whether it is the pod it names (:func:`check_pod`)."""
+
+    IS_THE_POD = enum.auto()
+    """Its token is bound to that very pod, or a Pod of its name exists."""
+    ANOTHER_POD = enum.auto()
+    """Its token is bound to another pod: the join ends."""
+    NO_SUCH_POD = enum.auto()
+    """No Pod of its name exists: the join ends."""
+    CANNOT_TELL = enum.auto()
+    """Its token is no pod's and may not read pods: it waits on, and says so."""
+
+
+def check_pod(node: str, token_pod: str | None, pod_exists: bool | None) -> PodCheck:
+    """Whether ``node`` is the pod it names, from the pod its token is bound to
+    (``token_pod``; ``None``: no pod's) and, for a token of no pod, whether a Pod ``node``
+    exists (``pod_exists``; ``None``: the token may not read pods)."""
+    if token_pod is not None:
+        return PodCheck.IS_THE_POD if token_pod == node else PodCheck.ANOTHER_POD
+    if pod_exists is None:
+        return PodCheck.CANNOT_TELL
+    return PodCheck.IS_THE_POD if pod_exists else PodCheck.NO_SUCH_POD

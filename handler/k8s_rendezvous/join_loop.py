@@ -330,13 +330,12 @@ class JoinLoop:
         except RendezvousError as error:
             log.warning("node %s could not check that it is a pod: %s", self._node, error)
             return None
-        if pod is not None:
-            if pod != self._node:
-                return messages.token_of_another_pod(self._node, self._client.reference, pod)
-            return None  # a token bound to this very pod: it exists
-        if exists is False:
+        check = join.check_pod(self._node, pod, exists)
+        if check is join.PodCheck.ANOTHER_POD:
+            return messages.token_of_another_pod(self._node, self._client.reference, str(pod))
+        if check is join.PodCheck.NO_SUCH_POD:
             return messages.not_a_pod(self._node, self._client.reference, namespace, user)
-        if exists is None:
+        if check is join.PodCheck.CANNOT_TELL:
             log.warning(
                 "node %s has waited %.0f s to join %s and runs as %s, not as a pod, which "
                 "may not read pods: it cannot check that a Pod %s exists. The operator "

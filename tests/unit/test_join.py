@@ -4,7 +4,8 @@ operator writes them, read as a node reads them.
 Aspects: what a join does next for each status (admitted, closed, released as a spare,
 refused, asked again, wait);
 which requests a round admits (this very attempt of this very agent, nothing older); what
-num_nodes_waiting() answers after a join; when a joined round is stale.
+num_nodes_waiting() answers after a join; when a joined round is stale; whether a node
+waiting unadmitted is the pod it names.
 """
 
 from __future__ import annotations
@@ -347,3 +348,19 @@ def test_a_sliced_round_carries_each_refusal_in_the_refused_nodes_slice() -> Non
     for index, piece in pieces.items():
         found = views.NodeView.from_dict(piece, NODE).refusal_of(REQUEST)
         assert (found is not None) == (index == own)
+
+
+@pytest.mark.parametrize(
+    ("token_pod", "pod_exists", "check"),
+    [
+        pytest.param(NODE, None, join.PodCheck.IS_THE_POD, id="a token bound to the pod itself"),
+        pytest.param("pod-9", None, join.PodCheck.ANOTHER_POD, id="a token of another pod"),
+        pytest.param(None, True, join.PodCheck.IS_THE_POD, id="no pod's token, the pod exists"),
+        pytest.param(None, False, join.PodCheck.NO_SUCH_POD, id="no pod's token, no such pod"),
+        pytest.param(None, None, join.PodCheck.CANNOT_TELL, id="no pod's token, pods unreadable"),
+    ],
+)
+def test_a_node_is_the_pod_it_names_only_if_its_token_or_the_pods_say_so(
+    token_pod: str | None, pod_exists: bool | None, check: join.PodCheck
+) -> None:
+    assert join.check_pod(NODE, token_pod, pod_exists) is check
