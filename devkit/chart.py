@@ -160,6 +160,66 @@ def restore_shared_roles(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "--server-side", "-f", str(paths.RBAC))
 
 
+def uninstall(helm: Helm, control_plane: ControlPlane) -> None:
+    """Uninstall the release and its Leases, and return once its admission policies are
+    no longer enforced."""
+    helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
+    control_plane.kubectl("-n", NAMESPACE, "delete", "leases", "--all")
+    wait_policies_unenforced(control_plane)
+
+
+def wait_policies_unenforced(control_plane: ControlPlane) -> None:
+    """Until the API server no longer enforces the chart's admission policies on pods: the
+    deleted policies leave its admission plugin through an informer, some time after the
+    DELETE returned, and a test of another tier writing raw Leases as a pod would be
+    refused meanwhile."""
+    wait_for(
+        lambda: not _refused_as_a_pod(control_plane),
+        60,
+        "the API server to stop enforcing the uninstalled chart's admission policies",
+    )
+
+
+_POLICY_PROBES = (
+    {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": "probe.probe",
+            "namespace": "default",
+            "labels": {"k8s-rendezvous.dev/rendezvous": "probe"},
+        },
+        "spec": {"holderIdentity": "probe"},
+    },
+    {
+        "apiVersion": "k8s-rendezvous.dev/v1alpha1",
+        "kind": "Rendezvous",
+        "metadata": {"name": "probe", "namespace": "default"},
+        "spec": {"minNodes": 1, "maxNodes": 1, "runId": "probe"},
+    },
+)
+"""Writes the pod-leases and pod-rendezvous policies refuse from pod ``probe`` (no owner,
+no pod uid, no created-by-pod annotation). The worker-leases and operator-writes policies
+refuse nothing that tests outside the chart's own do."""
+
+
+def _refused_as_a_pod(control_plane: ControlPlane) -> bool:
+    """Whether a server-side dry run of a probe write by a pod (impersonated, in
+    system:masters so that RBAC allows it) is refused by an admission policy."""
+    for probe in _POLICY_PROBES:
+        proc = control_plane.kubectl(
+            "create", "--dry-run=server", "-f", "-",
+            "--as=probe", "--as-group=system:masters",
+            "--as-user-extra=authentication.kubernetes.io/pod-name=probe",
+            input=json.dumps(probe), check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            if "ValidatingAdmissionPolicy" not in proc.stderr:
+                raise AssertionError(f"dry run of a probe write failed: {proc.stderr}")
+            return True
+    return False
+
+
 def ensure_namespace(control_plane: ControlPlane, name: str = NAMESPACE) -> None:
     if not control_plane.kubectl("get", "namespace", name, "--ignore-not-found").stdout:
         control_plane.kubectl("create", "namespace", name)

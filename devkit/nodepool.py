@@ -124,8 +124,7 @@ class NodePool:
 
     def close(self) -> None:
         if self.release is not None:
-            self.helm.run("uninstall", chart.RELEASE, "--namespace", chart.NAMESPACE, "--wait")
-            self.control_plane.kubectl("-n", chart.NAMESPACE, "delete", "leases", "--all")
+            chart.uninstall(self.helm, self.control_plane)
             self.release = None
         if self.nodes is not None:
             self.nodes.stop()

@@ -41,8 +41,7 @@ def chart_release(
     try:
         yield chart.Release(control_plane, admin_api)
     finally:
-        cluster_helm.run("uninstall", chart.RELEASE, "--namespace", chart.NAMESPACE, "--wait")
-        control_plane.kubectl("-n", chart.NAMESPACE, "delete", "leases", "--all")
+        chart.uninstall(cluster_helm, control_plane)
         if removed:
             chart.restore_shared_roles(control_plane)
 

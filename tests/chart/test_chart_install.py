@@ -34,6 +34,7 @@ from devkit.chart import (
     restore_shared_roles,
     serves_mutating_admission_policy,
     sets,
+    wait_policies_unenforced,
 )
 from devkit.cluster.controlplane import ControlPlane, build_helm, read_versions
 from devkit.paths import REPO
@@ -239,6 +240,7 @@ def test_the_packaged_chart_installs_upgrades_its_crds_and_uninstalls(
         left = [describe(o) for o in objects if exists(control_plane, o)]
         assert not left, f"left behind by helm uninstall: {left}"
         assert crds_there(control_plane) == len(CRD_NAMES), "CRDs in crds/ stay (and their objects)"
+        wait_policies_unenforced(control_plane)
     finally:
         if installed:
             helm.run("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)
