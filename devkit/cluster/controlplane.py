@@ -58,7 +58,8 @@ NODE_ZONES: dict[str, str] = {
     "kwok-node-1": "zone-b",
     "kwok-node-2": "zone-c",
 }
-NODE_RESOURCES: dict[str, str] = {"cpu": "256", "memory": "1Ti", "pods": "500"}
+NODE_RESOURCES: dict[str, str] = {"cpu": "256", "memory": "1Ti", "pods": "6000"}
+"""Enough pods on the three kwok nodes for the benchmark's largest world (16,384)."""
 # kwok's own stage definitions, relative to <binaries>/kwok-stages. pod-complete is left
 # out on purpose: it would mark Job pods Succeeded at once, and tests decide when they end.
 KWOK_STAGES = (

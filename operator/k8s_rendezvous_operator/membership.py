@@ -25,6 +25,7 @@ of the workload it is named after that asks to join is not refused but held back
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 from collections.abc import Mapping
 from typing import Any
@@ -77,8 +78,11 @@ class Refusal:
     message: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def canonical_address(text: str) -> str | None:
-    """The canonical form of an IP literal (IPv6 compressed, lower case), else ``None``."""
+    """The canonical form of an IP literal (IPv6 compressed, lower case), else ``None``.
+    Cached: each pass of a rendezvous checks every request's address, and parsing one
+    costs more than the rest of its check."""
     try:
         return str(ipaddress.ip_address(text.strip("[]")))
     except ValueError:
@@ -190,6 +194,31 @@ def refusal(
     return None
 
 
+@dataclasses.dataclass
+class Checked:
+    """What each pod's request was last checked against, and the outcome: a pass checks
+    every request, and between two passes all but a few are unchanged (a world of
+    thousands forms one join per pass)."""
+
+    workload: Workload | None = None
+    outcomes: dict[str, tuple[leases.NodeEntry, PodIdentity, Refusal | None]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def refusal(
+        self, workload: Workload, pod: str, identity: PodIdentity, entry: leases.NodeEntry
+    ) -> Refusal | None:
+        """:func:`refusal`, reused while its inputs are equal."""
+        if workload != self.workload:
+            self.workload, self.outcomes = workload, {}
+        last = self.outcomes.get(pod)
+        if last is not None and last[0] == entry and last[1] == identity:
+            return last[2]
+        problem = refusal(workload, pod, identity, entry)
+        self.outcomes[pod] = (entry, identity, problem)
+        return problem
+
+
 @dataclasses.dataclass(frozen=True)
 class Admission:
     counted: dict[str, leases.NodeEntry]
@@ -217,6 +246,7 @@ def admit(
     identities: Mapping[str, PodIdentity | None],
     admitted_before: frozenset[str],
     writers: Mapping[str, str] | None = None,
+    checked: Checked | None = None,
 ) -> Admission:
     """Split the requests into those that count and those refused.
 
@@ -233,6 +263,8 @@ def admit(
     A pod whose workload claims the name of a pod-made Rendezvous (:func:`claimed_by`) is
     held back as well, in :attr:`Admission.claims`: the name is given back to its
     workload, which it would otherwise be refused from for good.
+
+    ``checked`` keeps the outcomes of the checks from one pass to the next.
     """
     counted: dict[str, leases.NodeEntry] = {}
     refused: dict[str, Refusal] = {}
@@ -247,11 +279,19 @@ def admit(
             continue
         if not identity.addresses:
             continue  # the kubelet has not reported its IPs yet: nothing to check the address by
-        problem = refusal(workload, pod, identity, entry)
+        problem = (
+            refusal(workload, pod, identity, entry)
+            if checked is None
+            else checked.refusal(workload, pod, identity, entry)
+        )
         if problem is None:
             counted[pod] = entry
         elif problem.reason in _NOT_ITS_WORKLOADS and (claimant := claimed_by(workload, identity)):
             claims[pod] = claimant
         else:
             refused[pod] = problem
+    if checked is not None and len(checked.outcomes) > len(requests):
+        checked.outcomes = {
+            pod: outcome for pod, outcome in checked.outcomes.items() if pod in requests
+        }
     return Admission(counted, refused, claims)

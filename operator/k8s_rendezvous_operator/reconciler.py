@@ -45,6 +45,10 @@ from k8s_rendezvous_operator.rendezvous_view import RendezvousView
 log = logging.getLogger(__name__)
 
 
+MAX_PAUSE = 0.5
+"""Seconds, the longest pause between two passes of a rendezvous (:meth:`Reconciler._loop`)."""
+
+
 def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -76,6 +80,8 @@ class RendezvousMemory:
     """The labels of the Kubernetes nodes its pods run on (for its rank order)."""
     probed: tuple[reachability.Target, ...] = ()
     """Its members whose agents answer probes, as last decided."""
+    checked: membership.Checked = dataclasses.field(default_factory=membership.Checked)
+    """Its requests as last checked against their pods."""
     timer: asyncio.TimerHandle | None = None
 
     def view(self) -> RendezvousView | codec.DecodeError:
@@ -330,9 +336,17 @@ class Reconciler:
             await asyncio.gather(*busy, return_exceptions=True)
 
     async def _loop(self, key: Key) -> None:
+        """Passes of ``key`` while events ask for them. Each pass is followed by a pause
+        as long as it took (at most :data:`MAX_PAUSE`): a pass reads every request of
+        the rendezvous, and without the pause a world of thousands forming would take
+        one pass per join, each as long as the world is large; with it the events that
+        arrive meanwhile are taken in together, and a rendezvous' passes use at most
+        half of the operator's time."""
+        clock = asyncio.get_running_loop().time
         try:
             while True:
                 self._again.discard(key)
+                began = clock()
                 try:
                     await self._reconcile(key)
                 except Exception as error:
@@ -340,6 +354,7 @@ class Reconciler:
                     log.exception("reconciling Rendezvous %s/%s failed; retrying in 1 s", *key)
                     await asyncio.sleep(1)
                     self._again.add(key)
+                await asyncio.sleep(min(clock() - began, MAX_PAUSE))
                 if key not in self._again:
                     return
         finally:
@@ -505,6 +520,7 @@ class Reconciler:
             identities,
             frozenset(m.node for m in (*status.members, *status.left_behind)),
             self.pods.writers(namespace, requests),
+            memory.checked,
         )
         self._reporter.refusals(view, admission.refused)
         refused = admission.published(requests)

@@ -560,11 +560,8 @@ def seals_when_complete(ctx: Context, status: RendezvousStatus) -> RendezvousSta
     deadline = _last_call(ctx, status)
     # Members of the last round that have not asked again (nor are lost): every node we
     # know of is here when there are none.
-    pending = [
-        member
-        for member in status.members
-        if member.node not in ctx.lost_nodes and member.node not in joiners
-    ]
+    here = ctx.lost_nodes.union(joiners)
+    pending = [member for member in status.members if member.node not in here]
     if status.round > 0:
         everyone_here = not pending
     else:

@@ -324,3 +324,52 @@ def test_the_status_names_a_bounded_number_of_refusals_by_pod_name() -> None:
         reasons.REFUSED_OTHER_WORKLOAD,
     )
     assert first.message == admission.refused["stranger-00"].message
+
+
+def test_checks_kept_between_passes_follow_each_change_of_what_they_were_made_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass reuses the outcome of a request's last check only while the request, its
+    pod and the Rendezvous' workload are what it was made from; a request gone is
+    forgotten."""
+    body, spec = rendezvous()
+    workload = membership.workload_of(body, spec)
+    identities = {name: membership.identify_pod(pod(name)) for name in ("a", "b")}
+    requests = {"a": entry(), "b": entry()}
+    checked = membership.Checked()
+    calls: list[str] = []
+    real = membership.refusal
+
+    def counting(*args: Any) -> Any:
+        calls.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(membership, "refusal", counting)
+
+    def admit(**changes: Any) -> membership.Admission:
+        given = {"workload": workload, "requests": requests, "identities": identities, **changes}
+        return membership.admit(
+            given["workload"], given["requests"], given["identities"], frozenset(), None, checked
+        )
+
+    assert sorted(admit().counted) == ["a", "b"] and sorted(calls) == ["a", "b"]
+    calls.clear()
+    assert sorted(admit().counted) == ["a", "b"] and calls == []
+
+    moved = {**requests, "b": entry("10.9.9.9")}
+    assert admit(requests=moved).refused["b"].reason == reasons.REFUSED_ADDRESS
+    assert calls == ["b"]
+    calls.clear()
+
+    relabelled = {**identities, "a": membership.identify_pod(pod("a", controller_uid="other"))}
+    refused = admit(requests=moved, identities=relabelled).refused
+    assert refused["a"].reason == reasons.REFUSED_OTHER_WORKLOAD
+    assert calls == ["a"]
+    calls.clear()
+
+    selecting = membership.workload_of(*rendezvous(podSelector={"matchLabels": {"x": "y"}}))
+    assert set(admit(workload=selecting).refused) == {"a", "b"}
+    assert sorted(calls) == ["a", "b"]
+
+    admit(workload=selecting, requests={"a": entry()})
+    assert set(checked.outcomes) == {"a"}
