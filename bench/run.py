@@ -71,7 +71,8 @@ QUICK = Plan(
     failure_reps=1,
     failure_c10d_defaults_reps=0,
     scaleup_reps=1,
-    scale_nodes=24,
+    # A world as large as the full run's: a regression at scale shows in the regular run.
+    scale_nodes=1000,
     scale_reps=1,
     concurrent=(4, 4),
     concurrent_reps=1,
@@ -86,8 +87,9 @@ QUICK = Plan(
 
 PLANS = {
     "quick": QUICK,
-    # tests/bench: every section and the report, each measured once (minutes less).
-    "check": dataclasses.replace(QUICK, seal_reps=1, import_reps=1),
+    # tests/bench: every section and the report, each measured once, with a small world
+    # in the scale section (minutes less).
+    "check": dataclasses.replace(QUICK, seal_reps=1, import_reps=1, scale_nodes=24),
     "full": Plan(
         seal_ours=(2, 8, 32, 128, 256, 512),
         seal_torch=(2, 8, 32, 64, 128),
