@@ -60,6 +60,7 @@ class Plan:
     recovery_reps: int
     recovery_variants: tuple[str, ...]  # of bench/recovery.py's VARIANTS
     max_workers: int
+    scale_workers: int  # worker processes the scale section's world is spread over
     torch_join_timeout: int  # seconds a torch round may take before it "did not survive"
 
 
@@ -82,6 +83,7 @@ QUICK = Plan(
     # c10d's variants wait out its keep-alive and last call: minutes, in every trial
     recovery_variants=("ours", "ours-warm", "ours-in-place"),
     max_workers=2,
+    scale_workers=8,  # 1,000 nodes in 2 processes of 500 threads never reach rank 0's store
     torch_join_timeout=60,
 )
 
@@ -107,6 +109,7 @@ PLANS = {
         recovery_reps=3,
         recovery_variants=("ours", "ours-warm", "ours-in-place", "c10d-defaults", "c10d-tuned"),
         max_workers=8,
+        scale_workers=8,
         torch_join_timeout=240,
     ),
 }
@@ -402,7 +405,9 @@ class Runner:
         runs = [
             self.attempt(
                 f"scale {count} nodes rep {rep + 1}/{self.plan.scale_reps}",
-                lambda: scenarios.seal(env, OURS, count, timeout=600, sample=True),
+                lambda: scenarios.seal(
+                    env, OURS, count, timeout=600, sample=True, workers=self.plan.scale_workers
+                ),
             )
             for rep in range(self.plan.scale_reps)
         ]
