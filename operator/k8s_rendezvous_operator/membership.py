@@ -197,8 +197,8 @@ def refusal(
 @dataclasses.dataclass
 class Checked:
     """What each pod's request was last checked against, and the outcome: a pass checks
-    every request, and between two passes all but a few are unchanged (a world of
-    thousands forms one join per pass)."""
+    every request, and between two passes of a world of thousands all but the few that
+    joined meanwhile are unchanged."""
 
     workload: Workload | None = None
     outcomes: dict[str, tuple[leases.NodeEntry, PodIdentity, Refusal | None]] = dataclasses.field(
