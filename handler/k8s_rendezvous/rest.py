@@ -10,8 +10,8 @@ their requests through here.
 
 A request that does not succeed raises one of this module's errors, on both sides:
 :class:`RequestFailed` and its kinds by the answer's status (:class:`NotFound`,
-:class:`Conflict`, :class:`Unauthorized`, :class:`Refused` and its :class:`Forbidden` and
-:class:`Invalid`, :class:`Unavailable`), carrying the API server's own message
+:class:`Conflict`, :class:`Unauthorized`, :class:`Refused` and its :class:`Forbidden`,
+:class:`Invalid` and :class:`TooLarge`, :class:`Unavailable`), carrying the API server's own message
 (:func:`status_message`), or :class:`Unavailable` with no status when nothing answered, chained
 from the transport's error. Neither side sees the client library's exceptions, and no
 other module matches a status number: each asks for the kind.
@@ -86,7 +86,8 @@ class Unauthorized(RequestFailed):
 
 
 class Refused(RequestFailed):
-    """The API server refused the request for good (400, 403, 422); the message says why."""
+    """The API server refused the request for good (400, 403, 413, 422); the message says
+    why."""
 
 
 class Forbidden(Refused):
@@ -99,6 +100,11 @@ class Invalid(Refused):
     """The API server refused the object as invalid (422); the message says why."""
 
 
+class TooLarge(Refused):
+    """The object, or the request, is larger than the API server or its etcd stores
+    (:func:`too_large`): the same write is refused again, however often it is sent."""
+
+
 class Unavailable(RequestFailed):
     """The request may succeed later: no answer, or a 429 or 5xx."""
 
@@ -108,10 +114,31 @@ class NoCredentials(Exception):
     says where each was looked for."""
 
 
+_TOO_LARGE_SAID: Final = (
+    "request is too large",
+    "trying to send message larger than max",
+)
+"""How the API server passes on etcd's refusal of a write larger than etcd takes: not as
+a 413 but as etcd's own error in a 500 (its Status reason Unknown), "etcdserver: request
+is too large" past etcd's --max-request-bytes (1.5 MiB by default), or gRPC's "trying to
+send message larger than max" past the API server's etcd client limit (2 MiB)."""
+
+
+def too_large(status: int | None, message: str) -> bool:
+    """Whether an answer says the write is too large to store: a 413 (a body past the
+    API server's 3 MiB, or an admission rule's ``RequestEntityTooLarge``), or etcd's
+    refusal passed on (:data:`_TOO_LARGE_SAID`)."""
+    if status == 413:
+        return True
+    return status in (400, 500) and any(said in message for said in _TOO_LARGE_SAID)
+
+
 def failure(status: int | None, message: str, retry_after: float | None = None) -> RequestFailed:
     """The error of an answer with ``status`` (a watch's ERROR event is one, too)."""
     kind: type[RequestFailed] = RequestFailed
-    if status == 404:
+    if too_large(status, message):
+        kind = TooLarge
+    elif status == 404:
         kind = NotFound
     elif status == 409:
         kind = Conflict

@@ -33,6 +33,7 @@ Unauthorized = rest.Unauthorized
 Refused = rest.Refused
 Forbidden = rest.Forbidden
 Invalid = rest.Invalid
+TooLarge = rest.TooLarge
 Unavailable = rest.Unavailable
 
 

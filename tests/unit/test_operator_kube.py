@@ -122,6 +122,7 @@ def test_adopting_a_rendezvous_made_anew_meanwhile_is_a_conflict(
         (403, kube.Forbidden),
         (404, kube.NotFound),
         (409, kube.Conflict),
+        (413, kube.TooLarge),
         (422, kube.Invalid),
         (429, kube.Unavailable),
         (500, kube.Unavailable),

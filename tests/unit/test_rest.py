@@ -132,3 +132,31 @@ def test_the_claims_of_a_jwt_bearer_token_are_read_and_anything_else_is_none() -
         transport = rest.Rest(client.ApiClient(configuration("http://127.0.0.1:1", opaque)))
         assert transport.bearer_claims() is None
     assert rest.Rest(client.ApiClient(client.Configuration())).bearer_claims() is None
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        pytest.param(413, "Request entity too large: limit is 3145728", id="body-over-3MiB"),
+        pytest.param(500, "etcdserver: request is too large", id="etcd-max-request-bytes"),
+        pytest.param(
+            500,
+            "rpc error: code = ResourceExhausted desc = trying to send message larger than "
+            "max (2300000 vs. 2097152)",
+            id="etcd-client-limit",
+        ),
+    ],
+)
+def test_a_write_too_large_to_store_is_a_lasting_refusal_not_a_server_error(
+    status: int, message: str
+) -> None:
+    """etcd's refusal reaches clients as a 500 with etcd's words, which would otherwise be
+    retried as an API server in trouble: the same write would be refused for ever."""
+    error = rest.failure(status, message)
+    assert type(error) is rest.TooLarge and isinstance(error, rest.Refused)
+    assert error.status == status and str(error) == message
+
+
+def test_a_server_error_that_is_not_about_size_stays_retryable() -> None:
+    assert type(rest.failure(500, "etcdserver: leader changed")) is rest.Unavailable
+    assert type(rest.failure(400, "the body is not JSON")) is rest.Refused
