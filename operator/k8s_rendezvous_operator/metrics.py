@@ -53,6 +53,15 @@ WRITE_CONFLICTS: Final = Counter(
     "k8s_rendezvous_write_conflicts_total",
     "Status writes refused because the object changed since it was read (then retried).",
 )
+STATUS_WRITES_REFUSED: Final = Counter(
+    "k8s_rendezvous_status_writes_refused_total",
+    "Status writes the API server refused for good, by kind (TooLarge: more than etcd "
+    "stores; Invalid: against the CRD's schema). Each holds its rendezvous until it changes "
+    "or a long wait ends: a steady rate means a rendezvous stuck, not retried in a loop.",
+    ["kind"],
+)
+for _kind in ("TooLarge", "Invalid"):  # served at 0 from the start, so the first one shows
+    STATUS_WRITES_REFUSED.labels(_kind)
 NODES_REFUSED: Final = Counter(
     "k8s_rendezvous_nodes_refused_total",
     "Requests never counted: the pod is not of the rendezvous' workload, or offers an "

@@ -27,6 +27,9 @@ INVALID_ENTRY: Final = "InvalidEntry"
 """A node's Lease holds a request this operator cannot read."""
 INVALID_RENDEZVOUS: Final = "InvalidRendezvous"
 """The Rendezvous does not decode, or the API server refuses its next status."""
+STATUS_TOO_LARGE: Final = "StatusTooLarge"
+"""The next status of the Rendezvous is larger than the API server stores (etcd's limit);
+no round is decided until it fits."""
 NODE_WITHOUT_POD: Final = "NodeWithoutPod"
 """A node asks to join under the name of a pod that does not exist."""
 NO_OWNER: Final = "NoOwner"
@@ -352,6 +355,16 @@ def unreadable(error: object) -> str:
 
 def write_refused(error: object) -> str:
     return f"its next status was refused, no round is decided: {error}"
+
+
+def status_too_large(members: int, size: int, error: object, retry_seconds: float) -> str:
+    """Also the ``Ready`` condition's message, reason :data:`STATUS_TOO_LARGE`."""
+    return (
+        f"its next status ({members} members, {size / 2**20:.2f} MiB) is larger than the API "
+        f"server stores ({error}); no round is decided until it fits. Lower spec.maxNodes, "
+        "or raise the limit (etcd --max-request-bytes, 1.5 MiB by default). Tried again "
+        f"when the Rendezvous changes, or in {retry_seconds:.0f} s."
+    )
 
 
 def invalid_rendezvous(rendezvous: str, problem: str) -> str:

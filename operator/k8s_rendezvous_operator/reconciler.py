@@ -15,11 +15,14 @@ import asyncio
 import dataclasses
 import datetime
 import enum
+import json
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
+from k8s_rendezvous import backoff
 from k8s_rendezvous.wire import codec, leases, objects, records, statuses
 from k8s_rendezvous_operator import (
     events,
@@ -54,6 +57,28 @@ def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+RETRY: Final = backoff.Backoff(base=0.5, cap=30.0)
+"""How a Rendezvous whose reconcile failed (the API server unreachable or overloaded, a
+bug) is tried again: within half a second at first, at most every 30 s on average, with
+full jitter so that the rendezvous that failed together (an API server restart) do not
+come back together. Counted per rendezvous: one failing delays no other."""
+HOLD: Final = backoff.Backoff(base=60.0, cap=900.0, jitter=0.5)
+"""How long a Rendezvous whose status the API server refused for good (invalid, too
+large) waits before the same decision is tried again, unless it changes first: its next
+write would be refused the same way, so only a change (a spec or status edited) or, for a
+limit raised outside it (etcd's), this wait brings it back. 30-60 s the first time, up to
+7.5-15 min."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """No pass runs for a Rendezvous whose status write was refused for good while it
+    stays at ``version`` (the version the refusal's condition made), until ``until``."""
+
+    version: str
+    until: datetime.datetime
+
+
 @dataclasses.dataclass
 class RendezvousMemory:
     """What is known and was done for one rendezvous; dropped whole when it is deleted."""
@@ -71,6 +96,12 @@ class RendezvousMemory:
     """Why it does not decode, as last reported."""
     write_refused: str | None = None
     """Why the API server refused its next status, as last reported."""
+    refusals: int = 0
+    """Its status writes refused for good in a row (the :data:`HOLD` attempt)."""
+    hold: Hold | None = None
+    """Set while its refused status is not tried again (:meth:`Reconciler._held`)."""
+    failures: int = 0
+    """Its reconciles failed in a row (the :data:`RETRY` attempt)."""
     adopted: str | None = None
     """Made by a pod: the uid it was given its creator's owner for."""
     slices_written: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -124,9 +155,15 @@ class Reconciler:
         clock: Callable[[], datetime.datetime] = _utcnow,
         *,
         worker_role: str | None = None,
+        retry: backoff.Backoff = RETRY,
+        hold: backoff.Backoff = HOLD,
+        draw: Callable[[], float] = random.random,
     ) -> None:
         self._api = api
         self._clock = clock
+        self._retry = retry
+        self._hold = hold
+        self._draw = draw
         self.jobs = jobs.Jobs(
             api, post, self.request, self._as_jobs_see_it, worker_role=worker_role
         )
@@ -292,6 +329,7 @@ class Reconciler:
             memory.body
         ):
             memory.body = dict(body)
+            memory.failures = 0  # a new version: what failed may not any more
 
     # -- probes ------------------------------------------------------------------------
 
@@ -352,15 +390,32 @@ class Reconciler:
                     await self._reconcile(key)
                 except Exception as error:
                     metrics.API_ERRORS.labels(type(error).__name__).inc()
-                    log.exception("reconciling Rendezvous %s/%s failed; retrying in 1 s", *key)
-                    await asyncio.sleep(1)
+                    delay = self._retry_delay(key)
+                    log.exception(
+                        "reconciling Rendezvous %s/%s failed; retrying in %.1f s", *key, delay
+                    )
+                    # In this rendezvous' own task: the others' reconciles go on meanwhile.
+                    await asyncio.sleep(delay)
                     self._again.add(key)
-                await asyncio.sleep(min(time.thread_time() - began, MAX_PAUSE))
+                else:
+                    if (memory := self._rendezvous.get(key)) is not None:
+                        memory.failures = 0
+                    # After a failure its backoff has already let the events gather.
+                    await asyncio.sleep(min(time.thread_time() - began, MAX_PAUSE))
                 if key not in self._again:
                     return
         finally:
             del self._running[key]
             metrics.QUEUE_DEPTH.set(len(self._running))
+
+    def _retry_delay(self, key: Key) -> float:
+        """The wait before Rendezvous ``key`` is reconciled again after a failure."""
+        memory = self._rendezvous.get(key)
+        if memory is None:  # forgotten meanwhile: the next pass finds nothing to do
+            return self._retry.delay(0, self._draw)
+        delay = self._retry.delay(memory.failures, self._draw)
+        memory.failures += 1
+        return delay
 
     def _wake_at(self, key: Key, moment: datetime.datetime | None) -> None:
         memory = self._rendezvous.get(key)
@@ -390,6 +445,8 @@ class Reconciler:
         """Gather, decide, write, report; ``False`` to decide again at once (the body or
         what the decision awaited changed)."""
         namespace = key[0]
+        if self._held(memory, body):
+            return True
         view = memory.view()
         if isinstance(view, codec.DecodeError):
             await self._refuse_unreadable(key, memory, body, view)
@@ -444,6 +501,21 @@ class Reconciler:
         self._wake_at(key, decision.wake_at)
         return True
 
+    def _held(self, memory: RendezvousMemory, body: Mapping[str, Any]) -> bool:
+        """Whether no pass is to run: its status was refused for good, and since then
+        neither has the Rendezvous changed (only our condition was written) nor has the
+        hold's wait ended (its timer brings the next pass). Every join, renewal and pod
+        change would otherwise send the same refused write again."""
+        hold = memory.hold
+        if hold is None:
+            return False
+        if (body.get("metadata") or {}).get("resourceVersion") == hold.version and (
+            self._clock() < hold.until
+        ):
+            return True
+        memory.hold = None
+        return False
+
     def _liveness(self, key: Key, requests: Iterable[str]) -> rounds.Liveness:
         """What the Leases' heartbeats and the probes say of the nodes behind ``requests``."""
         return rounds.Liveness(
@@ -469,9 +541,10 @@ class Reconciler:
             body,
             int(metadata.get("generation", 0)),
             metadata["resourceVersion"],
-            reasons.unreadable(error),
+            reasons.INVALID_RENDEZVOUS,
+            reasons.invalid_rendezvous(key[1], reasons.unreadable(error)),
         )
-        if not refused:  # changed meanwhile: look again at its next event
+        if refused is None:  # changed meanwhile: look again at its next event
             memory.unreadable = None
 
     async def _adopt(
@@ -558,24 +631,56 @@ class Reconciler:
         except kube.NotFound:
             memory.body = None
             return Written.GONE
-        except kube.Invalid as error:
-            # Not retried until the next event: the same decision would be refused the
-            # same way. Said once per distinct refusal, so that the condition written here
-            # (an event itself) ends in one more refused write.
-            if memory.write_refused != str(error):
-                memory.write_refused = str(error)
-                await self._reporter.refuse(
-                    key,
-                    view.reference,
-                    view.generation,
-                    view.resource_version,
-                    reasons.write_refused(error),
-                )
+        except (kube.Invalid, kube.TooLarge) as error:
+            await self._refused(memory, view, decision, error)
             return Written.REFUSED
         memory.write_refused = None
+        memory.refusals = 0
         self._remember(key, written)
         self._reporter.written(view, decision, now)
         return Written.WRITTEN
+
+    async def _refused(
+        self,
+        memory: RendezvousMemory,
+        view: RendezvousView,
+        decision: rounds.Decision,
+        error: kube.ApiError,
+    ) -> None:
+        """The API server refused the decided status for good: say so in the ``Ready``
+        condition (a small write, which fits where the status did not) and one Warning
+        per distinct refusal, and hold the Rendezvous (:meth:`_held`) until it changes or
+        the :data:`HOLD` wait ends."""
+        key = view.key
+        metrics.STATUS_WRITES_REFUSED.labels(type(error).__name__).inc()
+        delay = self._hold.delay(memory.refusals, self._draw)
+        memory.refusals += 1
+        if isinstance(error, kube.TooLarge):
+            fields = decision.status.operator_fields()
+            reason = reasons.STATUS_TOO_LARGE
+            message = reasons.status_too_large(
+                len(decision.status.members), len(json.dumps(fields)), error, delay
+            )
+        else:
+            reason = reasons.INVALID_RENDEZVOUS
+            message = reasons.invalid_rendezvous(key[1], reasons.write_refused(error))
+        said, memory.write_refused = memory.write_refused, str(error)
+        written = await self._reporter.refuse(
+            key,
+            view.reference,
+            view.generation,
+            view.resource_version,
+            reason,
+            message,
+            warn=said != str(error),
+        )
+        version = view.resource_version
+        if written is not None:  # held at our condition's version, not released by its echo
+            self._remember(key, written)
+            version = written["metadata"]["resourceVersion"]
+        until = self._clock() + datetime.timedelta(seconds=delay)
+        memory.hold = Hold(version, until)
+        self._wake_at(key, until)
 
     async def _publish_slices(
         self,

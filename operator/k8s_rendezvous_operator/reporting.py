@@ -131,29 +131,34 @@ class Reporter:
         target: Mapping[str, Any],
         generation: int,
         resource_version: str,
-        problem: str,
-    ) -> bool:
+        reason: str,
+        message: str,
+        *,
+        warn: bool = True,
+    ) -> dict[str, Any] | None:
         """A Rendezvous that does not decode, or whose next status the API server refuses
-        (edited by hand, or by a foreign writer), is not guessed at: no round is decided
-        until it is fixed. Say so where users look: an Event on ``target``, and the
-        ``Ready`` condition written over ``resource_version``. ``False`` if the Rendezvous
-        changed meanwhile. The caller says it once per distinct problem, so that our own
-        write cannot make us loop."""
+        for good (edited by hand, a foreign writer, a status too large to store), is not
+        guessed at: no round is decided until it is fixed. Say so where users look: a
+        Warning on ``target`` (if ``warn``, within the Warning budgets), and the ``Ready``
+        condition written over ``resource_version``: a write of that condition alone, small
+        enough to pass where a status too large did not. The Rendezvous as written, or
+        ``None`` if it changed meanwhile or the condition was refused too. The caller says
+        it once per distinct problem, so that our own write cannot make us loop."""
         namespace, name = key
-        message = reasons.invalid_rendezvous(name, problem)
-        log.warning("Rendezvous %s/%s: %s", namespace, name, message)
-        self.post([target], warning=True, reason=reasons.INVALID_RENDEZVOUS, message=message)
+        log.warning("Rendezvous %s/%s: %s: %s", namespace, name, reason, message)
+        if warn and self.allow(key):
+            self.post([target], warning=True, reason=reason, message=message)
         conditions = rounds.set_condition(
             (),
             rounds.CONDITION_READY,
             False,
-            reasons.INVALID_RENDEZVOUS,
+            reason,
             message[:32768],
             self._clock(),
             generation,
         )
         try:
-            await asyncio.to_thread(
+            return await asyncio.to_thread(
                 self._api.write_status,
                 namespace,
                 name,
@@ -161,8 +166,10 @@ class Reporter:
                 {"conditions": [condition.to_dict() for condition in conditions]},
             )
         except (kube.Conflict, kube.NotFound):
-            return False
-        return True
+            return None
+        except kube.Refused as error:  # at the limit already: the Warning says it alone
+            log.warning("Rendezvous %s/%s: its %s condition was refused: %s", *key, reason, error)
+            return None
 
     def expired_waiters(
         self,

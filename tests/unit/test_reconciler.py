@@ -4,6 +4,9 @@ in-memory API door that satisfies ``kube.ReconcilerApi``, with a fixed clock.
 Aspects: a round is sealed in one status write and reported after it; a join that changes
 only ``formingSince`` costs no write, and the remembered start times the seal; a conflict
 is decided again on the fresh object; a refused write is said once and not retried; a
+status too large to store is said in a condition and one Warning, held while the
+Rendezvous does not change, and tried again when it does or when the hold's wait ends; a
+failed reconcile is retried under the backoff policy, counted from 0 again after a success; a
 round is never sealed with a pod before the pod is looked at; a deleted rendezvous is
 forgotten whole; slices are written only when their content changes; each version of a
 Rendezvous is decoded once however many passes read it, and one that does not decode is
@@ -21,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from k8s_rendezvous import backoff
 from k8s_rendezvous.wire import leases, objects, records, specs, statuses
 from k8s_rendezvous_operator import (
     kube,
@@ -50,6 +54,13 @@ class FakeApi:
         self.status_writes: list[dict[str, Any]] = []
         self.slice_writes: list[tuple[int, dict[str, Any]]] = []
         self.refuse_next_write: kube.ApiError | None = None
+        self.members_stored: int | None = None
+        """A status of more members is refused as too large (etcd's limit, scaled down)."""
+        self.unavailable_writes = 0
+        """The next writes that fail as if the API server did not answer."""
+        self.refused_writes = 0
+        self.written = threading.Event()
+        """Set at each status write that reaches this door, refused or not."""
         self.labelled = threading.Event()
         self.deleted: list[tuple[str, str]] = []
         self.controllers: dict[str, dict[str, Any]] = {}
@@ -72,9 +83,18 @@ class FakeApi:
         body = self.rendezvous.get(name)
         if body is None:
             raise kube.NotFound(name, 404)
+        self.written.set()
         if self.refuse_next_write is not None:
             error, self.refuse_next_write = self.refuse_next_write, None
             raise error
+        if self.unavailable_writes:
+            self.unavailable_writes -= 1
+            raise kube.Unavailable("connection refused")
+        if self.members_stored is not None and len(fields.get("members") or ()) > (
+            self.members_stored
+        ):
+            self.refused_writes += 1
+            raise kube.TooLarge("etcdserver: request is too large", 500)
         if body["metadata"]["resourceVersion"] != resource_version:
             raise kube.Conflict(name, 409)
         self.status_writes.append(fields)
@@ -211,11 +231,13 @@ def entry(node: int, attempt: int = 1) -> leases.NodeEntry:
 
 
 class Harness:
-    def __init__(self, clock: list[datetime.datetime]) -> None:
+    def __init__(self, clock: list[datetime.datetime], **options: Any) -> None:
         self.api = FakeApi()
         self.events = Events()
         self.clock = clock
-        self.reconciler = reconciler.Reconciler(self.api, self.events, lambda: self.clock[0])
+        self.reconciler = reconciler.Reconciler(
+            self.api, self.events, lambda: self.clock[0], **options
+        )
         self.reconciler.started()
 
     async def rendezvous(self, body: Mapping[str, Any]) -> None:
@@ -304,6 +326,105 @@ def test_a_refused_write_is_said_once_and_not_retried(harness: Harness) -> None:
     (condition_only,) = harness.api.status_writes
     assert list(condition_only) == ["conditions"]
     assert condition_only["conditions"][0]["reason"] == reasons.INVALID_RENDEZVOUS
+
+
+def test_a_status_too_large_to_store_is_held_until_the_rendezvous_changes(
+    harness: Harness,
+) -> None:
+    """The seal of 2 members is more than the API server stores: a condition naming the
+    problem and its fix, one Warning, and no write at the joins and renewals that follow
+    (each would be refused the same way); a spec edited to fit is decided and sealed."""
+    harness.api.members_stored = 1
+
+    async def scenario() -> None:
+        for node in (1, 2, 3):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        body = harness.api.add_rendezvous(spec(2, 2), None)
+        await harness.rendezvous(body)
+        await harness.lease("p1", entry(1))
+        await harness.lease("p2", entry(2))
+        assert harness.api.refused_writes == 1
+        held = harness.api.rendezvous[NAME]
+        await harness.rendezvous(held)  # the echo of the condition's own write
+        await harness.lease("p3", entry(3))
+        await harness.lease("p1", entry(1, attempt=2))
+        assert harness.api.refused_writes == 1, "held: nothing sent while nothing changed"
+        assert harness.api.rendezvous[NAME] is held
+        edited = harness.api._bump(
+            {
+                **held,
+                "metadata": {**held["metadata"], "generation": 2},
+                "spec": spec(1, 1).to_dict(),
+            }
+        )
+        harness.api.rendezvous[NAME] = edited
+        await harness.rendezvous(edited)
+
+    asyncio.run(scenario())
+    assert harness.api.refused_writes == 1
+    assert written_states(harness.api)[-1] == ("Sealed", 1)
+    warnings = [e for e in harness.events.posted if e.reason == reasons.STATUS_TOO_LARGE]
+    (warning,) = warnings
+    assert warning.warning and "its next status (2 members" in warning.message
+    assert "Lower spec.maxNodes" in warning.message
+    assert "etcdserver: request is too large" in warning.message
+    condition_only = harness.api.status_writes[1]
+    assert list(condition_only) == ["conditions"], "small: it fits where the status did not"
+    (ready,) = condition_only["conditions"]
+    assert (ready["status"], ready["reason"]) == ("False", reasons.STATUS_TOO_LARGE)
+    assert ready["message"] == warning.message
+
+
+def test_a_held_status_is_tried_again_once_its_wait_ends_and_said_only_once() -> None:
+    """A limit raised outside the Rendezvous (etcd's) changes nothing the watch shows: the
+    hold's wait alone brings the next try, and a second refusal adds no Warning."""
+    harness = Harness([T0], hold=backoff.Backoff(base=0.01, cap=0.01, jitter=0))
+    harness.api.members_stored = 1
+
+    async def scenario() -> None:
+        for node in (1, 2):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), None))
+        await harness.lease("p1", entry(1))
+        await harness.lease("p2", entry(2))
+        assert harness.api.refused_writes == 1
+        harness.api.written.clear()
+        harness.clock[0] = T0 + datetime.timedelta(seconds=1)  # past the hold's end
+        harness.api.members_stored = None  # the limit raised
+        assert await asyncio.to_thread(harness.api.written.wait, 10), "the hold's timer"
+        await harness.reconciler.idle()
+
+    asyncio.run(scenario())
+    assert written_states(harness.api)[-1] == ("Sealed", 1)
+    assert harness.events.reasons().count(reasons.STATUS_TOO_LARGE) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedBackoff(backoff.Backoff):
+    attempts: list[int] = dataclasses.field(default_factory=list)
+
+    def delay(self, attempt: int, draw: Any = None) -> float:
+        self.attempts.append(attempt)
+        return super().delay(attempt, lambda: 0.0)
+
+
+def test_a_failed_reconcile_is_retried_under_the_backoff_counted_anew_after_a_success() -> None:
+    policy = RecordedBackoff(base=0.001, cap=0.004)
+    harness = Harness([T0], retry=policy)
+
+    async def scenario() -> None:
+        for node in (1, 2):
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+        harness.api.unavailable_writes = 3
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), None))
+        assert written_states(harness.api) == [("Forming", 0)], "written at the 4th try"
+        harness.api.unavailable_writes = 1
+        await harness.lease("p1", entry(1))
+        await harness.lease("p2", entry(2))
+
+    asyncio.run(scenario())
+    assert policy.attempts == [0, 1, 2, 0], "each failure in a row waits longer; a success resets"
+    assert written_states(harness.api)[-1] == ("Sealed", 1)
 
 
 def test_each_version_of_the_rendezvous_is_decoded_once_however_many_passes_read_it(
