@@ -14,13 +14,20 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
-from k8s_rendezvous import api
+from k8s_rendezvous import api, backoff
 from k8s_rendezvous.errors import KubernetesRendezvousStateError, RendezvousNotFoundError
 from k8s_rendezvous.wire import codec, objects, views
 
 log = logging.getLogger(__name__)
+
+RECONNECT: Final = backoff.Backoff(base=0.1, cap=5.0)
+"""How a failed watch is re-opened: at once the first time, at most 5 s apart, with full
+jitter. Every node of a rendezvous loses its watch at the same moment when the API server
+restarts; without jitter all of them (16,384 at the largest) would come back at the same
+instants, each retry a herd. The node keeps answering from its last status meanwhile, and
+torch's timeouts are the join loop's, not this."""
 
 
 class RendezvousReplaced(Exception):
@@ -52,9 +59,16 @@ class RoundWatcher:
     same round with only its own share of the members (and a copy of the spec).
     """
 
-    def __init__(self, client: api.RendezvousReader, node: str) -> None:
+    def __init__(
+        self,
+        client: api.RendezvousReader,
+        node: str,
+        *,
+        reconnect: backoff.Backoff = RECONNECT,
+    ) -> None:
         self._client = client
         self._node = node
+        self._reconnects = backoff.Retries(reconnect)
         self._changed = threading.Condition()
         self._object: Mapping[str, Any] | None = None
         self._decode_error: codec.DecodeError | None = None
@@ -199,7 +213,6 @@ class RoundWatcher:
                 self._changed.wait(None if math.isinf(remaining) else remaining)
 
     def _run(self) -> None:
-        backoff = 0.1
         while not self._stopped.is_set():
             try:
                 with self._changed:
@@ -229,14 +242,13 @@ class RoundWatcher:
                     elif kind == "DELETED":
                         self._after_deleted()
                         break
-                backoff = 0.1
+                self._reconnects.reset()
             except Exception as error:  # keep serving the last status; the agent polls us
                 if self._stopped.is_set():
                     return
                 self._lose_track()
                 log.warning("watching %s failed, retrying: %s", self._client.reference, error)
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                self._stopped.wait(self._reconnects.next_delay())
 
     def _bookmark(self, obj: Mapping[str, Any]) -> None:
         """Nothing of ours changed up to this version: resume from it next time."""

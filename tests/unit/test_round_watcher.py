@@ -1,14 +1,16 @@
 """The round watcher's requests: one watch from the current state, re-armed (with the round
-key as its filter) only when a later round's bookkeeping gets through."""
+key as its filter) only when a later round's bookkeeping gets through; a failed watch is
+re-opened under the jittered backoff, counted anew after a stream that ended well."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from k8s_rendezvous import watch
+from k8s_rendezvous import backoff, watch
 from k8s_rendezvous.wire import leases, objects, records, statuses
 
 
@@ -24,7 +26,7 @@ class ScriptedWatches:
     """Stands in for the API server's watches, as the watcher reads them
     (:class:`k8s_rendezvous.api.RendezvousReader`): each call plays the next script."""
 
-    def __init__(self, *scripts: list[tuple[str, dict[str, Any]]]) -> None:
+    def __init__(self, *scripts: list[tuple[str, dict[str, Any]]] | Exception) -> None:
         self.name = "r"
         self.reference = "Rendezvous ns/r"
         self.calls: list[tuple[str | None, str | None]] = []
@@ -50,12 +52,15 @@ class ScriptedWatches:
             self.exhausted.set()
             self.released.wait(timeout_seconds)  # an idle watch, until the test ends
             return
-        yield from self._scripts.pop(0)
+        script = self._scripts.pop(0)
+        if isinstance(script, Exception):
+            raise script
+        yield from script
 
 
-def watch_until_idle(client: ScriptedWatches) -> watch.RoundWatcher:
+def watch_until_idle(client: ScriptedWatches, **options: Any) -> watch.RoundWatcher:
     """A watcher run through every script, then stopped."""
-    watcher = watch.RoundWatcher(client, "n-0")
+    watcher = watch.RoundWatcher(client, "n-0", **options)
     watcher.start()
     try:
         assert client.exhausted.wait(10)
@@ -189,3 +194,31 @@ def test_wait_judges_statuses_in_the_order_they_arrived() -> None:
     assert first is not None and first.round == 1
     latest = watcher.wait(lambda s: s.state is statuses.RoundState.SEALED, time.monotonic())
     assert latest is not None and latest.round == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedBackoff(backoff.Backoff):
+    attempts: list[int] = dataclasses.field(default_factory=list)
+
+    def delay(self, attempt: int, draw: Callable[[], float] = lambda: 0.0) -> float:
+        self.attempts.append(attempt)
+        return super().delay(attempt, draw)
+
+
+def test_a_failed_watch_is_reopened_under_the_jittered_backoff_counted_anew_after_a_stream() -> (
+    None
+):
+    """Each failure in a row waits under a higher ceiling (the policy's full jitter spreads
+    the nodes that failed together); a stream that ended well starts the count over."""
+    reconnect = RecordedBackoff(base=0.001, cap=0.004)
+    client = ScriptedWatches(
+        ConnectionError("API server restarting"),
+        ConnectionError("API server restarting"),
+        ConnectionError("API server restarting"),
+        [("ADDED", rendezvous(5, "0-Forming"))],
+        ConnectionError("API server restarting"),
+    )
+    watcher = watch_until_idle(client, reconnect=reconnect)
+    assert reconnect.attempts == [0, 1, 2, 0]
+    assert len(client.calls) == 6, "five scripts, then the idle watch"
+    assert watcher.latest is not None, "what the one stream gave is kept"
