@@ -21,7 +21,7 @@ from typing import Any, Final, TypeVar
 
 from kubernetes import client
 
-from k8s_rendezvous import rest
+from k8s_rendezvous import backoff, rest
 from k8s_rendezvous.errors import (
     ApiServerSilentError,
     KubernetesRendezvousConnectionError,
@@ -42,6 +42,10 @@ _REFUSAL_GRACE_SECONDS: Final = 5.0
 """How long 401 and 403 are retried (within the retry budget): a kube-apiserver that has
 just restarted refuses requests until its authorizer has loaded the roles. A lasting
 refusal (a missing RoleBinding) is still named within seconds."""
+_RETRY: Final = backoff.Backoff(base=0.05, cap=2.0, jitter=0.5)
+"""How a transient failure is retried within its budget: doubling from 50 ms to 2 s, each
+wait drawn from its upper half, so that nodes refused together spread out and still retry
+soon enough for the budget (torch's timeouts) to hold several tries."""
 _T = TypeVar("_T")
 _MIN_REQUEST_SECONDS: Final = 0.1
 """The shortest timeout a budgeted request is given, so that its last retry can still be
@@ -293,7 +297,7 @@ class RendezvousClient:
         started = time.monotonic()
         deadline = started + budget
         refusal_deadline = started + min(budget, _REFUSAL_GRACE_SECONDS)
-        delay = 0.05
+        retries = backoff.Retries(_RETRY)
         while True:
             try:
                 return request()
@@ -309,11 +313,10 @@ class RendezvousClient:
             # Spread below the backoff, or above the server's Retry-After (API Priority and
             # Fairness asks a flow it refused to wait): retrying sooner only meets a full
             # queue again, at the cost of a request on both ends.
-            pause = delay * random.uniform(0.5, 1)
+            pause = retries.next_delay()
             if asked is not None:
                 pause = max(pause, asked * random.uniform(1, 1.5))
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 2.0)
 
     def _error(
         self, what: str, error: rest.RequestFailed, budget: float | None = None
