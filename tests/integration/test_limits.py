@@ -4,21 +4,30 @@ Aspects: a Rendezvous name of 63 characters (the most a label value holds) works
 named with 253 characters (the most a Kubernetes name holds), whose heartbeat Lease name is
 shortened with a hash; one more character in the Rendezvous name is refused with the CRD
 rule's message; member entries the schema refuses, oversized ones included (the API
-server's messages asserted).
+server's messages asserted); a status too large to store (a real 413) is said in a condition
+and one Warning and held, tried again only when the Rendezvous changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes.client
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.support.fixtures import Node, Rendezvous, create_pods
+from tests.support.fixtures import (
+    Node,
+    Rendezvous,
+    create_pods,
+    join_all,
+    operator_metrics,
+)
 
 from devkit.manifests import WORKLOAD_SELECTOR
+from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
 from k8s_rendezvous.wire import objects, records
 
@@ -281,3 +290,132 @@ def test_more_slices_than_the_nodes_need_are_refused_not_made(
     )
     assert slices["items"] == []
     assert len([r for _, r, _ in rdzv.events() if r == "InvalidRendezvous"]) == 1
+
+
+@contextlib.contextmanager
+def statuses_of_one_member_at_most(
+    admin_api: kubernetes.client.ApiClient, namespace: str
+) -> Iterator[None]:
+    """etcd's request limit scaled down to two nodes: an admission policy that refuses a
+    Rendezvous status of more than one member in ``namespace`` with RequestEntityTooLarge,
+    which the API server answers with a real 413, as it does a body past its own limit.
+    (etcd's own refusal, a 500 with etcd's words, is classified by tests/unit/test_rest.py;
+    the operator treats both the same.)"""
+    admission = kubernetes.client.AdmissionregistrationV1Api(admin_api)
+    name = f"status-one-member.{namespace}"
+    in_namespace = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    admission.create_validating_admission_policy(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "namespaceSelector": in_namespace,
+                    "resourceRules": [
+                        {
+                            "apiGroups": [objects.GROUP],
+                            "apiVersions": ["*"],
+                            "operations": ["UPDATE"],
+                            "resources": [f"{objects.PLURAL}/status"],
+                        }
+                    ],
+                },
+                "validations": [
+                    {
+                        "expression": "!has(object.status.members) || "
+                        "size(object.status.members) <= 1",
+                        "reason": "RequestEntityTooLarge",
+                        "message": "a status of more than 1 member (this test's etcd limit)",
+                    }
+                ],
+            },
+        }
+    )
+    try:
+        admission.create_validating_admission_policy_binding(
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicyBinding",
+                "metadata": {"name": name},
+                "spec": {
+                    "policyName": name,
+                    "validationActions": ["Deny"],
+                    "matchResources": {"namespaceSelector": in_namespace},
+                },
+            }
+        )
+        yield
+    finally:
+        with contextlib.suppress(ApiException):
+            admission.delete_validating_admission_policy_binding(name)
+        admission.delete_validating_admission_policy(name)
+
+
+def two_members_refused(rdzv: Rendezvous, admin_api: kubernetes.client.ApiClient) -> bool:
+    """Whether a status of two members is refused as too large now (a dry run: nothing is
+    stored, and the operator sees no event)."""
+    members = [{**MEMBER, "rank": rank, "node": f"pod-{rank}"} for rank in (0, 1)]
+    try:
+        kubernetes.client.CustomObjectsApi(admin_api).patch_namespaced_custom_object_status(
+            objects.GROUP,
+            objects.VERSION,
+            rdzv.namespace,
+            objects.PLURAL,
+            rdzv.name,
+            {"status": {"members": members}},
+            dry_run="All",
+            _content_type="application/merge-patch+json",
+        )
+    except ApiException as error:
+        assert error.status == 413, error.body
+        return True
+    return False
+
+
+REFUSED_TOO_LARGE = 'k8s_rendezvous_status_writes_refused_total{kind="TooLarge"}'
+
+
+@pytest.mark.metrics
+def test_a_status_too_large_to_store_is_said_once_and_held_until_the_rendezvous_changes(
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+    make_rendezvous: Callable[..., Rendezvous],
+    make_nodes: Callable[..., list[Node]],
+    operator_process: OperatorProcess,
+) -> None:
+    """The seal of two nodes is refused (413): the Ready condition says why and what to
+    do, one Warning; then no write while the Rendezvous stays as it is, though its nodes
+    go on renewing and another rendezvous seals meanwhile. Each change of it is one more
+    try; once the limit is raised, the next change seals it."""
+    rdzv = make_rendezvous(2, 2)
+    with statuses_of_one_member_at_most(admin_api, workers_namespace):
+        wait_for(lambda: two_members_refused(rdzv, admin_api), 30, "the policy in force")
+        joins = [node.join_in_background() for node in make_nodes(rdzv, 2)]
+        held = rdzv.wait(
+            lambda s: any(c.reason == "StatusTooLarge" for c in s.conditions),
+            "the refused seal said in the Ready condition",
+        )
+        (ready,) = [c for c in held.conditions if c.type == "Ready"]
+        assert ready.status == "False" and held.state.value == "Forming"
+        assert "its next status (2 members" in ready.message
+        assert "Lower spec.maxNodes" in ready.message and "Tried again when" in ready.message
+        assert "this test's etcd limit" in ready.message, "the API server's own words"
+        assert operator_metrics(operator_process)[REFUSED_TOO_LARGE] == 1
+        # Meanwhile the operator goes on with the others: one that fits seals.
+        other = make_rendezvous(1, 1)
+        assert join_all(make_nodes(other, 1))[0].world_size == 1
+        assert operator_metrics(operator_process)[REFUSED_TOO_LARGE] == 1, "held, not resent"
+        rdzv.patch_spec({"lastCallTimeoutSeconds": 29})  # a change: tried once more
+        wait_for(
+            lambda: operator_metrics(operator_process)[REFUSED_TOO_LARGE] == 2 or None,
+            30,
+            "the write tried again after the edit",
+        )
+    wait_for(lambda: not two_members_refused(rdzv, admin_api), 30, "the limit raised")
+    rdzv.patch_spec({"lastCallTimeoutSeconds": 28})
+    assert [joining.wait(60).world_size for joining in joins] == [2, 2]
+    assert operator_metrics(operator_process)[REFUSED_TOO_LARGE] == 2
+    warnings = rdzv.wait_events("StatusTooLarge", lambda m: "2 members" in m, kind="Warning")
+    assert len(warnings) == 1, warnings
