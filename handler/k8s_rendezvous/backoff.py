@@ -1,6 +1,6 @@
 """How long to wait before the next try: capped exponential backoff with jitter, as a pure
 policy (attempt -> seconds), shared by both sides (the operator's reconcile retries, the
-pod side's watch reconnects).
+pod side's watch reconnects and request retries).
 
 Without jitter, every client that failed at the same moment (an API server restart seen
 by 16,384 nodes at once) tries again at the same moments, doubling in lockstep: each retry
@@ -47,7 +47,7 @@ class Backoff:
 
 
 class Retries:
-    """The attempts of one thing being retried (one Rendezvous, one watch), under a
+    """The attempts of one thing being retried (a watch, a request), under a
     :class:`Backoff`: :meth:`next_delay` after each failure, :meth:`reset` after a
     success or when what failed changed (a new version of the object)."""
 

@@ -44,7 +44,7 @@ just restarted refuses requests until its authorizer has loaded the roles. A las
 refusal (a missing RoleBinding) is still named within seconds."""
 _RETRY: Final = backoff.Backoff(base=0.05, cap=2.0, jitter=0.5)
 """How a transient failure is retried within its budget: doubling from 50 ms to 2 s, each
-wait drawn from its upper half, so that nodes refused together spread out and still retry
+wait drawn from its upper half, so that nodes failing together spread out and still retry
 soon enough for the budget (torch's timeouts) to hold several tries."""
 _T = TypeVar("_T")
 _MIN_REQUEST_SECONDS: Final = 0.1

@@ -11,10 +11,10 @@ their requests through here.
 A request that does not succeed raises one of this module's errors, on both sides:
 :class:`RequestFailed` and its kinds by the answer's status (:class:`NotFound`,
 :class:`Conflict`, :class:`Unauthorized`, :class:`Refused` and its :class:`Forbidden`,
-:class:`Invalid` and :class:`TooLarge`, :class:`Unavailable`), carrying the API server's own message
-(:func:`status_message`), or :class:`Unavailable` with no status when nothing answered, chained
-from the transport's error. Neither side sees the client library's exceptions, and no
-other module matches a status number: each asks for the kind.
+:class:`Invalid` and :class:`TooLarge`, :class:`Unavailable`), carrying the API server's
+own message (:func:`status_message`), or :class:`Unavailable` with no status when nothing
+answered, chained from the transport's error. Neither side sees the client library's
+exceptions, and no other module matches a status number: each asks for the kind.
 """
 
 from __future__ import annotations

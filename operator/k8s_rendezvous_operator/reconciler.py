@@ -59,9 +59,9 @@ def _utcnow() -> datetime.datetime:
 
 RETRY: Final = backoff.Backoff(base=0.5, cap=30.0)
 """How a Rendezvous whose reconcile failed (the API server unreachable or overloaded, a
-bug) is tried again: within half a second at first, at most every 30 s on average, with
-full jitter so that the rendezvous that failed together (an API server restart) do not
-come back together. Counted per rendezvous: one failing delays no other."""
+bug) is tried again: after a wait drawn below a ceiling that doubles from 0.5 s to 30 s
+(full jitter), so that the rendezvous that failed together (an API server restart) do
+not come back together. Counted per rendezvous: one failing delays no other."""
 HOLD: Final = backoff.Backoff(base=60.0, cap=900.0, jitter=0.5)
 """How long a Rendezvous whose status the API server refused for good (invalid, too
 large) waits before the same decision is tried again, unless it changes first: its next
@@ -504,8 +504,8 @@ class Reconciler:
     def _held(self, memory: RendezvousMemory, body: Mapping[str, Any]) -> bool:
         """Whether no pass is to run: its status was refused for good, and since then
         neither has the Rendezvous changed (only our condition was written) nor has the
-        hold's wait ended (its timer brings the next pass). Every join, renewal and pod
-        change would otherwise send the same refused write again."""
+        hold's wait ended (its timer brings the next pass). Every join, pod change and
+        probe verdict would otherwise send the same refused write again."""
         hold = memory.hold
         if hold is None:
             return False
@@ -544,7 +544,7 @@ class Reconciler:
             reasons.INVALID_RENDEZVOUS,
             reasons.invalid_rendezvous(key[1], reasons.unreadable(error)),
         )
-        if refused is None:  # changed meanwhile: look again at its next event
+        if refused is None:  # changed meanwhile, or not written: look again at its next event
             memory.unreadable = None
 
     async def _adopt(

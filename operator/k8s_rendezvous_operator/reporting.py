@@ -142,8 +142,9 @@ class Reporter:
         Warning on ``target`` (if ``warn``, within the Warning budgets), and the ``Ready``
         condition written over ``resource_version``: a write of that condition alone, small
         enough to pass where a status too large did not. The Rendezvous as written, or
-        ``None`` if it changed meanwhile or the condition was refused too. The caller says
-        it once per distinct problem, so that our own write cannot make us loop."""
+        ``None`` if it changed meanwhile or the condition was refused too. The caller
+        holds the Rendezvous after it, or says it once per distinct problem, so that our own
+        write cannot make us loop."""
         namespace, name = key
         log.warning("Rendezvous %s/%s: %s: %s", namespace, name, reason, message)
         if warn and self.allow(key):
