@@ -4,8 +4,9 @@ Aspects: a Rendezvous name of 63 characters (the most a label value holds) works
 named with 253 characters (the most a Kubernetes name holds), whose heartbeat Lease name is
 shortened with a hash; one more character in the Rendezvous name is refused with the CRD
 rule's message; member entries the schema refuses, oversized ones included (the API
-server's messages asserted); a status too large to store (a real 413) is said in a condition
-and one Warning and held, tried again only when the Rendezvous changes.
+server's messages asserted); a status past etcd's request limit is refused as etcd says it
+(a 500), classified as too large; a status too large to store (a real 413) is said in a
+condition and one Warning and held, tried again only when the Rendezvous changes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.support.fixtures import (
 from devkit.manifests import WORKLOAD_SELECTOR
 from devkit.operator import OperatorProcess
 from devkit.waiting import wait_for
+from k8s_rendezvous import rest
 from k8s_rendezvous.wire import objects, records
 
 pytestmark = pytest.mark.usefixtures("operator_process")
@@ -290,6 +292,24 @@ def test_more_slices_than_the_nodes_need_are_refused_not_made(
     )
     assert slices["items"] == []
     assert len([r for _, r, _ in rdzv.events() if r == "InvalidRendezvous"]) == 1
+
+
+def test_a_status_past_etcds_request_limit_is_refused_as_too_large_not_as_retryable(
+    make_rendezvous: Callable[..., Rendezvous],
+) -> None:
+    """What the API server answers for a status larger than etcd takes (1.5 MiB by
+    default) but within its own body limit (3 MiB): etcd's refusal, passed on as a 500
+    with etcd's words, which would read as an API server in trouble. The classifier both
+    sides share makes it a lasting refusal."""
+    rdzv = make_rendezvous(1, 1)
+    members = [{**MEMBER, "rank": r, "node": f"pod-{r:05d}-{'x' * 100}"} for r in range(10_000)]
+    assert 1.5 * 2**20 < len(json.dumps({"status": {"members": members}})) < 2 * 2**20
+    with pytest.raises(ApiException) as error:
+        rdzv.patch_status({"members": members})
+    said = json.loads(error.value.body)["message"]
+    assert (error.value.status, said) == (500, "etcdserver: request is too large")
+    assert type(rest.failure(error.value.status, said)) is rest.TooLarge
+    assert rdzv.status().members == (), "nothing stored"
 
 
 @contextlib.contextmanager
