@@ -203,6 +203,9 @@ class Pods:
             pod = await asyncio.to_thread(self._api.get_pod, namespace, node)
             if not lease_sweep.stale(lease, pod):
                 memory.cleared = (memory.observation, lease.pod_uid)
+                log.info(
+                    "Lease %s/%s kept: its pod is the one that wrote it", namespace, lease.name
+                )
             else:
                 await asyncio.to_thread(
                     self._api.delete_lease,
