@@ -31,6 +31,11 @@ MAX_CHECKS_PER_PASS: Final = 32
 start-up after hundreds of interruptions collects its backlog over a few passes, never
 in one burst of requests beside the rounds' own."""
 
+RETRY_AFTER_SECONDS: Final = 30.0
+"""How long a rendezvous' Leases are left alone after a check or delete failed: a refusal
+(an older chart's ClusterRole without ``delete``) or an API server in trouble is tried
+again at a pass this much later, not at every pass of a join storm."""
+
 GONE: Final = frozenset({reasons.LOST_POD_DELETED, reasons.LOST_POD_NOT_FOUND})
 """What the watches say of a pod that no longer exists. A failed or finished pod still
 does (its Lease goes with it, or with the Rendezvous)."""

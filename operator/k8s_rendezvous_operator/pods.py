@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -83,6 +84,8 @@ class Pods:
         self._marked: dict[Key, set[str]] = {}
         """By rendezvous: the nodes whose Leases may have outlived their pods."""
         self._sweeping: dict[Key, asyncio.Task[None]] = {}
+        self._sweep_failed: dict[Key, float] = {}
+        """By rendezvous: when (event-loop time) a check or delete of its Leases failed."""
 
     def memory(self, pod: Key) -> PodMemory:
         """What is known of ``pod``, remembered from now on."""
@@ -98,6 +101,7 @@ class Pods:
     def forget_marks(self, key: Key) -> None:
         """Rendezvous ``key`` is gone: its Leases go with it (their owner)."""
         self._marked.pop(key, None)
+        self._sweep_failed.pop(key, None)
 
     def observed(self, pod: Key) -> rounds.PodObservation | None:
         """The pod as last observed (``None``: never)."""
@@ -173,6 +177,9 @@ class Pods:
         members and those it left behind, whose loss the round handles first."""
         if key in self._sweeping or not (marked := self._marked.get(key)):
             return
+        now = asyncio.get_running_loop().time()
+        if now - self._sweep_failed.get(key, -math.inf) < lease_sweep.RETRY_AFTER_SECONDS:
+            return
         nodes = lease_sweep.to_check(marked, needed)
         if nodes:
             task = asyncio.get_running_loop().create_task(self._sweep(key, nodes, needed))
@@ -183,6 +190,8 @@ class Pods:
             settled = await asyncio.gather(*(self._collect(key, node) for node in nodes))
         finally:
             del self._sweeping[key]
+        if not all(settled):
+            self._sweep_failed[key] = asyncio.get_running_loop().time()
         marked = self._marked.get(key, set())
         if any(settled) and lease_sweep.to_check(marked, needed, limit=1):
             self._request(key)  # a backlog (after a restart): the next few, one pass on
@@ -220,9 +229,10 @@ class Pods:
         except Exception as error:
             log.warning(
                 "collecting Lease %s/%s of a pod that is gone failed (tried again at a "
-                "later pass): %s",
+                "pass %.0f s or more from now): %s",
                 namespace,
                 lease.name,
+                lease_sweep.RETRY_AFTER_SECONDS,
                 error,
             )
             return False

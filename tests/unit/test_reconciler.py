@@ -57,6 +57,7 @@ class FakeApi:
         self.lease_deletes: list[str] = []
         """Every delete of a Lease asked, refused or not."""
         self.pod_reads: list[str] = []
+        self.refuse_lease_deletes: kube.ApiError | None = None
         self.controllers: dict[str, dict[str, Any]] = {}
         """The pods' controllers, by uid, as read on the way up to their workload."""
         self._version = 100
@@ -159,6 +160,8 @@ class FakeApi:
 
     def delete_lease(self, namespace: str, name: str, uid: str, resource_version: str) -> None:
         self.lease_deletes.append(name)
+        if self.refuse_lease_deletes is not None:
+            raise self.refuse_lease_deletes
         if name not in self.leases:
             raise kube.NotFound(name, 404)
         if self.leases[name] != (uid, resource_version):
@@ -494,6 +497,28 @@ def test_a_lease_written_since_it_was_read_is_not_deleted_nor_tried_again_at_onc
         harness.api.leases[objects.lease_name(NAME, "p3")] = ("lease-p3", "6")  # written since
         harness.reconciler.lease_seen(NS, lease, body, deleted=False)
         await harness.reconciler.idle()
+
+    asyncio.run(scenario())
+    assert harness.api.lease_deletes == [objects.lease_name(NAME, "p3")]
+    assert objects.lease_name(NAME, "p3") in harness.api.leases
+
+
+def test_a_refused_delete_is_tried_again_at_a_later_pass_not_at_every_one(
+    harness: Harness,
+) -> None:
+    """An operator whose ClusterRole lacks ``delete`` on Leases (an older chart): each pass
+    of a join storm would otherwise try every marked Lease again."""
+
+    async def scenario() -> None:
+        harness.api.refuse_lease_deletes = kube.Forbidden("leases is forbidden", 403)
+        await harness.rendezvous(harness.api.add_rendezvous(spec(3, 3), None))
+        request = entry(3)
+        lease = leases.NodeLease(NAME, "p3", request.instance, request, pod_uid="uid-p3")
+        harness.reconciler.lease_seen(NS, lease, lease_body(harness.api, "p3"), deleted=False)
+        await harness.reconciler.idle()
+        for node in (1, 2):  # two more passes at once
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+            await harness.lease(f"p{node}", entry(node))
 
     asyncio.run(scenario())
     assert harness.api.lease_deletes == [objects.lease_name(NAME, "p3")]
