@@ -137,6 +137,8 @@ class ReconcilerApi(Protocol):
 
     def node_labels(self, node: str) -> dict[str, str]: ...
 
+    def delete_lease(self, namespace: str, name: str, uid: str, resource_version: str) -> None: ...
+
 
 class OperatorApi:
     def __init__(self, api_client: client.ApiClient) -> None:
@@ -216,6 +218,20 @@ class OperatorApi:
             for path in paths or ["/apis/coordination.k8s.io/v1/leases"]
             for lease in self._request("GET", path, query=query)["items"]
         ]
+
+    def delete_lease(self, namespace: str, name: str, uid: str, resource_version: str) -> None:
+        """Delete a node's Lease if it is still the one read (its ``uid``, unwritten since
+        ``resource_version``): else a :class:`Conflict`, so a Lease a new pod of the name
+        made or wrote meanwhile is never deleted in the old one's place."""
+        self._request(
+            "DELETE",
+            f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{_segment(name)}",
+            {
+                "kind": "DeleteOptions",
+                "apiVersion": "v1",
+                "preconditions": {"uid": uid, "resourceVersion": resource_version},
+            },
+        )
 
     def unlabelled_job_pods(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
         """The pods of the Job of ``job_uid`` that carry no rendezvous label (neither the

@@ -1,17 +1,27 @@
 """What the operator knows of each node's pod and its Lease, and the labelling that makes
 a node's pod known: the pod watch streams only pods with the rendezvous label, so the
-operator labels the pod behind each request, and reads its answer as the pod's state."""
+operator labels the pod behind each request, and reads its answer as the pod's state.
+The Leases of pods that are gone are collected here too (:mod:`.lease_sweep` decides)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from k8s_rendezvous.wire import objects
-from k8s_rendezvous_operator import failed_checks, kube, observe, reasons, reporting, rounds
+from k8s_rendezvous_operator import (
+    failed_checks,
+    kube,
+    lease_sweep,
+    observe,
+    reasons,
+    reporting,
+    rounds,
+)
 from k8s_rendezvous_operator.events import Key
 
 log = logging.getLogger(__name__)
@@ -36,6 +46,11 @@ class PodMemory:
     """The last failed health check of its Lease reported (each is said once)."""
     labelled: bool = False
     labelling: asyncio.Task[None] | None = None
+    lease: lease_sweep.LeaseRead | None = None
+    """Its Lease as last seen (``None``: none seen, or deleted)."""
+    cleared: tuple[rounds.PodObservation | None, str | None] | None = None
+    """The observation and Lease writer under which its Lease was last checked and found
+    to be its live pod's: not checked again until one of them changes."""
 
     @property
     def replaced(self) -> bool:
@@ -66,6 +81,11 @@ class Pods:
         self._request = request
         self._known_body = known_body
         self._pods: dict[Key, PodMemory] = {}
+        self._marked: dict[Key, set[str]] = {}
+        """By rendezvous: the nodes whose Leases may have outlived their pods."""
+        self._sweeping: dict[Key, asyncio.Task[None]] = {}
+        self._sweep_failed: dict[Key, float] = {}
+        """By rendezvous: when (event-loop time) a check or delete of its Leases failed."""
 
     def memory(self, pod: Key) -> PodMemory:
         """What is known of ``pod``, remembered from now on."""
@@ -77,6 +97,11 @@ class Pods:
     def forget(self, namespace: str, nodes: Iterable[str]) -> None:
         for node in nodes:
             self._pods.pop((namespace, node), None)
+
+    def forget_marks(self, key: Key) -> None:
+        """Rendezvous ``key`` is gone: its Leases go with it (their owner)."""
+        self._marked.pop(key, None)
+        self._sweep_failed.pop(key, None)
 
     def observed(self, pod: Key) -> rounds.PodObservation | None:
         """The pod as last observed (``None``: never)."""
@@ -103,6 +128,7 @@ class Pods:
         if memory.observation == observation:
             return
         memory.observation = observation
+        self._mark(key, memory)
         if rendezvous:
             self._request((key[0], rendezvous))
 
@@ -122,9 +148,97 @@ class Pods:
             if (pod := self._pods.get((namespace, node))) and (writer := pod.writer)
         }
 
+    def lease_seen(self, pod: Key, lease: lease_sweep.LeaseRead | None) -> None:
+        """``pod``'s Lease as its watch event shows it (``None``: deleted)."""
+        memory = self.memory(pod)
+        old = memory.lease
+        if old is not None and (lease is None or lease.rendezvous != old.rendezvous):
+            self._marked.get((pod[0], old.rendezvous), set()).discard(pod[1])
+        memory.lease = lease
+        self._mark(pod, memory)
+
+    def _mark(self, pod: Key, memory: PodMemory) -> None:
+        """Mark ``pod``'s Lease for a check if what is known says its pod may be gone."""
+        lease = memory.lease
+        if lease is None:
+            return
+        cleared = memory.cleared == (memory.observation, lease.pod_uid)
+        if not cleared and lease_sweep.suspected(memory.observation, lease):
+            self._marked.setdefault((pod[0], lease.rendezvous), set()).add(pod[1])
+
     def tasks(self) -> Iterator[asyncio.Task[None]]:
-        """The labelling under way."""
-        return (task for pod in self._pods.values() if (task := pod.labelling) is not None)
+        """The labelling and the sweeps under way."""
+        yield from (task for pod in self._pods.values() if (task := pod.labelling) is not None)
+        yield from self._sweeping.values()
+
+    def sweep(self, key: Key, needed: frozenset[str]) -> None:
+        """Collect, in the background, the Leases of Rendezvous ``key`` whose pods are gone
+        (a bounded few per call), but those of ``needed`` nodes: the current round's
+        members and those it left behind, whose loss the round handles first."""
+        if key in self._sweeping or not (marked := self._marked.get(key)):
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self._sweep_failed.get(key, -math.inf) < lease_sweep.RETRY_AFTER_SECONDS:
+            return
+        nodes = lease_sweep.to_check(marked, needed)
+        if nodes:
+            task = asyncio.get_running_loop().create_task(self._sweep(key, nodes, needed))
+            self._sweeping[key] = task
+
+    async def _sweep(self, key: Key, nodes: list[str], needed: frozenset[str]) -> None:
+        try:
+            settled = await asyncio.gather(*(self._collect(key, node) for node in nodes))
+        finally:
+            del self._sweeping[key]
+        if not all(settled):
+            self._sweep_failed[key] = asyncio.get_running_loop().time()
+        marked = self._marked.get(key, set())
+        if any(settled) and lease_sweep.to_check(marked, needed, limit=1):
+            self._request(key)  # a backlog (after a restart): the next few, one pass on
+
+    async def _collect(self, key: Key, node: str) -> bool:
+        """Check one marked Lease against its Pod as read now, and delete it if stale;
+        whether that settled it (a failure keeps the mark, for a later pass)."""
+        namespace = key[0]
+        memory = self._pods.get((namespace, node))
+        lease = None if memory is None else memory.lease
+        marked = self._marked.get(key, set())
+        if memory is None or lease is None or lease.rendezvous != key[1]:
+            marked.discard(node)
+            return True
+        try:
+            # Read after the Lease: a pod of the name made since is seen here, or it made
+            # a new Lease since, and then the preconditions refuse the delete.
+            pod = await asyncio.to_thread(self._api.get_pod, namespace, node)
+            if not lease_sweep.stale(lease, pod):
+                memory.cleared = (memory.observation, lease.pod_uid)
+                log.info(
+                    "Lease %s/%s kept: its pod is the one that wrote it", namespace, lease.name
+                )
+            else:
+                await asyncio.to_thread(
+                    self._api.delete_lease,
+                    namespace,
+                    lease.name,
+                    lease.uid,
+                    lease.resource_version,
+                )
+                log.info("Lease %s/%s of a pod that is gone deleted", namespace, lease.name)
+        except (kube.NotFound, kube.Conflict):
+            pass  # gone already, or written since: its next event marks it if still stale
+        except Exception as error:
+            log.warning(
+                "collecting Lease %s/%s of a pod that is gone failed (tried again at a "
+                "pass %.0f s or more from now): %s",
+                namespace,
+                lease.name,
+                lease_sweep.RETRY_AFTER_SECONDS,
+                error,
+            )
+            return False
+        if memory.lease is lease:  # else a newer version came meanwhile: checked anew
+            marked.discard(node)
+        return True
 
     def label(self, namespace: str, rendezvous: str, requests: Iterable[str]) -> None:
         """Label the pod behind each request not yet known (or known as another pod of

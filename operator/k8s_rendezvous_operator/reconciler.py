@@ -29,6 +29,7 @@ from k8s_rendezvous_operator import (
     failed_checks,
     jobs,
     kube,
+    lease_sweep,
     membership,
     metrics,
     names,
@@ -237,6 +238,7 @@ class Reconciler:
         if memory is None:
             return
         self.pods.forget(key[0], memory.entries)
+        self.pods.forget_marks(key)
         if memory.timer:
             memory.timer.cancel()
         self._reporter.forget(key)
@@ -301,6 +303,9 @@ class Reconciler:
             )
             self._reporting.add(task)
             task.add_done_callback(self._reporting.discard)
+        self.pods.lease_seen(
+            pod, None if deleted else lease_sweep.LeaseRead.from_body(lease.rendezvous, body)
+        )
         writer = None if deleted else lease.pod_uid
         wrote_anew = node.writer != writer
         node.writer = writer
@@ -499,6 +504,8 @@ class Reconciler:
                 return written is not Written.CONFLICT
         await self._publish_slices(memory, view, decision.status, requests)
         self._wake_at(key, decision.wake_at)
+        status = decision.status
+        self.pods.sweep(key, frozenset(m.node for m in (*status.members, *status.left_behind)))
         return True
 
     def _held(self, memory: RendezvousMemory, body: Mapping[str, Any]) -> bool:

@@ -60,6 +60,8 @@ TODAY: set[Rule] = {
     ("apps", "statefulsets", "get", ""),
     ("coordination.k8s.io", "leases", "list", ""),  # nodes' heartbeat Leases (same label)
     ("coordination.k8s.io", "leases", "watch", ""),
+    # a gone pod's Lease, collected (only nodes' Leases: *-operator-writes)
+    ("coordination.k8s.io", "leases", "delete", ""),
     ("", "events", "create", ""),  # kopf posts Events; it never patches them
 }
 ANNOTATED_JOBS: set[Rule] = {  # used by annotated-Job support
@@ -201,7 +203,8 @@ def test_cluster_role_is_exactly_the_minimal_list(control_plane: ControlPlane) -
         ("delete", "rendezvousslices.k8s-rendezvous.dev", "-A", False),  # GC does
         ("create", "leases.coordination.k8s.io", "default", False),
         ("patch", "leases.coordination.k8s.io", "-A", False),
-        ("delete", "leases.coordination.k8s.io", NAMESPACE, False),
+        ("delete", "leases.coordination.k8s.io", "-A", True),  # only nodes': the policy
+        ("deletecollection", "leases.coordination.k8s.io", "-A", False),
         ("update", "leases.coordination.k8s.io/someone-elses-lock", NAMESPACE, False),
         ("patch", "events", "-A", False),
         ("list", "nodes", "", False),
@@ -285,6 +288,7 @@ def test_a_deleted_pod_reforms_the_world(
     make_nodes: MakeNodes,
     admin_api: kubernetes.client.ApiClient,
 ) -> None:
+    """...and the victim's Lease is collected, within the operator's rights."""
     rdzv = make_rendezvous(2, 3)
     nodes = make_nodes(rdzv, 3)
     join_all(nodes)
@@ -295,6 +299,20 @@ def test_a_deleted_pod_reforms_the_world(
     assert rdzv.status().round == 2
     lost = [message for _, reason, message in rdzv.events() if reason == "MemberLost"]
     assert any(victim.pod in message for message in lost), lost
+    coordination = kubernetes.client.CoordinationV1Api(admin_api)
+    wait_for(
+        lambda: (
+            {
+                lease.spec.holder_identity
+                for lease in coordination.list_namespaced_lease(
+                    rdzv.namespace, label_selector=f"{objects.NODE_LABEL}={rdzv.name}"
+                ).items
+            }
+            == {node.pod for node in survivors}
+        ),
+        15,
+        "the deleted pod's Lease collected, the survivors' kept",
+    )
 
 
 def test_a_hung_agent_is_dropped_when_its_heartbeat_expires(
@@ -665,6 +683,34 @@ def test_the_operators_identity_deletes_only_a_rendezvous_a_pod_made(
     assert "k8s-rendezvous.dev/created-by-pod), not users" in message
     create("pod-made", {objects.CREATED_BY_ANNOTATION: "some-pod"})
     assert delete("pod-made")
+
+
+def test_the_operators_identity_deletes_only_a_nodes_lease(
+    chart_operator: ChartOperator,
+    control_plane: ControlPlane,
+    admin_api: kubernetes.client.ApiClient,
+    workers_namespace: str,
+) -> None:
+    """It collects gone pods' Leases: never another Lease, its own leader-election Lease
+    (which it keeps holding) nor one a user or a kubelet made."""
+    admin = kubernetes.client.CoordinationV1Api(admin_api)
+    operator = kubernetes.client.CoordinationV1Api(operator_api(chart_operator, control_plane))
+
+    def create(name: str, labels: dict[str, str]) -> None:
+        body = {"metadata": {"name": name, "labels": labels}, "spec": {"holderIdentity": "x"}}
+        admin.create_namespaced_lease(workers_namespace, body)
+
+    create("users-lock", {"app": "other"})
+    message = refused_by_policy(
+        lambda: operator.delete_namespaced_lease("users-lock", workers_namespace)
+    )
+    assert "may delete only a rendezvous node Lease (label" in message
+    assert "k8s-rendezvous.dev/rendezvous), not Lease users-lock" in message
+    refused_by_policy(lambda: operator.delete_namespaced_lease(OPERATOR, NAMESPACE))
+    assert admin.read_namespaced_lease(OPERATOR, NAMESPACE).spec.holder_identity
+    create("r.gone-pod", {objects.NODE_LABEL: "r"})
+    assert operator.delete_namespaced_lease("r.gone-pod", workers_namespace)
+    assert chart_operator.returncode() is None
 
 
 def test_a_pod_made_rendezvous_under_an_annotated_jobs_name_is_replaced_within_its_rights(

@@ -63,6 +63,12 @@ class FakeApi:
         """Set at each status write that reaches this door, refused or not."""
         self.labelled = threading.Event()
         self.deleted: list[tuple[str, str]] = []
+        self.leases: dict[str, tuple[str, str]] = {}
+        """Each node's Lease, by name: its uid and resourceVersion."""
+        self.lease_deletes: list[str] = []
+        """Every delete of a Lease asked, refused or not."""
+        self.pod_reads: list[str] = []
+        self.refuse_lease_deletes: kube.ApiError | None = None
         self.controllers: dict[str, dict[str, Any]] = {}
         """The pods' controllers, by uid, as read on the way up to their workload."""
         self._version = 100
@@ -157,6 +163,7 @@ class FakeApi:
         return self.controllers.get(reference.uid)
 
     def get_pod(self, namespace: str, pod: str) -> dict[str, Any] | None:
+        self.pod_reads.append(pod)
         return self.pods.get(pod)
 
     def pod_node_name(self, namespace: str, pod: str) -> str | None:
@@ -170,6 +177,16 @@ class FakeApi:
 
     def node_labels(self, node: str) -> dict[str, str]:
         return {"zone": "a"}
+
+    def delete_lease(self, namespace: str, name: str, uid: str, resource_version: str) -> None:
+        self.lease_deletes.append(name)
+        if self.refuse_lease_deletes is not None:
+            raise self.refuse_lease_deletes
+        if name not in self.leases:
+            raise kube.NotFound(name, 404)
+        if self.leases[name] != (uid, resource_version):
+            raise kube.Conflict(name, 409)
+        del self.leases[name]
 
     # -- the test's side -----------------------------------------------------------------
 
@@ -541,6 +558,117 @@ def test_the_lease_of_a_pod_gone_for_good_is_no_node_without_a_pod(harness: Harn
         reasons.member_lost("p2", 1, 1, reasons.LOST_POD_NOT_FOUND)
     ]
     assert reasons.NODE_WITHOUT_POD not in harness.events.reasons()
+
+
+def lease_body(api: FakeApi, node: str, version: str = "5") -> dict[str, Any]:
+    """Node ``node``'s Lease as the API server holds it (``api.leases`` says so too),
+    written by the pod ``add_pod`` makes of that name."""
+    name = objects.lease_name(NAME, node)
+    api.leases[name] = (f"lease-{node}", version)
+    return {
+        "metadata": {
+            "name": name,
+            "uid": f"lease-{node}",
+            "resourceVersion": version,
+            "annotations": {objects.POD_UID_ANNOTATION: f"uid-{node}"},
+        }
+    }
+
+
+def test_a_gone_pods_lease_is_deleted_once_the_round_that_lost_it_is_sealed(
+    harness: Harness,
+) -> None:
+    """A restarted operator finds member p2's pod gone: its loss is the round's to handle
+    (a Lease deleted first would read as its request removed), and its Lease goes once a
+    round without it is sealed; p1's, whose pod lives, stays."""
+
+    async def scenario() -> None:
+        harness.api.add_pod("p1", "10.0.0.1")  # p2's pod is gone
+        for node in (1, 2):
+            request = entry(node)
+            lease = leases.NodeLease(
+                NAME, f"p{node}", request.instance, request, pod_uid=f"uid-p{node}"
+            )
+            body = lease_body(harness.api, f"p{node}")
+            harness.reconciler.lease_seen(NS, lease, body, deleted=False)
+        await harness.rendezvous(harness.api.add_rendezvous(spec(1, 2), sealed_p1_p2()))
+        assert written_states(harness.api)[-1] == ("Reforming", 1)
+        assert harness.api.lease_deletes == [], "p2 is still a member of the stale round"
+        await harness.lease("p1", entry(1, attempt=2))
+
+    asyncio.run(scenario())
+    assert written_states(harness.api)[-1] == ("Sealed", 2)
+    lost = [e.message for e in harness.events.posted if e.reason == reasons.MEMBER_LOST]
+    assert lost == [reasons.member_lost("p2", 1, 1, reasons.LOST_POD_NOT_FOUND)]
+    assert harness.api.lease_deletes == [objects.lease_name(NAME, "p2")]
+    assert list(harness.api.leases) == [objects.lease_name(NAME, "p1")]
+
+
+def test_a_lease_written_since_it_was_read_is_not_deleted_nor_tried_again_at_once(
+    harness: Harness,
+) -> None:
+    """The delete's preconditions refuse it (409): a pod of the name wrote it since. It is
+    checked again only once its new version is seen, never in a loop."""
+
+    async def scenario() -> None:
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), None))
+        request = entry(3)
+        lease = leases.NodeLease(NAME, "p3", request.instance, request, pod_uid="uid-p3")
+        body = lease_body(harness.api, "p3")
+        harness.api.leases[objects.lease_name(NAME, "p3")] = ("lease-p3", "6")  # written since
+        harness.reconciler.lease_seen(NS, lease, body, deleted=False)
+        await harness.reconciler.idle()
+
+    asyncio.run(scenario())
+    assert harness.api.lease_deletes == [objects.lease_name(NAME, "p3")]
+    assert objects.lease_name(NAME, "p3") in harness.api.leases
+
+
+def test_a_refused_delete_is_tried_again_at_a_later_pass_not_at_every_one(
+    harness: Harness,
+) -> None:
+    """An operator whose ClusterRole lacks ``delete`` on Leases (an older chart): each pass
+    of a join storm would otherwise try every marked Lease again."""
+
+    async def scenario() -> None:
+        harness.api.refuse_lease_deletes = kube.Forbidden("leases is forbidden", 403)
+        await harness.rendezvous(harness.api.add_rendezvous(spec(3, 3), None))
+        request = entry(3)
+        lease = leases.NodeLease(NAME, "p3", request.instance, request, pod_uid="uid-p3")
+        harness.reconciler.lease_seen(NS, lease, lease_body(harness.api, "p3"), deleted=False)
+        await harness.reconciler.idle()
+        for node in (1, 2):  # two more passes at once
+            harness.api.add_pod(f"p{node}", f"10.0.0.{node}")
+            await harness.lease(f"p{node}", entry(node))
+
+    asyncio.run(scenario())
+    assert harness.api.lease_deletes == [objects.lease_name(NAME, "p3")]
+    assert objects.lease_name(NAME, "p3") in harness.api.leases
+
+
+def test_the_lease_of_a_pod_that_lives_is_checked_once_and_kept(harness: Harness) -> None:
+    """p1's pod was seen deleted, then a pod of its name wrote the Lease: the Pod read
+    says it is that pod, so the Lease stays, and renewals do not check it again."""
+
+    async def scenario() -> None:
+        await harness.rendezvous(harness.api.add_rendezvous(spec(2, 2), None))
+        harness.reconciler.pods.seen(
+            (NS, "p1"), rounds.PodObservation(reasons.LOST_POD_DELETED), None
+        )
+        harness.api.add_pod("p1", "10.0.0.1")
+        request = entry(1)
+        lease = leases.NodeLease(NAME, "p1", request.instance, request, pod_uid="uid-p1")
+        for version in ("5", "6"):
+            body = lease_body(harness.api, "p1", version)
+            harness.reconciler.lease_seen(NS, lease, body, deleted=False)
+            await harness.reconciler.idle()
+        harness.api.add_pod("p2", "10.0.0.2")
+        await harness.lease("p2", entry(2))  # a pass after the renewal
+
+    asyncio.run(scenario())
+    assert harness.api.pod_reads == ["p1"], "checked at its first version only"
+    assert harness.api.lease_deletes == []
+    assert objects.lease_name(NAME, "p1") in harness.api.leases
 
 
 def test_a_deleted_rendezvous_is_forgotten_whole(harness: Harness) -> None:
