@@ -21,6 +21,13 @@ def test_every_folder_of_tests_runs_in_exactly_one_lane() -> None:
     assert set(tiers) == with_tests
 
 
+def test_no_two_test_files_share_a_name() -> None:
+    """pytest imports test files by their basename (tests/ has no packages): two of one
+    name in one lane stop the lane at collection, whichever tiers they are in."""
+    names = sorted(path.name for path in (REPO / "tests").glob("*/test_*.py"))
+    assert not {name for name in names if names.count(name) > 1}
+
+
 def test_lanes_give_their_pods_addresses_apart() -> None:
     cidrs = [lane.pod_cidr for lane in test_lanes.LANES]
     assert len(set(cidrs)) == len(cidrs)
