@@ -109,6 +109,12 @@ class Unavailable(RequestFailed):
     """The request may succeed later: no answer, or a 429 or 5xx."""
 
 
+class Expired(RequestFailed):
+    """What the request continues from is older than the API server keeps (410 Gone): a
+    watch's resourceVersion, or a paginated list's continue token. Asking again from it
+    fails again; start over from a fresh list."""
+
+
 class NoCredentials(Exception):
     """Neither a service account's token nor a kubeconfig could be loaded; the message
     says where each was looked for."""
@@ -150,6 +156,8 @@ def failure(status: int | None, message: str, retry_after: float | None = None) 
         kind = Invalid
     elif status == 400:
         kind = Refused
+    elif status == 410:
+        kind = Expired
     elif status is None or status == 429 or status >= 500:
         kind = Unavailable
     return kind(message, status, retry_after)

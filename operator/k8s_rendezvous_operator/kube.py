@@ -35,6 +35,11 @@ Forbidden = rest.Forbidden
 Invalid = rest.Invalid
 TooLarge = rest.TooLarge
 Unavailable = rest.Unavailable
+Expired = rest.Expired
+
+LIST_PAGE: int = 500
+"""Objects per page of a list, client-go's pager's size: one answer for 16,384 nodes'
+Leases would be tens of megabytes, built in the API server's memory at once."""
 
 
 class Taken(Conflict):
@@ -216,8 +221,26 @@ class OperatorApi:
         return [
             lease
             for path in paths or ["/apis/coordination.k8s.io/v1/leases"]
-            for lease in self._request("GET", path, query=query)["items"]
+            for lease in self._list(path, query)
         ]
+
+    def _list(self, path: str, query: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Every item a list at ``path`` answers, :data:`LIST_PAGE` at a time. A continue
+        token the API server no longer keeps (the listing outlived etcd's compaction) ends
+        in one list without pages, as client-go's pager does: starting the pages over
+        could expire again."""
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            page = [*query, ("limit", str(LIST_PAGE))] + ([("continue", token)] if token else [])
+            try:
+                answer = self._request("GET", path, query=page)
+            except Expired:
+                return list(self._request("GET", path, query=query)["items"])
+            items += answer["items"]
+            token = (answer.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return items
 
     def delete_lease(self, namespace: str, name: str, uid: str, resource_version: str) -> None:
         """Delete a node's Lease if it is still the one read (its ``uid``, unwritten since
@@ -237,10 +260,8 @@ class OperatorApi:
         """The pods of the Job of ``job_uid`` that carry no rendezvous label (neither the
         webhook nor the operator has seen them as nodes), as plain JSON with their kind."""
         selector = f"batch.kubernetes.io/controller-uid={job_uid},!{objects.NODE_LABEL}"
-        found = self._request(
-            "GET", f"/api/v1/namespaces/{namespace}/pods", query=[("labelSelector", selector)]
-        )
-        return [{"apiVersion": "v1", "kind": "Pod", **pod} for pod in found["items"]]
+        found = self._list(f"/api/v1/namespaces/{namespace}/pods", [("labelSelector", selector)])
+        return [{"apiVersion": "v1", "kind": "Pod", **pod} for pod in found]
 
     def label_pod(self, namespace: str, pod: str, rendezvous: str) -> dict[str, Any]:
         """Label a node's pod so the operator's server-side filtered pod watch sees it;

@@ -92,7 +92,7 @@ def test_a_watchs_status_event_is_the_error_of_its_code_with_its_words() -> None
     expired = rest.status_failure(
         {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
     )
-    assert type(expired) is rest.RequestFailed and expired.status == 410
+    assert type(expired) is rest.Expired and expired.status == 410
     assert str(expired) == "Expired: too old"
     uncoded = rest.status_failure({"kind": "Status", "reason": "InternalError"})
     assert isinstance(uncoded, rest.Unavailable) and uncoded.answered, "answered, code or not"
