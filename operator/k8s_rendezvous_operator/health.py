@@ -65,6 +65,7 @@ async def serve(endpoint: str, status: Callable[[], Mapping[str, object]]) -> ai
     app.add_routes([aiohttp.web.get(parts.path or "/", health)])
     runner = aiohttp.web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
-    site = aiohttp.web.SockSite(runner, listening_socket(parts.hostname or "", parts.port or 80))
+    port = 80 if parts.port is None else parts.port  # 0: any free port (runner.addresses)
+    site = aiohttp.web.SockSite(runner, listening_socket(parts.hostname or "", port))
     await site.start()
     return runner

@@ -15,6 +15,7 @@ from typing import Any
 
 import kubernetes.client
 import pytest
+from kubernetes.client.exceptions import ApiException
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from devkit import chart, invariants, manifests, namespaces
@@ -377,7 +378,8 @@ def create_pods(
     by kube-scheduler onto kwok nodes (or placed by ``placement``, pod name to kwok node
     name), each with the IP ``addresses`` gives it or one kwok picks; returns them Running."""
     core = kubernetes.client.CoreV1Api(api)
-    for name in names:
+
+    def create(name: str) -> None:
         pinned = {"nodeName": placement[name]} if placement else {}
         chosen = {POD_IP_ANNOTATION: addresses[name]} if addresses else {}
         core.create_namespaced_pod(
@@ -391,10 +393,26 @@ def create_pods(
             ),
         )
 
+    for name in names:
+        create(name)
+    remade = dict.fromkeys(names, 0)
+
     def running() -> list[dict[str, Any]] | None:
-        pods = [
-            api.sanitize_for_serialization(core.read_namespaced_pod(n, namespace)) for n in names
-        ]
+        pods = []
+        for name in names:
+            try:
+                pods.append(
+                    api.sanitize_for_serialization(core.read_namespaced_pod(name, namespace))
+                )
+            except ApiException as error:
+                # kwok, as the kubelet, deletes a deleted pod by name without its uid, and
+                # may do so twice: a pod made anew at once under a deleted pod's name can
+                # be deleted in its place. Made again, as its controller would.
+                if error.status != 404 or remade[name] == 3:
+                    raise
+                remade[name] += 1
+                create(name)
+                return None
         ok = all(p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in pods)
         return pods if ok else None
 
